@@ -1,0 +1,2 @@
+"""fuselm: single-GPU LLM inference from a Python op DSL, a fusing graph compiler and NVRTC-compiled CUDA."""
+__version__ = "0.1.0"

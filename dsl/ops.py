@@ -1,0 +1,215 @@
+"""The op registry: every op fuselm knows, with its kind, shape rule, numpy reference and C form.
+
+Compiler passes read an op's *kind* and traits, never its name. Adding an elementwise op is one
+`register(OpDef(...))` call with a numpy reference and a C expression; the fusion passes and the
+code generator pick it up from there.
+
+Shapes are tuples of ints and symbols: "T" is the number of tokens in a step and "S" the number of
+rows of the KV cache. Every activation is 2-D, [T, width]; heads are flattened into the width.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+Shape = tuple  # of int | str
+
+
+class Kind(enum.Enum):
+    SOURCE = "source"            # graph inputs, weights, constants, persistent state
+    EMBEDDING = "embedding"      # gather rows of a table
+    NORM = "norm"                # reduces over (groups of) a row, then scales it: a GEMV prologue
+    LINEAR = "linear"            # y = x @ W.T: the GEMVs
+    ELEMENTWISE = "elementwise"  # out[t, i] depends on inputs at [t, i] (or broadcast [i])
+    ROW_LOCAL = "row_local"      # out[t, i] depends on a span of the row around i (RoPE: a head)
+    CACHE_WRITE = "cache_write"  # writes rows into a persistent KV cache, in place
+    ATTENTION = "attention"      # attends over a KV cache
+    REDUCTION = "reduction"      # needs a whole row first (softmax, argmax)
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """One op: how to infer its output, how to compute it in numpy, and how to write it in C.
+
+    `c_expr` (elementwise ops only) is a C expression over `{a}`, `{b}`, ... (the operands, as
+    float) and `{attr}` placeholders, which the code generator fills with C float literals. `span_attr` (row-local ops) names the attribute that gives
+    how many consecutive elements of a row one output depends on.
+    """
+    name: str
+    kind: Kind
+    arity: int
+    shape_rule: Callable[[list, dict], tuple[Shape, str]]
+    reference: Callable[..., np.ndarray] | None
+    c_expr: str | None = None
+    span_attr: str | None = None
+    inplace_of: int | None = None  # the output is this input, updated in place
+    attr_defaults: dict = field(default_factory=dict)
+
+
+REGISTRY: dict[str, OpDef] = {}
+
+
+def register(op: OpDef) -> OpDef:
+    """Add an op to the registry (replacing one of the same name) and return it."""
+    REGISTRY[op.name] = op
+    return op
+
+
+def get(name: str) -> OpDef:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown op '{name}'; known ops: {', '.join(sorted(REGISTRY))}") from None
+
+
+# ---- shape rules -------------------------------------------------------------------------------
+
+class ShapeError(ValueError):
+    pass
+
+
+def _same_as_first(shapes, attrs):
+    return shapes[0], "f32"
+
+
+def _broadcast(shapes, attrs):
+    """Elementwise: every operand is [T, N], [N] (broadcast over rows) or [] (a scalar)."""
+    full = max(shapes, key=len)
+    for s in shapes:
+        if s and s[-1] != full[-1] or len(s) == 2 and s != full:
+            raise ShapeError(f"operands do not broadcast: {shapes}")
+    return full, "f32"
+
+
+def _linear_shape(shapes, attrs):
+    (t, k), (n, k2) = shapes
+    if k != k2:
+        raise ShapeError(f"linear: input width {k} does not match weight shape {shapes[1]}")
+    return (t, n), "f32"
+
+
+def _embedding_shape(shapes, attrs):
+    (v, d), (t,) = shapes
+    return (t, d), "f32"
+
+
+def _norm_shape(shapes, attrs):
+    x, w = shapes
+    group = attrs.get("group") or x[-1]
+    if x[-1] % group or w != (group,):
+        raise ShapeError(f"rmsnorm: weight {w} does not fit rows of {x[-1]} in groups of {group}")
+    return x, "f32"
+
+
+def _rope_shape(shapes, attrs):
+    x, pos, inv_freq = shapes
+    if x[-1] % attrs["head_dim"] or inv_freq[0] * 2 > attrs["head_dim"]:
+        raise ShapeError(f"rope: width {x[-1]} vs head_dim {attrs['head_dim']}, inv_freq {inv_freq}")
+    return x, "f32"
+
+
+def _kv_write_shape(shapes, attrs):
+    cache, x, pos = shapes
+    if cache[-1] != x[-1]:
+        raise ShapeError(f"kv_write: cache rows of {cache[-1]} but values of width {x[-1]}")
+    return cache, "f32"
+
+
+def _attention_shape(shapes, attrs):
+    q, kc, vc, pos = shapes
+    h, kv, hd = attrs["n_heads"], attrs["n_kv_heads"], attrs["head_dim"]
+    if q[-1] != h * hd or kc[-1] != kv * hd or vc[-1] != kv * hd or h % kv:
+        raise ShapeError(f"attention: q {q}, caches {kc} {vc} vs {h} heads, {kv} kv heads of {hd}")
+    return q, "f32"
+
+
+def _argmax_shape(shapes, attrs):
+    return (shapes[0][0],), "i32"
+
+
+# ---- numpy references (float32, [T, ...]) -------------------------------------------------------
+
+def _rmsnorm(x, w, eps, group=None, offset=0.0):
+    g = group or x.shape[-1]
+    xs = x.reshape(*x.shape[:-1], -1, g)
+    inv = 1.0 / np.sqrt(np.mean(xs * xs, axis=-1, keepdims=True) + eps)
+    return (xs * inv * (w + offset)).reshape(x.shape).astype(np.float32)
+
+
+def _rope(x, pos, inv_freq, head_dim, interleaved=False):
+    t = x.shape[0]
+    half = inv_freq.shape[0]                      # rotated pairs per head (partial rotary: < hd/2)
+    ang = pos.astype(np.float64)[:, None] * inv_freq.astype(np.float64)[None, :]  # [T, half]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    xh = x.reshape(t, -1, head_dim).astype(np.float64).copy()
+    if interleaved:                               # pairs (2i, 2i+1)
+        a, b = xh[..., 0:2 * half:2].copy(), xh[..., 1:2 * half:2].copy()
+        xh[..., 0:2 * half:2], xh[..., 1:2 * half:2] = a * cos - b * sin, b * cos + a * sin
+    else:                                         # Hugging Face layout: pairs (i, i + rot/2)
+        a, b = xh[..., :half].copy(), xh[..., half:2 * half].copy()
+        xh[..., :half], xh[..., half:2 * half] = a * cos - b * sin, b * cos + a * sin
+    return xh.reshape(x.shape).astype(np.float32)
+
+
+def _kv_write(cache, x, pos):
+    cache = cache.copy()
+    cache[pos] = x
+    return cache
+
+
+def _attention(q, kc, vc, pos, n_heads, n_kv_heads, head_dim, scale, window=0, softcap=0.0):
+    """Causal attention of each query row over cache rows [pos - window + 1, pos], in float64."""
+    group = n_heads // n_kv_heads
+    out = np.zeros((q.shape[0], n_heads * head_dim), np.float64)
+    for i, p in enumerate(pos.astype(np.int64)):
+        lo = max(0, p - window + 1) if window else 0
+        k = kc[lo:p + 1].reshape(-1, n_kv_heads, head_dim).astype(np.float64)   # [n, KV, hd]
+        v = vc[lo:p + 1].reshape(-1, n_kv_heads, head_dim).astype(np.float64)
+        qh = q[i].reshape(n_kv_heads, group, head_dim).astype(np.float64)      # [KV, G, hd]
+        s = np.einsum("kgd,nkd->kgn", qh, k) * scale
+        if softcap:
+            s = softcap * np.tanh(s / softcap)
+        e = np.exp(s - s.max(axis=-1, keepdims=True))
+        out[i] = np.einsum("kgn,nkd->kgd", e / e.sum(axis=-1, keepdims=True), v).reshape(-1)
+    return out.astype(np.float32)
+
+
+def _softmax(x):
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
+
+
+def _gelu_tanh(x):
+    return (0.5 * x * (1 + np.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))).astype(np.float32)
+
+
+def _elementwise(name, arity, ref, c_expr, **defaults):
+    return OpDef(name, Kind.ELEMENTWISE, arity, _broadcast, ref, c_expr=c_expr, attr_defaults=defaults)
+
+
+for _op in [
+    OpDef("embedding", Kind.EMBEDDING, 2, _embedding_shape, lambda table, ids: table[ids].astype(np.float32)),
+    OpDef("rmsnorm", Kind.NORM, 2, _norm_shape, _rmsnorm, attr_defaults={"group": None, "offset": 0.0}),
+    OpDef("linear", Kind.LINEAR, 2, _linear_shape, lambda x, w: (x @ w.T).astype(np.float32)),
+    OpDef("rope", Kind.ROW_LOCAL, 3, _rope_shape, _rope, span_attr="head_dim",
+          attr_defaults={"interleaved": False}),
+    OpDef("kv_write", Kind.CACHE_WRITE, 3, _kv_write_shape, _kv_write, inplace_of=0),
+    OpDef("attention", Kind.ATTENTION, 4, _attention_shape, _attention,
+          attr_defaults={"window": 0, "softcap": 0.0}),
+    OpDef("softmax", Kind.REDUCTION, 1, _same_as_first, _softmax),
+    OpDef("argmax", Kind.REDUCTION, 1, _argmax_shape, lambda x: np.argmax(x, axis=-1).astype(np.int32)),
+    _elementwise("add", 2, lambda a, b: (a + b).astype(np.float32), "{a} + {b}"),
+    _elementwise("mul", 2, lambda a, b: (a * b).astype(np.float32), "{a} * {b}"),
+    _elementwise("scale", 1, lambda a, factor: (a * np.float32(factor)).astype(np.float32),
+                 "{a} * {factor}"),
+    _elementwise("silu", 1, lambda a: (a / (1 + np.exp(-a))).astype(np.float32),
+                 "{a} / (1.0f + __expf(-{a}))"),
+    _elementwise("gelu_tanh", 1, _gelu_tanh,
+                 "0.5f * {a} * (1.0f + tanhf(0.7978845608f * ({a} + 0.044715f * {a} * {a} * {a})))"),
+    _elementwise("softcap", 1, lambda a, cap: (cap * np.tanh(a / cap)).astype(np.float32),
+                 "{cap} * tanhf({a} / {cap})"),
+]:
+    register(_op)

@@ -1,0 +1,86 @@
+"""The decoder configuration every architecture is built from, parsed from a Hugging Face config.json."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    sliding_window: int | None = None
+    attention_bias: bool = False
+    extra: dict = field(default_factory=dict, compare=False)  # architecture-specific keys
+
+    @classmethod
+    def from_hf(cls, d: dict, source: str = "config.json") -> "DecoderConfig":
+        """Read the keys fuselm needs; a missing one is named in the error."""
+        def need(key):
+            if key not in d:
+                raise ConfigError(f"{source}: missing required key '{key}'")
+            return d[key]
+
+        archs = d.get("architectures") or [d.get("model_type", "?")]
+        heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        cfg = cls(
+            architecture=archs[0],
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            rope_scaling=d.get("rope_scaling"),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            sliding_window=d.get("sliding_window") if d.get("use_sliding_window", True) else None,
+            attention_bias=bool(d.get("attention_bias", False)),
+            extra=d,
+        )
+        if cfg.num_heads % cfg.num_kv_heads:
+            raise ConfigError(f"{source}: num_attention_heads {heads} is not a multiple of "
+                              f"num_key_value_heads {cfg.num_kv_heads}")
+        return cfg
+
+
+def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim/2] of RoPE, with Llama-3.1 ("llama3") or linear scaling."""
+    hd = cfg.head_dim
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind == "linear":
+        inv = inv / sc["factor"]
+    elif kind == "llama3":
+        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        old = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+        inv = np.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    elif kind not in (None, "default"):
+        raise ConfigError(f"rope_scaling type '{kind}' is not supported (supported: linear, llama3)")
+    return inv.astype(np.float32)
