@@ -15,6 +15,8 @@ from typing import Callable
 
 import numpy as np
 
+from ..errors import FuselmError
+
 Shape = tuple  # of int | str
 
 
@@ -67,8 +69,8 @@ def get(name: str) -> OpDef:
 
 # ---- shape rules -------------------------------------------------------------------------------
 
-class ShapeError(ValueError):
-    pass
+class ShapeError(FuselmError, ValueError):
+    """Operand shapes that an op's shape rule rejects."""
 
 
 def _same_as_first(shapes, attrs):

@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..errors import FuselmError
 
-class ConfigError(ValueError):
-    pass
+
+class ConfigError(FuselmError, ValueError):
+    """A config.json that fuselm cannot build a model from."""
 
 
 @dataclass(frozen=True)
