@@ -1,0 +1,80 @@
+"""Choosing the next token from a logits vector on the CPU.
+
+The filters run in Hugging Face's order: repetition penalty, temperature, top-k, top-p, min-p;
+then one draw from the seeded generator. Greedy decoding (temperature 0 or top_k 1) still applies
+the repetition penalty, as `transformers` does.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+from .engine import SamplingParams
+
+
+class Sampler:
+    """Samples token ids under fixed `SamplingParams`; one seeded generator per sampler, so the same
+    seed and the same logits give the same sequence of ids.
+
+        sampler = Sampler(SamplingParams(temperature=0.7, top_p=0.9, seed=1))
+        next_id = sampler(logits, history=ids_so_far)
+    """
+
+    def __init__(self, params: SamplingParams):
+        self.params = params.validate()
+        self.rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray, history: Iterable[int] = ()) -> int:
+        """The next token id for a logits vector [vocab]; `history` holds the ids seen so far
+        (prompt and generated), which the repetition penalty discourages."""
+        p = self.params
+        x = penalize_repetition(np.asarray(logits, np.float64), history, p.repetition_penalty)
+        if p.greedy:
+            return int(np.argmax(x))
+        probs = filtered_probs(x / p.temperature, p.top_k, p.top_p, p.min_p)
+        # Inverse-CDF draw: one uniform number per token keeps seeded runs reproducible.
+        cdf = np.cumsum(probs)
+        return int(min(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"), len(cdf) - 1))
+
+
+def penalize_repetition(logits: np.ndarray, history: Iterable[int], penalty: float) -> np.ndarray:
+    """HF semantics: for each distinct id seen, logit / penalty if logit > 0 else logit * penalty.
+    Returns a new array; `logits` is left as it was."""
+    out = np.array(logits, np.float64)
+    if penalty == 1.0:
+        return out
+    seen = np.unique(np.fromiter(history, np.int64))
+    if seen.size:
+        vals = out[seen]
+        out[seen] = np.where(vals > 0, vals / penalty, vals * penalty)
+    return out
+
+
+def filtered_probs(logits: np.ndarray, top_k: int = 0, top_p: float = 1.0,
+                   min_p: float = 0.0) -> np.ndarray:
+    """Softmax of `logits` with everything outside the top-k, the top-p nucleus and the min-p
+    threshold set to probability 0; renormalised to sum 1."""
+    x = np.asarray(logits, np.float64)
+    keep = np.ones(x.shape, bool)
+    order = None
+    if 0 < top_k < x.size:
+        order = np.argsort(-x, kind="stable")
+        keep[:] = False
+        keep[order[:top_k]] = True          # exactly k ids, even when logits tie
+    probs = _softmax(np.where(keep, x, -np.inf))
+    if top_p < 1.0:
+        order = np.argsort(-probs, kind="stable") if order is None else order
+        cum = np.cumsum(probs[order])
+        # Smallest prefix whose mass reaches top_p; always at least one token.
+        n = min(int(np.searchsorted(cum, top_p, side="left")) + 1, x.size)
+        keep[order[n:]] = False
+        probs = np.where(keep, probs, 0.0)
+    if min_p > 0.0:
+        probs = np.where(probs >= min_p * probs.max(), probs, 0.0)
+    return probs / probs.sum()
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - np.max(x))
+    return e / e.sum()

@@ -1,0 +1,116 @@
+"""Properties of the CPU sampler: each filter keeps only the tokens it promises, and draws follow softmax."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from hypothesis.extra.numpy import arrays
+
+from fuselm.runtime.engine import SamplingParams
+from fuselm.runtime.sampling import Sampler, filtered_probs, penalize_repetition
+
+logit_vectors = arrays(np.float32, st.integers(2, 64),
+                       elements=st.floats(-20, 20, width=32, allow_nan=False))
+seeds = st.integers(0, 2**32 - 1)
+temperatures = st.floats(0.05, 3.0)
+
+
+def softmax(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+@given(logit_vectors)
+def test_greedy_is_argmax(logits):
+    assert Sampler(SamplingParams(temperature=0.0))(logits) == int(np.argmax(logits))
+    assert Sampler(SamplingParams(temperature=1.0, top_k=1, seed=0))(logits) == int(np.argmax(logits))
+
+
+@given(logit_vectors, st.integers(1, 8), seeds, temperatures)
+def test_top_k_stays_in_top_k(logits, k, seed, temp):
+    sampler = Sampler(SamplingParams(temperature=temp, top_k=k, seed=seed))
+    kth_largest = np.sort(logits)[::-1][min(k, logits.size) - 1]
+    for _ in range(5):
+        assert logits[sampler(logits)] >= kth_largest
+
+
+def test_top_k_keeps_exactly_k_when_logits_tie():
+    probs = filtered_probs(np.zeros(10), top_k=3)
+    assert np.count_nonzero(probs) == 3 and np.allclose(probs[probs > 0], 1 / 3)
+
+
+@given(logit_vectors, st.floats(0.05, 0.99), seeds, temperatures)
+def test_top_p_stays_in_smallest_nucleus(logits, top_p, seed, temp):
+    probs = softmax(logits.astype(np.float64) / temp)
+    ranked = np.sort(probs)[::-1]
+    # Nucleus size, with a hair of slack for float rounding at the boundary.
+    n = min(int(np.searchsorted(np.cumsum(ranked), top_p + 1e-9)) + 1, probs.size)
+    sampler = Sampler(SamplingParams(temperature=temp, top_p=top_p, seed=seed))
+    for _ in range(5):
+        assert probs[sampler(logits)] >= ranked[n - 1] * (1 - 1e-9)
+
+
+def test_top_p_nucleus_on_known_distribution():
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    kept = filtered_probs(np.log(probs), top_p=0.75)
+    assert np.count_nonzero(kept) == 2 and np.allclose(kept[:2], [0.5 / 0.8, 0.3 / 0.8])
+    assert np.count_nonzero(filtered_probs(np.log(probs), top_p=0.81)) == 3
+
+
+@given(logit_vectors, st.floats(0.01, 0.99), seeds, temperatures)
+def test_min_p_threshold(logits, min_p, seed, temp):
+    probs = softmax(logits.astype(np.float64) / temp)
+    sampler = Sampler(SamplingParams(temperature=temp, min_p=min_p, seed=seed))
+    for _ in range(5):
+        assert probs[sampler(logits)] >= min_p * probs.max() * (1 - 1e-9)
+
+
+def test_min_p_on_known_distribution():
+    kept = filtered_probs(np.log([0.5, 0.3, 0.2]), min_p=0.5)      # threshold 0.25
+    np.testing.assert_allclose(kept, [0.625, 0.375, 0.0])
+
+
+@given(logit_vectors, st.lists(st.integers(0, 63), max_size=20), st.floats(0.1, 5.0))
+def test_repetition_penalty_formula(logits, history, penalty):
+    history = [h % logits.size for h in history]
+    got = penalize_repetition(logits, history, penalty)
+    expected = logits.astype(np.float64).copy()
+    for i in set(history):      # each seen id once, however often it was seen
+        expected[i] = expected[i] / penalty if expected[i] > 0 else expected[i] * penalty
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
+    assert penalize_repetition(logits, history, 1.0).tolist() == logits.astype(np.float64).tolist()
+
+
+def test_repetition_penalty_changes_greedy_choice():
+    logits = np.array([2.0, 1.5, -1.0])
+    sampler = Sampler(SamplingParams(repetition_penalty=2.0))
+    assert sampler(logits, history=[]) == 0
+    assert sampler(logits, history=[0]) == 1     # 2.0 / 2 = 1.0 < 1.5
+
+
+@settings(max_examples=25)
+@given(logit_vectors, seeds, temperatures)
+def test_same_seed_same_sequence(logits, seed, temp):
+    params = SamplingParams(temperature=temp, top_p=0.95, seed=seed)
+    a, b = Sampler(params), Sampler(params)
+    assert [a(logits) for _ in range(20)] == [b(logits) for _ in range(20)]
+
+
+@pytest.mark.parametrize("temp,top_k", [(1.0, 0), (0.6, 0), (1.7, 3)])
+def test_frequencies_follow_softmax(temp, top_k):
+    logits = np.array([1.0, 0.2, -0.5, 0.8, -2.0])
+    expected = softmax(logits / temp)
+    if top_k:
+        expected[np.argsort(-logits)[top_k:]] = 0
+        expected /= expected.sum()
+    sampler, draws = Sampler(SamplingParams(temperature=temp, top_k=top_k, seed=1234)), 20000
+    counts = np.bincount([sampler(logits) for _ in range(draws)], minlength=logits.size)
+    assert counts[expected == 0].sum() == 0
+    nz = expected > 0
+    chi2 = ((counts[nz] - draws * expected[nz]) ** 2 / (draws * expected[nz])).sum()
+    assert chi2 < 20.5          # chi-square critical value for 4 degrees of freedom at p = 0.0004
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_k=-2), dict(top_p=0), dict(top_p=1.5),
+                                 dict(min_p=1.0), dict(repetition_penalty=0)])
+def test_invalid_parameters_are_rejected(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        Sampler(SamplingParams(**bad))
