@@ -1,0 +1,4 @@
+"""The graph compiler: lowering to networkx, fusion passes, scheduling and buffer planning."""
+from .pipeline import FUSION_PASSES, compile_graph, passes
+
+__all__ = ["compile_graph", "passes", "FUSION_PASSES"]

@@ -1,0 +1,51 @@
+"""Pass: prologue fusion of normalizations into the GEMVs they feed.
+
+Before: a NORM node whose every reader is a LINEAR node, in a kernel of its own.
+After: the NORM runs inside the gemv kernel of its readers: each block recomputes the row's
+statistics (cheap: the vector comes from L2) and scales the vector as it streams the weights, so
+the normalized vector never goes through memory. When the readers sit in several gemv kernels,
+the norm is cloned, one copy per kernel. Norms read by anything else stay where they are.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import networkx as nx
+
+from ..dsl import Kind
+from .kernels import members, merge
+
+
+def fuse_prologue(G: nx.DiGraph) -> nx.DiGraph:
+    G = G.copy()
+    for norm in [n for n, d in G.nodes(data=True) if d["kind"] is Kind.NORM]:
+        readers = list(G.successors(norm))
+        if not readers or any(G.nodes[r]["kind"] is not Kind.LINEAR for r in readers):
+            continue
+        by_kernel: dict[str, list[str]] = defaultdict(list)
+        for r in readers:
+            by_kernel[G.nodes[r]["kernel"]].append(r)
+        if any(_has_prologue(G, k) for k in by_kernel):
+            continue
+        first, *others = sorted(by_kernel)
+        for kernel in others:
+            G.nodes[_clone(G, norm, f"{norm}@{kernel}", by_kernel[kernel])]["kernel"] = kernel
+        merge(G, [first, G.nodes[norm]["kernel"]], into=first)
+    return G
+
+
+def _has_prologue(G: nx.DiGraph, kernel: str) -> bool:
+    nodes = members(G)[kernel]
+    return any(G.nodes[n]["kind"] is Kind.NORM for n in nodes)
+
+
+def _clone(G: nx.DiGraph, norm: str, name: str, readers: list[str]) -> str:
+    """Copy `norm` as `name` and make `readers` read the copy."""
+    G.add_node(name, **{**G.nodes[norm], "attrs": dict(G.nodes[norm]["attrs"])})
+    for src in G.nodes[norm]["inputs"]:
+        G.add_edge(src, name)
+    for r in readers:
+        G.remove_edge(norm, r)
+        G.add_edge(name, r)
+        G.nodes[r]["inputs"] = tuple(name if i == norm else i for i in G.nodes[r]["inputs"])
+    return name

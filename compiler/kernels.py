@@ -1,0 +1,167 @@
+"""What a kernel is to the compiler: a set of graph nodes sharing a `kernel` label, of one family.
+
+Families (each one a CUDA template in codegen/):
+- "gemv":      one or more LINEAR nodes reading the same vector, optionally a NORM prologue that
+               produces that vector, and an epilogue of ELEMENTWISE / ROW_LOCAL / CACHE_WRITE nodes
+               computed on the tile of output rows each block owns;
+- "attention": one ATTENTION node (split over the context, then combined);
+- "rowwise":   any other ops (EMBEDDING, NORM, ELEMENTWISE, ROW_LOCAL, CACHE_WRITE, REDUCTION),
+               one block per token row, op after op.
+The helpers here are shared by the passes; they never look at op names, only at kinds and traits.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from math import gcd
+
+import networkx as nx
+
+from ..dsl import Kind, get
+
+EPILOGUE_KINDS = (Kind.ELEMENTWISE, Kind.ROW_LOCAL, Kind.CACHE_WRITE)
+ROWWISE_KINDS = (Kind.EMBEDDING, Kind.NORM, Kind.ELEMENTWISE, Kind.ROW_LOCAL, Kind.CACHE_WRITE,
+                 Kind.REDUCTION)
+
+
+def members(G: nx.DiGraph) -> dict[str, list[str]]:
+    """Kernel id -> its nodes, in graph order."""
+    out: dict[str, list[str]] = defaultdict(list)
+    for name in sorted(G, key=lambda n: G.nodes[n]["order"]):
+        k = G.nodes[name]["kernel"]
+        if k is not None:
+            out[k].append(name)
+    return dict(out)
+
+
+def kernel_graph(G: nx.DiGraph) -> nx.DiGraph:
+    """The quotient graph: one node per kernel, an edge where one kernel reads another's output."""
+    Q = nx.DiGraph()
+    Q.add_nodes_from(k for k in members(G))
+    for u, v in G.edges:
+        ku, kv = G.nodes[u]["kernel"], G.nodes[v]["kernel"]
+        if ku is not None and kv is not None and ku != kv:
+            Q.add_edge(ku, kv)
+    return Q
+
+
+def merge(G: nx.DiGraph, kernels: list[str], into: str | None = None) -> bool:
+    """Relabel `kernels` as one kernel, in place, if the kernel graph stays acyclic.
+
+    Merging two kernels is illegal when a path between them leaves the merged set: the merged
+    kernel would have to run both before and after the kernel on that path. Returns whether it merged.
+    """
+    kernels = list(dict.fromkeys(kernels))
+    into = into or kernels[0]
+    if len(kernels) < 2:
+        return True
+    Q = kernel_graph(G)
+    merged = set(kernels)
+    outside_succ = {s for k in kernels for s in Q.successors(k)} - merged
+    reach = set()
+    for s in outside_succ:
+        reach |= nx.descendants(Q, s) | {s}
+    if reach & merged:
+        return False
+    for name in G:
+        if G.nodes[name]["kernel"] in merged:
+            G.nodes[name]["kernel"] = into
+    return True
+
+
+def producer_kernel(G: nx.DiGraph, value: str) -> str | None:
+    return G.nodes[value]["kernel"]
+
+
+def family(G: nx.DiGraph, nodes: list[str]) -> str:
+    """The family of a kernel made of `nodes`; raises ValueError when no family can run it."""
+    kinds = [G.nodes[n]["kind"] for n in nodes]
+    if Kind.ATTENTION in kinds:
+        if len(nodes) != 1:
+            raise ValueError(f"attention cannot share a kernel: {nodes}")
+        return "attention"
+    if Kind.LINEAR in kinds:
+        check_gemv(G, nodes)
+        return "gemv"
+    bad = [n for n, k in zip(nodes, kinds) if k not in ROWWISE_KINDS]
+    if bad:
+        raise ValueError(f"no kernel family runs {bad}")
+    return "rowwise"
+
+
+def gemv_parts(G: nx.DiGraph, nodes: list[str]) -> tuple[str | None, list[str], list[str]]:
+    """Split a gemv kernel into (prologue norm or None, linears, epilogue nodes), in graph order."""
+    linears = [n for n in nodes if G.nodes[n]["kind"] is Kind.LINEAR]
+    x = G.nodes[linears[0]]["inputs"][0]
+    prologue = x if x in nodes else None
+    epilogue = [n for n in nodes if n not in linears and n != prologue]
+    return prologue, linears, epilogue
+
+
+def check_gemv(G: nx.DiGraph, nodes: list[str]) -> None:
+    """Raise ValueError unless `nodes` form a legal gemv kernel (see the module docstring)."""
+    prologue, linears, epilogue = gemv_parts(G, nodes)
+    inputs = {G.nodes[n]["inputs"][0] for n in linears}
+    if len(inputs) != 1:
+        raise ValueError(f"GEMVs {linears} read different vectors {sorted(inputs)}")
+    if prologue is not None and G.nodes[prologue]["kind"] is not Kind.NORM:
+        raise ValueError(f"prologue {prologue} is not a normalization")
+    for n in epilogue:
+        if G.nodes[n]["kind"] not in EPILOGUE_KINDS:
+            raise ValueError(f"{n} ({G.nodes[n]['op']}) cannot run in a GEMV epilogue")
+    if prologue is not None and set(G.successors(prologue)) - set(linears):
+        raise ValueError(f"prologue {prologue} is read outside its GEMVs, so it must be written")
+    zip_sets(G, nodes)  # raises on misaligned tiles
+
+
+def tile_width(G: nx.DiGraph, name: str) -> int:
+    return G.nodes[name]["shape"][-1]
+
+
+def zip_sets(G: nx.DiGraph, nodes: list[str]) -> list[dict]:
+    """Group a gemv kernel's linears into zip sets: linears whose outputs meet in one epilogue op.
+
+    A block computes the same tile of rows of every linear in a zip set, so they need one width.
+    Each set also fixes how a tile's slots map to rows: "pairs" when a row-local op (RoPE) pairs
+    row i with i + span/2 (or 2i with 2i+1 when interleaved), "contiguous" otherwise.
+    Returns [{"linears": [...], "width": N, "pairs": (span, interleaved) | None}].
+    """
+    prologue, linears, epilogue = gemv_parts(G, nodes)
+    inside = set(nodes)
+    root = {n: n for n in linears}    # union-find over linears; epilogue nodes map to a linear
+
+    def find(n):
+        while root[n] != n:
+            root[n] = root[root[n]]
+            n = root[n]
+        return n
+
+    for n in epilogue:
+        tiled = [i for i in G.nodes[n]["inputs"] if i in inside and i != prologue]
+        if not tiled:
+            raise ValueError(f"epilogue node {n} reads nothing computed by the GEMVs")
+        reps = [find(i) for i in tiled]
+        root[n] = reps[0]
+        for r in reps[1:]:
+            root[r] = reps[0]
+    sets: dict[str, dict] = {}
+    for lin in linears:
+        s = sets.setdefault(find(lin), {"linears": [], "width": tile_width(G, lin), "pairs": None})
+        if tile_width(G, lin) != s["width"]:
+            raise ValueError(f"GEMVs {s['linears'] + [lin]} meet in an epilogue but differ in width")
+        s["linears"].append(lin)
+    for n in epilogue:
+        s = sets[find(n)]
+        if tile_width(G, n) != s["width"]:
+            raise ValueError(f"epilogue node {n} is not as wide as its GEMV")
+        opdef = get(G.nodes[n]["op"])
+        if opdef.kind is Kind.ROW_LOCAL:
+            attrs = G.nodes[n]["attrs"]
+            pairs = (attrs[opdef.span_attr], bool(attrs.get("interleaved")))
+            if s["pairs"] not in (None, pairs) or s["width"] % pairs[0]:
+                raise ValueError(f"row-local {n} needs tiles {pairs}, its GEMV has {s['pairs']}")
+            s["pairs"] = pairs
+    return list(sets.values())
+
+
+def lcm(a: int, b: int) -> int:
+    return a * b // gcd(a, b)

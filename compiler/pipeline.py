@@ -1,0 +1,49 @@
+"""The compiler: a DSL graph through a list of passes to a launch schedule with a buffer plan.
+
+Each pass is a pure function nx.DiGraph -> nx.DiGraph in its own file; the graph is validated
+after every pass, and `dump=DIR` writes it after each pass (NN_<pass>.txt and .dot).
+"""
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Callable
+
+import networkx as nx
+
+from ..dsl import Graph
+from .dump import dump as dump_graph
+from .fuse_elementwise import fuse_elementwise
+from .fuse_epilogue import fuse_epilogue
+from .fuse_horizontal import fuse_horizontal
+from .fuse_prologue import fuse_prologue
+from .infer_shapes import infer_shapes
+from .lower import to_networkx
+from .plan_buffers import plan_buffers
+from .schedule import schedule
+from .validate import validate
+
+Pass = Callable[[nx.DiGraph], nx.DiGraph]
+
+FUSION_PASSES: list[Pass] = [fuse_horizontal, fuse_prologue, fuse_epilogue, fuse_elementwise]
+
+
+def passes(fuse: bool = True, tokens: int = 1) -> list[Pass]:
+    """The pass list, in order: shapes, the fusion passes (unless fuse=False), schedule, buffers."""
+    return [infer_shapes, *(FUSION_PASSES if fuse else []), schedule,
+            partial(plan_buffers, tokens=tokens)]
+
+
+def compile_graph(graph: Graph, fuse: bool = True, tokens: int = 1, dump: str | Path | None = None,
+                  pass_list: list[Pass] | None = None) -> nx.DiGraph:
+    """Run the pipeline on `graph`; the result carries G.graph["schedule"] and ["buffers"]."""
+    G = to_networkx(graph)
+    validate(G)
+    if dump:
+        dump_graph(G, dump, 0, "lower")
+    for i, p in enumerate(pass_list if pass_list is not None else passes(fuse, tokens), start=1):
+        G = p(G)
+        validate(G)
+        if dump:
+            dump_graph(G, dump, i, getattr(p, "func", p).__name__)
+    return G

@@ -1,0 +1,46 @@
+"""Pass: scheduling, the final launch list.
+
+Before: every compute node carries the id of the kernel it runs in.
+After: `G.graph["schedule"]` is the list of kernels in launch order (a topological order of the
+kernel graph, ties broken by graph order), each a dict with its family, nodes, the values it reads
+from other kernels (`reads`), the values it writes for other kernels or as outputs (`writes`),
+and the decoder layer it belongs to (or None).
+"""
+from __future__ import annotations
+
+import re
+
+import networkx as nx
+
+from ..dsl import Kind
+from .kernels import family, kernel_graph, members
+
+_LAYER = re.compile(r"(?:layers|cache)\.(\d+)\.")
+
+
+def schedule(G: nx.DiGraph) -> nx.DiGraph:
+    G = G.copy()
+    groups = members(G)
+    first = {k: G.nodes[nodes[0]]["order"] for k, nodes in groups.items()}
+    order = nx.lexicographical_topological_sort(kernel_graph(G), key=lambda k: first[k])
+    outputs = set(G.graph["outputs"].values())
+    launches = []
+    for k in order:
+        nodes = groups[k]
+        inside = set(nodes)
+        reads = list(dict.fromkeys(i for n in nodes for i in G.nodes[n]["inputs"] if i not in inside))
+        writes = [n for n in nodes if n in outputs or any(s not in inside for s in G.successors(n))]
+        launches.append({"kernel": k, "family": family(G, nodes), "nodes": nodes, "reads": reads,
+                         "writes": writes, "layer": _layer(G, nodes + reads)})
+    G.graph["schedule"] = launches
+    return G
+
+
+def _layer(G: nx.DiGraph, names: list[str]) -> int | None:
+    """The layer index in the name of a weight or cache the kernel touches (one level deep)."""
+    for n in names + [i for n in names for i in G.nodes[n]["inputs"]]:
+        if G.nodes[n]["kind"] is Kind.SOURCE:
+            m = _LAYER.search(n)
+            if m:
+                return int(m.group(1))
+    return None
