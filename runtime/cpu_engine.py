@@ -1,0 +1,73 @@
+"""The CPU backend: the numpy reference executor behind the `Engine` protocol.
+
+A prompt is fed as one step of T tokens (prefill); every later token is one step of its own
+(decode). The KV cache lives in the executor's state buffers, `max_context` rows per layer.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ..dsl import Graph
+from ..errors import FuselmError
+from .engine import SamplingParams
+from .reference import new_state, run_graph
+from .sampling import Sampler
+
+
+class CpuEngine:
+    """A model graph, its float32 weights and a KV cache of `ctx` rows, run on the CPU."""
+
+    device = "cpu"
+
+    def __init__(self, graph: Graph, weights: Mapping[str, np.ndarray], ctx: int):
+        if ctx <= 0:
+            raise FuselmError(f"context must be a positive number of tokens, got {ctx}")
+        self.graph, self.weights, self.max_context = graph, weights, ctx
+        self.state = new_state(graph, ctx)
+        self.position = 0
+        self.tokens: list[int] = []             # every id fed since reset, for the repetition penalty
+        self.last_logits: np.ndarray | None = None  # [vocab] of the last position fed
+        self._sampler: Sampler | None = None
+
+    @classmethod
+    def from_checkpoint(cls, ckpt, graph: Graph, ctx: int, progress: bool = True) -> "CpuEngine":
+        """Load `ckpt`'s weights as float32 arrays and build the engine."""
+        from .checkpoint import load_weights   # deferred: written in parallel, heavy imports
+        return cls(graph, load_weights(ckpt, graph, dtype=np.float32, progress=progress), ctx)
+
+    def reset(self) -> None:
+        """Forget the conversation. The cache is not cleared: attention reads only rows at or
+        before the current position, and each of those is written before it is read."""
+        self.position = 0
+        self.tokens.clear()
+        self._sampler = None
+
+    def prefill(self, ids: Sequence[int], sampling: SamplingParams) -> int:
+        """Feed `ids` at the current position in one step; return the sampled next id. Starts a
+        new sampler, so a seeded generation is reproducible from its prompt on."""
+        if len(ids) == 0:
+            raise FuselmError("cannot prefill an empty list of tokens")
+        if self.position + len(ids) > self.max_context:
+            raise FuselmError(f"prompt of {self.position + len(ids)} tokens does not fit the "
+                              f"context of {self.max_context}")
+        self._sampler = Sampler(sampling)
+        return self._step(ids)
+
+    def decode(self, token: int, sampling: SamplingParams) -> int:
+        """Feed one token; return the sampled next id."""
+        if self.position >= self.max_context:
+            raise FuselmError(f"the context of {self.max_context} tokens is full")
+        if self._sampler is None or self._sampler.params != sampling:
+            self._sampler = Sampler(sampling)
+        return self._step([token])
+
+    def _step(self, ids: Sequence[int]) -> int:
+        ids_arr = np.asarray(ids, np.int32)
+        pos = np.arange(self.position, self.position + len(ids_arr), dtype=np.int32)
+        out = run_graph(self.graph, self.weights, {"ids": ids_arr, "pos": pos}, self.state)
+        self.position += len(ids_arr)
+        self.tokens.extend(int(i) for i in ids_arr)
+        self.last_logits = out["logits"][-1]
+        return self._sampler(self.last_logits, self.tokens)

@@ -1,0 +1,125 @@
+"""The generation loop: prompt in, text pieces out as the engine produces tokens.
+
+Works with any `Engine` (CPU or CUDA) and any tokenizer with the `TextTokenizer` interface
+(`encode`, `stream`, `apply_chat_template`, `stop_ids`). Pieces are whole UTF-8 characters: the
+tokenizer's stream decoder holds back bytes until a character is complete.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from ..errors import FuselmError
+from .engine import Engine, SamplingParams
+
+
+@dataclass
+class GenerationStats:
+    """Counts and timings of one generation. Times cover engine calls only, not the consumer."""
+    prompt_tokens: int = 0        # tokens fed by the prefill (a reused cache prefix is not counted)
+    generated_tokens: int = 0     # tokens sampled, stop token included
+    prefill_s: float = 0.0
+    decode_steps: int = 0
+    decode_s: float = 0.0
+    ttft_s: float = 0.0           # from the call to the first sampled token (encoding included)
+
+    @property
+    def prompt_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_steps / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1000 * self.decode_s / self.decode_steps if self.decode_steps else 0.0
+
+    def summary(self) -> str:
+        """One line for the terminal."""
+        return (f"prompt: {self.prompt_tokens} tokens, {self.prompt_tok_s:.1f} tok/s | "
+                f"decode: {self.generated_tokens} tokens, {self.decode_tok_s:.1f} tok/s, "
+                f"{self.ms_per_token:.1f} ms/token | TTFT {self.ttft_s * 1000:.0f} ms")
+
+
+def encode_prompt(tok, prompt: str | Sequence[dict]) -> list[int]:
+    """Token ids of a plain prompt, or of chat messages rendered by the model's chat template."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise FuselmError("the prompt is empty")
+        return list(tok.encode(prompt, add_special_tokens=True))
+    messages = list(prompt)
+    if not messages or not any(str(m.get("content", "")).strip() for m in messages):
+        raise FuselmError("the chat has no messages with content")
+    if not tok.has_chat_template:
+        raise FuselmError("this model has no chat template; run without --chat")
+    text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    # The template writes its own special tokens (BOS included), so add none here, as HF does.
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+def generate(engine: Engine, tok, prompt: str | Sequence[dict], max_new_tokens: int,
+             sampling: SamplingParams = SamplingParams(), stats: GenerationStats | None = None,
+             cache_ids: list[int] | None = None) -> Iterator[str]:
+    """Validate now, then return an iterator of text pieces.
+
+    Stops at any id in `tok.stop_ids` (not printed) or after `max_new_tokens` tokens. `stats`, if
+    given, is filled in as generation goes. `cache_ids`, if given, mirrors the ids in the engine's
+    KV cache: when the new prompt extends it (the next turn of a chat), only the new tokens are
+    fed; otherwise the engine is reset. It is updated in place.
+    """
+    start = time.perf_counter()
+    if max_new_tokens <= 0:
+        raise FuselmError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+    try:
+        sampling.validate()
+    except ValueError as e:
+        raise FuselmError(str(e)) from None
+    ids = encode_prompt(tok, prompt)
+    if not ids:
+        raise FuselmError("the prompt encodes to no tokens")
+    ctx = engine.max_context
+    if len(ids) > ctx:
+        raise FuselmError(f"prompt of {len(ids)} tokens does not fit the context of {ctx}")
+    if len(ids) + max_new_tokens > ctx:
+        raise FuselmError(f"prompt of {len(ids)} tokens plus {max_new_tokens} new tokens does not "
+                          f"fit the context of {ctx}; lower the number of new tokens or raise the context")
+    return _run(engine, tok, ids, max_new_tokens, sampling, stats or GenerationStats(), cache_ids, start)
+
+
+def _run(engine, tok, ids, max_new_tokens, sampling, stats, cache_ids, start) -> Iterator[str]:
+    reuse = (cache_ids is not None and 0 < len(cache_ids) < len(ids)
+             and ids[:len(cache_ids)] == cache_ids and engine.position == len(cache_ids))
+    if not reuse:
+        engine.reset()
+        if cache_ids is not None:
+            cache_ids.clear()
+    fed = ids[len(cache_ids):] if reuse else ids
+    stop_ids = tok.stop_ids
+    decoder = tok.stream()
+
+    t = time.perf_counter()
+    token = engine.prefill(fed, sampling)
+    now = time.perf_counter()
+    if cache_ids is not None:
+        cache_ids.extend(fed)
+    stats.prompt_tokens, stats.prefill_s, stats.ttft_s = len(fed), now - t, now - start
+    stats.generated_tokens = 1
+    while token not in stop_ids:
+        piece = decoder.push(token)
+        if piece:
+            yield piece
+        if stats.generated_tokens >= max_new_tokens:
+            break
+        t = time.perf_counter()
+        next_token = engine.decode(token, sampling)
+        stats.decode_s += time.perf_counter() - t
+        stats.decode_steps += 1
+        if cache_ids is not None:
+            cache_ids.append(token)
+        stats.generated_tokens += 1
+        token = next_token
+    tail = decoder.flush()
+    if tail:
+        yield tail
