@@ -1,0 +1,87 @@
+"""Opening a checkpoint (Hugging Face folder or GGUF file) and loading the weights a graph asks for."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from ..dsl import Graph
+from ..errors import FuselmError
+from ..models.config import DecoderConfig
+from .gguf_config import config_from_gguf, generation_from_gguf
+from .gguf_store import GGUFStore, read_gguf
+from .gguf_tokenizer import tokenizer_from_gguf
+from .safetensors_store import open_safetensors_folder
+from .tensor_store import TensorStore
+from .tokenizer import TextTokenizer
+
+__all__ = ["Checkpoint", "TensorStore", "open_checkpoint", "load_weights"]
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    config: DecoderConfig
+    tensors: TensorStore
+    tokenizer: TextTokenizer
+    generation: dict  # generation_config.json ({} if absent); for GGUF, the special ids it gives
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Open a Hugging Face folder (config.json, safetensors, tokenizer.json) or a .gguf file.
+    Reads headers and metadata only; tensors are read by load_weights."""
+    path = Path(path)
+    if not path.exists():
+        raise FuselmError(f"{path}: no such file or folder")
+    if path.is_dir():
+        return _open_folder(path)
+    if path.suffix.lower() == ".gguf" or path.open("rb").read(4) == b"GGUF":
+        return _open_gguf(path)
+    raise FuselmError(f"{path}: not a checkpoint (expected a Hugging Face folder or a .gguf file)")
+
+
+def _open_folder(folder: Path) -> Checkpoint:
+    cfg_path = folder / "config.json"
+    if not cfg_path.exists():
+        raise FuselmError(f"{folder}: no config.json")
+    raw = _read_json(cfg_path)
+    generation = _read_json(folder / "generation_config.json") if (folder / "generation_config.json").exists() else {}
+    tensors = open_safetensors_folder(folder)
+    tokenizer = TextTokenizer.from_folder(folder, raw, generation)
+    return Checkpoint(folder, DecoderConfig.from_hf(raw, str(cfg_path)), tensors, tokenizer, generation)
+
+
+def _open_gguf(path: Path) -> Checkpoint:
+    reader = read_gguf(path)
+    raw = config_from_gguf(reader, path)
+    cfg = DecoderConfig.from_hf(raw, str(path))
+    store = GGUFStore(reader, path, cfg.num_heads, cfg.num_kv_heads)
+    return Checkpoint(path, cfg, store, tokenizer_from_gguf(reader, path), generation_from_gguf(raw))
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise FuselmError(f"{path}: invalid JSON ({' '.join(str(e).split())})") from None
+
+
+def load_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, progress: bool = True) -> dict[str, np.ndarray]:
+    """Every weight node of `graph`, read from the checkpoint as `dtype` and shape-checked."""
+    nodes = graph.sources("weight")
+    store = ckpt.tensors
+    available = set(store.names())
+    weights = {}
+    for node in tqdm(nodes, desc="loading weights", unit="tensor", disable=not progress, leave=False):
+        if node.name not in available:
+            raise FuselmError(f"{ckpt.path}: missing tensor '{node.name}' (the model needs it, "
+                              f"the checkpoint has {len(available)} other tensors)")
+        shape = store.shape(node.name)
+        if shape != tuple(node.shape):
+            raise FuselmError(f"{ckpt.path}: tensor '{node.name}' has shape {shape} in the checkpoint "
+                              f"but the model expects {tuple(node.shape)}")
+        weights[node.name] = store.get(node.name, dtype)
+    return weights

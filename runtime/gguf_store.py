@@ -1,0 +1,102 @@
+"""Tensors of a llama.cpp GGUF file, dequantized on read and renamed to Hugging Face names.
+
+GGUF lists dims innermost-first (the reverse of numpy), and llama.cpp's converter reorders the rows
+of each Q and K head so that RoPE pairs (2i, 2i+1) sit together; we restore the Hugging Face order,
+where the pairs are (i, i + head_dim/2), because that is what our graph's RoPE expects.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from ..errors import FuselmError
+from .tensor_store import TensorStore
+
+SUPPORTED = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
+             Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def hf_name(gguf_name: str) -> str:
+    """The Hugging Face name of a llama.cpp tensor name; unknown names are kept as they are."""
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if m and m[2] in _BLOCK_NAMES:
+        return f"model.layers.{m[1]}.{_BLOCK_NAMES[m[2]]}.{m[3]}"
+    m = re.fullmatch(r"(\w+)\.(weight|bias)", gguf_name)
+    if m and m[1] in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[m[1]]}.{m[2]}"
+    return gguf_name
+
+
+def read_gguf(path: Path) -> gguf.GGUFReader:
+    """Parse a GGUF file; any failure of the parser becomes one line naming the file."""
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the parser raises ValueError, struct.error, IndexError... on bad bytes
+        raise FuselmError(f"{path}: not a valid GGUF file ({' '.join(str(e).split()) or type(e).__name__})") from None
+    for t in reader.tensors:  # a truncated data section shows as views shorter than the header says
+        if t.data.nbytes != int(t.n_bytes):
+            raise FuselmError(f"{path}: truncated: tensor '{t.name}' has {t.data.nbytes} of {t.n_bytes} bytes")
+    return reader
+
+
+def metadata(reader: gguf.GGUFReader, key: str, default=None):
+    """The value of metadata `key` (a Python scalar, str or list), or `default` if absent."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+class GGUFStore(TensorStore):
+    """Dequantizing view of a GGUF file; `n_heads`/`n_kv_heads` are needed to undo the Q/K row order."""
+
+    def __init__(self, reader: gguf.GGUFReader, path: Path, n_heads: int, n_kv_heads: int):
+        self.source, self._path = str(path), path
+        self._tensors = {hf_name(t.name): t for t in reader.tensors}
+        self._heads = {"q_proj": n_heads, "k_proj": n_kv_heads}
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(self._tensor(name).shape))
+
+    def get(self, name: str, dtype=np.float32) -> np.ndarray:
+        t = self._tensor(name)
+        kind = Q(t.tensor_type)
+        if kind not in SUPPORTED:
+            raise FuselmError(f"{self._path}: tensor '{t.name}' has type {kind.name}, which fuselm cannot "
+                              f"dequantize (supported: {', '.join(sorted(q.name for q in SUPPORTED))})")
+        shape = self.shape(name)
+        if kind in (Q.F32, Q.F16):
+            w = np.asarray(t.data).reshape(shape)
+        else:  # BF16 arrives as raw bytes, the quantized types as blocks: dequantize gives float32
+            w = gguf.quants.dequantize(t.data, kind).reshape(shape)
+        proj = name.split(".")[-2]
+        if proj in self._heads and name.startswith("model.layers."):
+            w = unpermute_rope_rows(w, self._heads[proj])
+        return w.astype(dtype, copy=False)
+
+    def _tensor(self, name: str):
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise FuselmError(f"{self._path}: tensor '{name}' not found "
+                              f"(the file has {len(self._tensors)} tensors)") from None
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row order: within a head, GGUF row 2i+j is Hugging Face row j*hd/2 + i."""
+    rows = w.shape[0]
+    half = rows // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

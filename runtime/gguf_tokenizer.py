@@ -1,0 +1,114 @@
+"""A TextTokenizer rebuilt from a GGUF file's `tokenizer.ggml.*` metadata.
+
+"gpt2" files hold a byte-level BPE (tokens already spelled in the byte alphabet, plus merges);
+"llama" files hold a SentencePiece vocabulary with scores, which we rebuild as a byte-fallback BPE
+whose merges are ranked by the score of the token they produce.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+from ..errors import FuselmError
+from .gguf_store import metadata
+from .tokenizer import TextTokenizer
+
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
+
+# Pre-tokenizer split patterns by `tokenizer.ggml.pre` (the regexes llama.cpp uses for each).
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
+SPLITS = {"llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "smaug-bpe": _LLAMA3,
+          "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2}
+
+
+def tokenizer_from_gguf(reader: gguf.GGUFReader, path: Path) -> TextTokenizer:
+    """The file's tokenizer, its control tokens as specials, BOS added when the file asks for it."""
+    meta = lambda key, default=None: metadata(reader, f"tokenizer.ggml.{key}", default)  # noqa: E731
+    tokens = meta("tokens")
+    if not tokens:
+        raise FuselmError(f"{path}: GGUF metadata has no tokenizer (tokenizer.ggml.tokens)")
+    kind = meta("model")
+    if kind == "gpt2":
+        backend = _byte_level(tokens, meta("merges") or [], meta("pre"))
+        add_bos_default = False
+    elif kind == "llama":
+        backend = _sentencepiece(tokens, meta("scores"), meta("merges"), meta("add_space_prefix", True))
+        add_bos_default = True  # llama.cpp adds BOS to SentencePiece vocabularies unless told not to
+    else:
+        raise FuselmError(f"{path}: GGUF tokenizer model '{kind}' is not supported (supported: gpt2, llama)")
+
+    types = meta("token_type") or [1] * len(tokens)
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                for t, ty in zip(tokens, types) if ty == CONTROL])
+    backend.add_tokens([AddedToken(t, normalized=False, special=False)
+                        for t, ty in zip(tokens, types) if ty == USER_DEFINED])
+
+    ids = {k: meta(f"{k}_token_id") for k in ("bos", "eos", "unknown", "padding")}
+    special = {name: tokens[ids[k]] if ids[k] is not None and ids[k] < len(tokens) else None
+               for name, k in (("bos_token", "bos"), ("eos_token", "eos"),
+                               ("unk_token", "unknown"), ("pad_token", "padding"))}
+    add_bos, add_eos = meta("add_bos_token", add_bos_default), meta("add_eos_token", False)
+    if (add_bos and ids["bos"] is not None) or (add_eos and ids["eos"] is not None):
+        single = ["$A"]
+        specials = []
+        if add_bos and ids["bos"] is not None:
+            single, specials = [special["bos_token"], *single], [(special["bos_token"], ids["bos"])]
+        if add_eos and ids["eos"] is not None:
+            single, specials = [*single, special["eos_token"]], specials + [(special["eos_token"], ids["eos"])]
+        backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=list(dict(specials).items()))
+    eos = [ids["eos"]] if ids["eos"] is not None else []
+    return TextTokenizer(backend, metadata(reader, "tokenizer.chat_template"), special, eos)
+
+
+def _byte_level(tokens: list[str], merges: list[str], pre: str | None) -> Tokenizer:
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = Tokenizer(models.BPE(vocab, pairs, ignore_merges=SPLITS.get(pre) is _LLAMA3))
+    if pre in SPLITS:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    elif pre == "smollm":  # GPT-2's split after cutting out every digit alone
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    else:  # "gpt2", "default" and unknown: GPT-2's own split
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece(tokens: list[str], scores, merges, add_space_prefix: bool) -> Tokenizer:
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if merges:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+    else:
+        pairs = merges_from_scores(tokens, scores or [0.0] * len(tokens))
+    unk = "<unk>" if "<unk>" in vocab else None
+    tok = Tokenizer(models.BPE(vocab, pairs, unk_token=unk, byte_fallback=True, fuse_unk=True))
+    steps = [normalizers.Replace(" ", "\u2581")]
+    if add_space_prefix:
+        steps.insert(0, normalizers.Prepend("\u2581"))
+    tok.normalizer = normalizers.Sequence(steps)
+    parts = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:  # the prepended space is not part of the text
+        parts.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(parts)
+    return tok
+
+
+def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary: every split of a token into two tokens,
+    best first by the score of the token they make (ties: the left part's score, then its id)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    found = []
+    for token, score in zip(tokens, scores):
+        for cut in range(1, len(token)):
+            a, b = token[:cut], token[cut:]
+            if a in vocab and b in vocab:
+                found.append((-score, vocab[a], vocab[b], a, b))
+    found.sort()
+    return [(a, b) for *_, a, b in found]

@@ -1,0 +1,25 @@
+"""The read-only view of a checkpoint's tensors that every file format implements."""
+from __future__ import annotations
+
+import numpy as np
+
+
+class TensorStore:
+    """Tensors by their Hugging Face names; subclasses read one file format."""
+
+    source: str = "?"  # the file or folder, for error messages
+
+    def names(self) -> list[str]:
+        """Every tensor name the checkpoint holds, in file order."""
+        raise NotImplementedError
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The numpy shape of `name`, read from the header only."""
+        raise NotImplementedError
+
+    def get(self, name: str, dtype=np.float32) -> np.ndarray:
+        """Tensor `name` converted to `dtype` (may be a read-only view of a mapped file)."""
+        raise NotImplementedError
+
+    def __contains__(self, name: str) -> bool:
+        return name in set(self.names())

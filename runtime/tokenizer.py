@@ -1,0 +1,141 @@
+"""Text <-> token ids, streaming detokenization and chat templates, over a `tokenizers.Tokenizer`.
+
+A TextTokenizer comes from a Hugging Face folder (tokenizer.json + tokenizer_config.json) through
+`TextTokenizer.from_folder`, or from GGUF metadata through `gguf_tokenizer.tokenizer_from_gguf`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import tokenizers
+
+from ..errors import FuselmError
+from . import chat_template
+
+# Tokens that end a turn or a document in common vocabularies; generation stops on any present.
+STOP_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end_of_text|>", "<end_of_turn>", "<|endoftext|>")
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class StreamDecoder:
+    """Turns ids arriving one at a time into text, holding back bytes of an unfinished character.
+
+    Decoding each id alone would break multi-byte characters split across tokens and drop the
+    spaces that depend on the previous token, so each step decodes a short window that starts one
+    emitted token back, and emits the part beyond what that token alone gave."""
+
+    def __init__(self, tok: "TextTokenizer"):
+        self._tok, self._ids = tok, []
+        self._prefix = 0  # start of the window: the last token already emitted (context for spacing)
+        self._read = 0    # ids before this index have been emitted
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the text it completes ('' while a character is still incomplete)."""
+        self._ids.append(int(token_id))
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """Whatever is held back (an incomplete character decodes as U+FFFD), then reset."""
+        text = self._emit(final=True)
+        self._ids, self._prefix, self._read = [], 0, 0
+        return text
+
+    def _emit(self, final: bool) -> str:
+        seen = self._tok.decode(self._ids[self._prefix:self._read])
+        text = self._tok.decode(self._ids[self._prefix:])
+        if len(self._ids) == self._read or (text.endswith("\ufffd") and not final):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(seen):]
+
+
+class TextTokenizer:
+    """Encode, decode, stream and render chats; `stop_ids` are every id that ends generation."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, chat_template: str | None = None,
+                 special_tokens: dict[str, str] | None = None, eos_ids: Iterable[int] = ()):
+        self.backend = backend
+        self.chat_template = chat_template
+        self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+        self.bos_id = self.token_id(self.special_tokens.get("bos_token"))
+        stop = set(eos_ids) | {self.token_id(t) for t in (self.special_tokens.get("eos_token"), *STOP_TOKENS)}
+        self.stop_ids = frozenset(i for i in stop if i is not None)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.chat_template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, token: str | None) -> int | None:
+        """The id of `token` in the vocabulary, or None."""
+        return None if token is None else self.backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; add_special_tokens adds what the tokenizer's post-processor adds (BOS).
+        Text rendered by a chat template usually holds its BOS already: encode it with False."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """The text of `ids` (special tokens kept unless skip_special_tokens)."""
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def stream(self) -> StreamDecoder:
+        """A fresh incremental decoder for one generated sequence."""
+        return StreamDecoder(self)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """The prompt text of `messages` ([{"role": ..., "content": ...}]), as transformers renders it."""
+        if not self.chat_template:
+            raise FuselmError("this tokenizer has no chat template; pass the prompt as plain text")
+        return chat_template.render(self.chat_template, messages, add_generation_prompt,
+                                    self.special_tokens, **kwargs)
+
+    @classmethod
+    def from_folder(cls, folder: Path, config: dict | None = None, generation: dict | None = None) -> "TextTokenizer":
+        """tokenizer.json, with chat template and special tokens from tokenizer_config.json
+        (or chat_template.jinja / chat_template.json), and eos ids from the two configs."""
+        path = folder / "tokenizer.json"
+        if not path.exists():
+            raise FuselmError(f"{folder}: no tokenizer.json")
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises its own Exception type on bad JSON
+            raise FuselmError(f"{path}: cannot read tokenizer ({' '.join(str(e).split())})") from None
+        tok_cfg = _read_json(folder / "tokenizer_config.json")
+        special = {k: _token_text(tok_cfg.get(k)) for k in SPECIAL_KEYS}
+        eos = [i for d in (config or {}, generation or {}) for i in _as_list(d.get("eos_token_id"))]
+        return cls(backend, _find_chat_template(folder, tok_cfg), special, eos)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise FuselmError(f"{path}: invalid JSON ({e})") from None
+
+
+def _token_text(value) -> str | None:
+    # tokenizer_config.json writes a special token as a string or as a serialized AddedToken
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _as_list(value) -> list[int]:
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
+def _find_chat_template(folder: Path, tok_cfg: dict) -> str | None:
+    """transformers >= 4.43 may save the template as chat_template.jinja or chat_template.json."""
+    if (folder / "chat_template.jinja").exists():
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    template = _read_json(folder / "chat_template.json").get("chat_template") or tok_cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template

