@@ -12,8 +12,6 @@ The helpers here are shared by the passes; they never look at op names, only at 
 from __future__ import annotations
 
 from collections import defaultdict
-from math import gcd
-
 import networkx as nx
 
 from ..dsl import Kind, get
@@ -163,5 +161,22 @@ def zip_sets(G: nx.DiGraph, nodes: list[str]) -> list[dict]:
     return list(sets.values())
 
 
-def lcm(a: int, b: int) -> int:
-    return a * b // gcd(a, b)
+def materialized(G: nx.DiGraph, nodes: list[str]) -> list[str]:
+    """The nodes a kernel must store in memory even if no other kernel reads them.
+
+    A row-wise kernel runs its ops one after another over the whole row, so every value a later
+    op reads at other positions (norms, row-local ops, reductions read whole rows) is stored;
+    elementwise values read only by elementwise ops are inlined as C expressions instead.
+    GEMV epilogues and attention keep their intermediates on chip.
+    """
+    if family(G, nodes) != "rowwise":
+        return []
+    inside = set(nodes)
+    keep = []
+    for n in nodes:
+        readers = list(G.successors(n))
+        inlined = G.nodes[n]["kind"] is Kind.ELEMENTWISE and all(
+            r in inside and G.nodes[r]["kind"] is Kind.ELEMENTWISE for r in readers)
+        if not inlined and get(G.nodes[n]["op"]).inplace_of is None:
+            keep.append(n)
+    return keep

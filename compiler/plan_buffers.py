@@ -2,7 +2,7 @@
 
 Before: `G.graph["schedule"]` (see schedule.py).
 After: `G.graph["buffers"]` maps every value some launch writes for another launch (or as a graph
-output) to `(offset, nbytes)` in one arena, such that two buffers whose lifetimes overlap never
+output, or as its own scratch) to `(offset, nbytes)` in one arena, such that two buffers whose lifetimes overlap never
 share a byte. A buffer lives from the launch that writes it to the last launch that reads it;
 graph outputs live to the end. Values written in place into persistent state (KV caches) take no
 arena space. `G.graph["arena_bytes"]` is the arena size with reuse and
@@ -24,7 +24,7 @@ def plan_buffers(G: nx.DiGraph, tokens: int = 1) -> nx.DiGraph:
     end = len(launches)
     life: dict[str, list[int]] = {}
     for step, launch in enumerate(launches):
-        for v in launch["writes"]:
+        for v in launch["writes"] + launch["scratch"]:
             if get(G.nodes[v]["op"]).inplace_of is None:
                 life[v] = [step, step]
         for v in launch["reads"]:

@@ -13,7 +13,7 @@ import re
 import networkx as nx
 
 from ..dsl import Kind
-from .kernels import family, kernel_graph, members
+from .kernels import family, kernel_graph, materialized, members
 
 _LAYER = re.compile(r"(?:layers|cache)\.(\d+)\.")
 
@@ -30,8 +30,9 @@ def schedule(G: nx.DiGraph) -> nx.DiGraph:
         inside = set(nodes)
         reads = list(dict.fromkeys(i for n in nodes for i in G.nodes[n]["inputs"] if i not in inside))
         writes = [n for n in nodes if n in outputs or any(s not in inside for s in G.successors(n))]
+        scratch = [n for n in materialized(G, nodes) if n not in writes]
         launches.append({"kernel": k, "family": family(G, nodes), "nodes": nodes, "reads": reads,
-                         "writes": writes, "layer": _layer(G, nodes + reads)})
+                         "writes": writes, "scratch": scratch, "layer": _layer(G, nodes + reads)})
     G.graph["schedule"] = launches
     return G
 

@@ -1,0 +1,150 @@
+"""The Python API: load a model once, then stream generations from it.
+
+    import fuselm
+    model = fuselm.load()                       # the embedded SmolLM2-135M-Instruct
+    for piece in model.generate("The capital of France is", max_new_tokens=20):
+        print(piece, end="", flush=True)
+    print(model.last_stats.summary())
+    for piece in model.chat([{"role": "user", "content": "Hi!"}]):
+        ...
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from .errors import FuselmError
+from .runtime.engine import Engine, SamplingParams
+from .runtime.generate import GenerationStats, generate
+
+DEFAULT_MAX_CONTEXT = 4096   # KV cache rows when ctx is not given (and the model allows as many)
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def load(path: str | Path | None = None, device: str = "auto", ctx: int | None = None,
+         fuse: bool = True, progress: bool = True, log=None) -> "Model":
+    """Open a checkpoint (HF folder or .gguf file; None means the embedded default model), build its
+    graph and an engine on `device` ("auto", "cpu" or "cuda") with a KV cache of `ctx` tokens."""
+    from .models import build_graph
+    from .runtime.checkpoint import open_checkpoint   # deferred: heavy imports (gguf, tokenizers)
+    from .runtime.default_model import default_model_path
+
+    log = log or sys.stderr   # looked up per call, so redirected stderr (tests) is honoured
+    if device not in DEVICES:
+        raise FuselmError(f"device must be one of {', '.join(DEVICES)}, got '{device}'")
+    if ctx is not None and ctx <= 0:
+        raise FuselmError(f"ctx must be a positive number of tokens, got {ctx}")
+    if path is None:
+        path = default_model_path(auto_pull=True, log=log)
+    elif not Path(path).exists():
+        raise FuselmError(f"no such file or folder: {path}")
+    ckpt = open_checkpoint(str(path))
+    cfg = ckpt.config
+    ctx = ctx or min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+    graph = build_graph(cfg)
+    engine = _make_engine(device, graph, ckpt, ctx, fuse, progress, log)
+    return Model(ckpt, engine, Path(path))
+
+
+def _gpu_name() -> str | None:
+    """The name of GPU 0, or None when there is no usable GPU (no CuPy, no driver, no device)."""
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None
+        name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:   # CuPy raises several types when the driver or device is missing
+        return None
+
+
+def _make_engine(device: str, graph, ckpt, ctx: int, fuse: bool, progress: bool = True,
+                 log=None) -> Engine:
+    """The one place that picks a backend: CUDA when asked for (or on "auto" when a GPU and the
+    CUDA engine are present), else the CPU reference executor."""
+    log = log or sys.stderr
+    if device in ("auto", "cuda"):
+        gpu = _gpu_name()
+        cuda_engine, why = None, "no GPU found"
+        if gpu is not None:
+            try:
+                from .runtime.cuda_engine import CudaEngine as cuda_engine
+            except ImportError as e:
+                why = f"GPU {gpu} found but the CUDA engine cannot be imported ({e})"
+        if cuda_engine is not None:
+            print(f"using GPU: {gpu}", file=log)
+            return cuda_engine.from_checkpoint(ckpt, graph, ctx=ctx, fuse=fuse)
+        if device == "cuda":
+            raise FuselmError(f"--device cuda: {why}")
+        print(f"{why}, running on the CPU", file=log)
+    from .runtime.cpu_engine import CpuEngine
+    return CpuEngine.from_checkpoint(ckpt, graph, ctx, progress=progress)
+
+
+def default_sampling(generation: dict | None) -> SamplingParams:
+    """Sampling settings from the checkpoint's generation_config.json; greedy when it does not ask
+    for sampling (or there is none)."""
+    g = generation or {}
+    params = SamplingParams(repetition_penalty=float(g.get("repetition_penalty") or 1.0))
+    if g.get("do_sample"):
+        params = SamplingParams(temperature=float(g.get("temperature", 1.0)),
+                                top_k=int(g.get("top_k") or 0), top_p=float(g.get("top_p") or 1.0),
+                                min_p=float(g.get("min_p") or 0.0),
+                                repetition_penalty=params.repetition_penalty)
+    return params
+
+
+class Model:
+    """A loaded model: checkpoint, tokenizer and engine. `last_stats` describes the last generation."""
+
+    def __init__(self, ckpt, engine: Engine, path: Path | None = None):
+        self.ckpt, self.engine, self.path = ckpt, engine, path
+        self.config = ckpt.config
+        self.tokenizer = ckpt.tokenizer
+        self.defaults = default_sampling(getattr(ckpt, "generation", None))
+        self.last_stats: GenerationStats | None = None
+        self._cache_ids: list[int] = []   # ids in the engine's KV cache, for multi-turn chat
+
+    @property
+    def device(self) -> str:
+        return self.engine.device
+
+    def sampling(self, temperature=None, top_k=None, top_p=None, min_p=None,
+                 repetition_penalty=None, seed=None) -> SamplingParams:
+        """The model's defaults with the given settings (those not None) replaced; validated."""
+        d = self.defaults
+        pick = lambda value, default: default if value is None else value  # noqa: E731
+        try:
+            return SamplingParams(
+                temperature=float(pick(temperature, d.temperature)), top_k=int(pick(top_k, d.top_k)),
+                top_p=float(pick(top_p, d.top_p)), min_p=float(pick(min_p, d.min_p)),
+                repetition_penalty=float(pick(repetition_penalty, d.repetition_penalty)),
+                seed=seed).validate()
+        except ValueError as e:
+            raise FuselmError(str(e)) from None
+
+    def generate(self, prompt: str, max_new_tokens: int = 64, *, chat: bool = False,
+                 **sampling) -> Iterator[str]:
+        """Stream the continuation of `prompt` (with chat=True: the answer to it as a user message,
+        through the chat template). Sampling keywords: temperature, top_k, top_p, min_p,
+        repetition_penalty, seed. Starts from an empty cache."""
+        self._cache_ids.clear()
+        if chat:
+            return self.chat([{"role": "user", "content": prompt}], max_new_tokens, **sampling)
+        return self._generate(prompt, max_new_tokens, None, sampling)
+
+    def chat(self, messages: Sequence[dict], max_new_tokens: int = 64, **sampling) -> Iterator[str]:
+        """Stream the assistant's reply to `messages` (dicts with "role" and "content"). When the
+        messages extend the previous chat, the cached tokens are reused instead of fed again."""
+        return self._generate(list(messages), max_new_tokens, self._cache_ids, sampling)
+
+    def reset(self) -> None:
+        """Forget the cached conversation."""
+        self._cache_ids.clear()
+        self.engine.reset()
+
+    def _generate(self, prompt, max_new_tokens, cache_ids, sampling) -> Iterator[str]:
+        self.last_stats = GenerationStats()
+        return generate(self.engine, self.tokenizer, prompt, max_new_tokens,
+                        self.sampling(**sampling), self.last_stats, cache_ids)

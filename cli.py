@@ -1,0 +1,209 @@
+"""The `fuselm` command line (also `python -m fuselm`).
+
+    fuselm run [MODEL] -p PROMPT -n N [--chat] [sampling options] [--device D] [--ctx N] [--no-fuse]
+    fuselm run [MODEL] -i                   interactive chat (also with no -p on a terminal)
+    fuselm pull                             fetch the embedded default model
+
+Adding a subcommand: write `add_arguments(parser)` and `handler(args) -> int` in your own module,
+then add one line to COMMANDS below, importing your module inside a small wrapper so that
+`fuselm run` does not pay for its imports:
+
+    def _bench(args):
+        from .runtime import bench
+        return bench.main(args)
+    COMMANDS["bench"] = Command("measure decode speed", bench_add_arguments, _bench)
+
+Handlers raise FuselmError (or ValueError) for the user's mistakes: `main` prints them as one
+`error: ...` line on stderr and exits 1; FUSELM_DEBUG=1 shows the traceback instead.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+from .errors import FuselmError
+from .runtime.engine import SamplingParams
+
+
+class Command(NamedTuple):
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    handler: Callable[[argparse.Namespace], int]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with our error convention: one line, exit code 1."""
+
+    def error(self, message):
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(1)
+
+
+# ---- fuselm run -----------------------------------------------------------------------------------
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="HF checkpoint folder or .gguf file "
+                   "(default: the embedded SmolLM2-135M-Instruct, pulled if needed)")
+    p.add_argument("-p", "--prompt", help="the prompt; without it: interactive chat on a terminal, "
+                   "else the prompt is read from stdin")
+    p.add_argument("-n", "--max-new-tokens", type=int, default=128, metavar="N",
+                   help="tokens to generate at most (default 128)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("-i", "--interactive", action="store_true", help="multi-turn chat on stdin")
+    g = p.add_argument_group("sampling (defaults: the model's generation_config.json, else greedy)")
+    g.add_argument("--temp", type=float, metavar="T", help="temperature; 0 is greedy")
+    g.add_argument("--top-k", type=int, metavar="K")
+    g.add_argument("--top-p", type=float, metavar="P")
+    g.add_argument("--min-p", type=float, metavar="M")
+    g.add_argument("--repeat-penalty", type=float, metavar="R")
+    g.add_argument("--seed", type=int, metavar="S")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--ctx", type=int, metavar="N", help="context length (KV cache rows); "
+                   "default min(model's maximum, 4096)")
+    p.add_argument("--no-fuse", action="store_true", help="CUDA: run the graph without fusion")
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict:
+    named = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                 repetition_penalty=args.repeat_penalty, seed=args.seed)
+    return {k: v for k, v in named.items() if v is not None}
+
+
+def _check_run_arguments(args: argparse.Namespace) -> None:
+    """Fail on bad input before the (slow) model load."""
+    if args.max_new_tokens <= 0:
+        raise FuselmError(f"-n must be a positive number of tokens, got {args.max_new_tokens}")
+    if args.ctx is not None and args.ctx <= 0:
+        raise FuselmError(f"--ctx must be a positive number of tokens, got {args.ctx}")
+    SamplingParams(**{k: v for k, v in _sampling_kwargs(args).items()}).validate()
+    if args.model is not None and not Path(args.model).exists():
+        raise FuselmError(f"no such file or folder: {args.model}")
+    if args.prompt is not None and not args.prompt.strip():
+        raise FuselmError("the prompt is empty")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`fuselm run`: one prompt streamed to stdout, or an interactive chat."""
+    _check_run_arguments(args)
+    prompt = args.prompt
+    interactive = args.interactive or (prompt is None and sys.stdin.isatty())
+    if prompt is None and not interactive:
+        prompt = sys.stdin.read()
+        if not prompt.strip():
+            raise FuselmError("the prompt is empty (give -p, or pipe text on stdin)")
+
+    from .api import load
+    print(f"loading {args.model or 'the default model'}", file=sys.stderr)
+    model = load(args.model, device=args.device, ctx=args.ctx, fuse=not args.no_fuse)
+    sampling = _sampling_kwargs(args)
+    if interactive:
+        return chat_loop(model, args.max_new_tokens, sampling)
+    _stream(model.generate(prompt, args.max_new_tokens, chat=args.chat, **sampling))
+    print(model.last_stats.summary(), file=sys.stderr)
+    return 0
+
+
+def _stream(pieces) -> str:
+    """Print pieces to stdout as they come; return the whole text."""
+    text = []
+    for piece in pieces:
+        text.append(piece)
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return "".join(text)
+
+
+def chat_loop(model, max_new_tokens: int, sampling: dict) -> int:
+    """Multi-turn chat: history kept between turns; /reset forgets it, /exit or Ctrl-D leaves."""
+    use_template = model.tokenizer.has_chat_template
+    print("chat: /reset forgets the conversation, /exit or Ctrl-D leaves"
+          + ("" if use_template else " (no chat template: each line is a separate prompt)"),
+          file=sys.stderr)
+    messages: list[dict] = []
+    while True:
+        print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:                    # Ctrl-D / end of input
+            print(file=sys.stderr)
+            return 0
+        line = line.strip()
+        if line == "/exit":
+            return 0
+        if line == "/reset":
+            messages.clear()
+            model.reset()
+            print("(conversation forgotten)", file=sys.stderr)
+            continue
+        if not line:
+            continue
+        turn = messages + [{"role": "user", "content": line}]
+        try:
+            pieces = (model.chat(turn, max_new_tokens, **sampling) if use_template
+                      else model.generate(line, max_new_tokens, **sampling))
+            reply = _stream(pieces)
+        except FuselmError as e:       # e.g. the history outgrew the context: keep the loop alive
+            print(f"error: {e} (try /reset)", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:      # stop this reply, keep the chat
+            print("\n(interrupted)", file=sys.stderr)
+            model.reset()
+            continue
+        if use_template:
+            messages = turn + [{"role": "assistant", "content": reply}]
+        print(model.last_stats.summary(), file=sys.stderr)
+
+
+# ---- fuselm pull ----------------------------------------------------------------------------------
+
+def pull(args: argparse.Namespace) -> int:
+    """`fuselm pull`: fetch the embedded default model into the cache; print its path."""
+    from .runtime.default_model import pull as pull_default
+    print(pull_default())
+    return 0
+
+
+COMMANDS: dict[str, Command] = {
+    "run": Command("generate text from a prompt, or chat", add_run_arguments, run),
+    "pull": Command("download the embedded default model (SmolLM2-135M-Instruct)",
+                    lambda p: None, pull),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one subparser per entry of COMMANDS."""
+    parser = _Parser(prog="fuselm", description="Single-GPU LLM inference with fused CUDA kernels.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for name, cmd in COMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        cmd.add_arguments(p)
+        p.set_defaults(handler=cmd.handler)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `fuselm` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (FuselmError, ValueError) as e:
+        if os.environ.get("FUSELM_DEBUG") == "1":
+            raise
+        message = " ".join(str(e).split("\n")) or type(e).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:            # `fuselm run ... | head`: the reader left
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

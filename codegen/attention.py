@@ -1,0 +1,25 @@
+"""The attention family: flash-decoding over the KV cache, a split launch and a combine launch."""
+from __future__ import annotations
+
+import networkx as nx
+
+from . import cexpr
+from .params import Params
+
+CHUNK = 256      # cache positions per block
+THREADS = 128
+
+
+def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
+    (n,) = launch["nodes"]
+    d = G.nodes[n]
+    q, kc, vc, pos = d["inputs"]
+    a = d["attrs"]
+    nchunk = -(-rows // CHUNK)
+    return {"H": a["n_heads"], "KV": a["n_kv_heads"], "HD": a["head_dim"], "chunk": CHUNK,
+            "nchunk": nchunk, "window": int(a.get("window") or 0), "scale": cexpr.float_literal(a["scale"]),
+            "softcap": cexpr.float_literal(a.get("softcap") or 0.0), "threads": THREADS,
+            "q": params.ref(q), "kc": params.ref(kc), "vc": params.ref(vc), "pos": params.ref(pos),
+            "out": params.ref(n, written=True),
+            "ws": params.extra("float*", "attention_workspace"),
+            "workspace_floats": a["n_heads"] * nchunk * (a["head_dim"] + 2)}

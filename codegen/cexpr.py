@@ -1,0 +1,28 @@
+"""C expressions for elementwise ops, filled from each op's `c_expr` in the registry."""
+from __future__ import annotations
+
+import math
+import string
+
+import networkx as nx
+
+from ..dsl import get
+
+
+def float_literal(x: float) -> str:
+    """A C float literal that survives any Python float (30 -> 30.0f, 1e-5 -> 1e-05f)."""
+    x = float(x)
+    if math.isinf(x):
+        return "__int_as_float(0x7f800000)" if x > 0 else "__int_as_float(0xff800000)"
+    r = repr(x)
+    return (r if any(c in r for c in ".e") else r + ".0") + "f"
+
+
+def elementwise(G: nx.DiGraph, node: str, operands: list[str]) -> str:
+    """The C expression of elementwise `node` applied to the C expressions `operands`."""
+    d = G.nodes[node]
+    opdef = get(d["op"])
+    fields = {f for _, f, _, _ in string.Formatter().parse(opdef.c_expr) if f}
+    names = dict(zip("abcdefgh", (f"({o})" for o in operands)))
+    attrs = {k: float_literal(v) for k, v in d["attrs"].items() if k in fields}
+    return f"({opdef.c_expr.format(**names, **attrs)})"

@@ -1,0 +1,90 @@
+"""Code generation: one CUDA source per scheduled kernel, rendered from its family's template."""
+from __future__ import annotations
+
+import hashlib
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2
+import networkx as nx
+import numpy as np
+
+from ..dsl import get
+from . import attention, gemv, rowwise
+from .kernel import KernelSource, Launch
+from .params import Params, storage_of
+
+TEMPLATES = Path(__file__).parent / "templates"
+FAMILIES = {"gemv": gemv, "rowwise": rowwise, "attention": attention}
+
+
+@lru_cache(maxsize=1)
+def environment() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), trim_blocks=True,
+                              lstrip_blocks=True, undefined=jinja2.StrictUndefined,
+                              keep_trailing_newline=True)
+
+
+def headers() -> dict[str, str]:
+    """The .cuh helpers, handed to NVRTC in memory."""
+    return {p.name: p.read_text() for p in sorted(TEMPLATES.glob("*.cuh"))}
+
+
+def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2) -> list[KernelSource]:
+    """CUDA for every launch of the compiled graph `G`, with a KV cache of `rows` positions."""
+    out = []
+    for launch in G.graph["schedule"]:
+        params = Params(G)
+        mod = FAMILIES[launch["family"]]
+        ctx = mod.context(G, launch, params, rows) if mod is attention else mod.context(G, launch, params)
+        body = environment().get_template(f"{launch['family']}.cu.j2").render(
+            name="KERNEL", params=params.decls, **ctx)
+        name = _name(launch["family"], ctx, body)
+        body = body.replace("KERNEL", name)
+        if launch["family"] == "attention":
+            launches = [Launch(f"{name}_split", (ctx["H"], ctx["nchunk"]), ctx["threads"], params.values),
+                        Launch(f"{name}_combine", (ctx["H"], 1), ctx["threads"], params.values)]
+        else:
+            launches = [Launch(name, (ctx["grid"], 1), ctx["threads"], params.values)]
+        read, written = _traffic(G, launch, rows, weight_bytes)
+        out.append(KernelSource(name, launch["family"], body, launch["nodes"], launches, launch["layer"],
+                                read, written, ctx.get("workspace_floats", 0)))
+    return out
+
+
+def sampler(vocab: int) -> KernelSource:
+    """The sampling kernel that ends every decode step (see templates/sample.cu.j2)."""
+    body = environment().get_template("sample.cu.j2").render(name="KERNEL", V=vocab)
+    name = f"sample_v{vocab}"
+    return KernelSource(name, "sample", body.replace("KERNEL", name), ["logits"],
+                        [Launch(name, (1, 1), 1024, ["logits", "seen", "sampling_args", "ids", "pos"])],
+                        None, vocab * 4, 8)
+
+
+def _name(family: str, ctx: dict, body: str) -> str:
+    """family + its main shape constants + a hash of the body: same structure, same name."""
+    digest = hashlib.sha1(body.encode()).hexdigest()[:8]
+    if family == "gemv":
+        shape = f"k{ctx['K']}_" + "_".join(f"{len(z['members'])}x{z['N']}" for z in ctx["zips"])
+        shape = ("norm_" if ctx["prologue"] else "") + shape
+    elif family == "attention":
+        shape = f"h{ctx['H']}_kv{ctx['KV']}_d{ctx['HD']}"
+    else:
+        shape = f"{len(ctx['phases'])}ops"
+    return re.sub(r"\W", "_", f"{family}_{shape}_{digest}")
+
+
+def _traffic(G: nx.DiGraph, launch: dict, rows: int, weight_bytes: int) -> tuple[int, int]:
+    """Bytes a launch reads and writes per token (KV cache counted at `rows` positions)."""
+    def nbytes(v):
+        d = G.nodes[v]
+        shape = [1 if s == "T" else rows if s == "S" else s for s in d["shape"]]
+        per = weight_bytes if d["op"] in ("weight", "state") else 4
+        if d["op"] not in ("weight", "constant", "input", "state") and get(d["op"]).inplace_of is not None:
+            per = weight_bytes
+        return int(np.prod(shape)) * per
+    read = sum(nbytes(v) for v in launch["reads"] if G.nodes[storage_of(G, v)]["op"] != "state"
+               or launch["family"] == "attention")
+    written = sum(nbytes(v) for v in launch["writes"] if get(G.nodes[v]["op"]).inplace_of is None)
+    return read, written

@@ -1,0 +1,47 @@
+"""Kernel parameters: each graph value a kernel touches becomes one typed pointer argument."""
+from __future__ import annotations
+
+import networkx as nx
+
+from ..dsl import get
+
+
+def storage_of(G: nx.DiGraph, value: str) -> str:
+    """The value whose memory holds `value` (an in-place cache write lives in its cache)."""
+    d = G.nodes[value]
+    while d["op"] not in ("input", "weight", "constant", "state") and get(d["op"]).inplace_of is not None:
+        value = d["inputs"][get(d["op"]).inplace_of]
+        d = G.nodes[value]
+    return value
+
+
+def c_type(G: nx.DiGraph, value: str, written: bool) -> str:
+    d = G.nodes[storage_of(G, value)]
+    if d["op"] == "weight":
+        return "const weight_t*"
+    if d["op"] == "state":
+        return "bf16_t*" if written else "const bf16_t*"
+    base = "int" if d["dtype"] == "i32" else "float"
+    return f"{base}*" if written else f"const {base}*"
+
+
+class Params:
+    """Collects a kernel's pointer arguments in order; `ref` gives the C name of a value."""
+
+    def __init__(self, G: nx.DiGraph):
+        self.G = G
+        self.values: list[str] = []      # graph value names, in argument order
+        self.decls: list[str] = []
+
+    def ref(self, value: str, written: bool = False) -> str:
+        store = storage_of(self.G, value)
+        if store not in self.values:
+            self.values.append(store)
+            self.decls.append(f"{c_type(self.G, value, written)} __restrict__ p{len(self.values) - 1}")
+        return f"p{self.values.index(store)}"
+
+    def extra(self, decl: str, key: str) -> str:
+        """A pointer that is not a graph value (attention's workspace): `key` names it for the runtime."""
+        self.values.append(key)
+        self.decls.append(f"{decl} __restrict__ p{len(self.values) - 1}")
+        return f"p{len(self.values) - 1}"

@@ -1,0 +1,106 @@
+"""The rowwise family: one block per token row runs the kernel's ops one after another.
+
+Ops whose value other positions of the row need (norms, RoPE, reductions) or that other kernels
+read are stored (see compiler.kernels.materialized); pure elementwise chains are inlined into the
+expression of their consumer. Each non-elementwise op has a phase emitter in PHASES.
+"""
+from __future__ import annotations
+
+import networkx as nx
+
+from ..compiler.kernels import materialized
+from ..dsl import Kind
+from . import cexpr
+from .params import Params
+
+
+def context(G: nx.DiGraph, launch: dict, params: Params) -> dict:
+    nodes = launch["nodes"]
+    stored = set(materialized(G, nodes)) | set(launch["writes"])
+    inside = set(nodes)
+
+    def at(v: str, i: str = "i") -> str:
+        """C expression for element i of value v in this token's row."""
+        d = G.nodes[v]
+        if v in inside and v not in stored:
+            return cexpr.elementwise(G, v, [at(o, i) for o in d["inputs"]])
+        p = params.ref(v)
+        if len(d["shape"]) == 0:
+            return f"{p}[0]"
+        if len(d["shape"]) == 1:
+            return f"w2f({p}[{i}])" if d["op"] == "weight" else f"{p}[{i}]"
+        return f"{p}[t * {d['shape'][-1]} + {i}]"
+
+    def row(v: str) -> str:
+        return f"{params.ref(v)} + t * {G.nodes[v]['shape'][-1]}"
+
+    phases = []
+    for n in nodes:
+        d = G.nodes[n]
+        if n not in stored and d["kind"] is Kind.ELEMENTWISE:
+            continue
+        emit = PHASES.get(d["op"], _elementwise) if d["kind"] is not Kind.ELEMENTWISE else _elementwise
+        phases.append(f"// {d['op']}\n" + emit(G, n, params, at, row))
+    width = max(G.nodes[n]["shape"][-1] for n in nodes if G.nodes[n]["shape"])
+    threads = 1024 if width > 8192 else 256
+    return {"phases": phases, "threads": threads, "grid": "T"}
+
+
+def _loop(width, stmt: str) -> str:
+    return f"for (int i = threadIdx.x; i < {width}; i += blockDim.x) {stmt}"
+
+
+def _elementwise(G, n, params, at, row):
+    d = G.nodes[n]
+    expr = cexpr.elementwise(G, n, [at(o) for o in d["inputs"]])
+    return _loop(d["shape"][-1], f"{params.ref(n, written=True)}[t * {d['shape'][-1]} + i] = {expr};")
+
+
+def _embedding(G, n, params, at, row):
+    table, ids = G.nodes[n]["inputs"]
+    D = G.nodes[n]["shape"][-1]
+    return _loop(D, f"{params.ref(n, written=True)}[t * {D} + i] = "
+                    f"w2f({params.ref(table)}[(size_t){params.ref(ids)}[t] * {D} + i]);")
+
+
+def _rmsnorm(G, n, params, at, row):
+    d = G.nodes[n]
+    x, w = d["inputs"]
+    width = d["shape"][-1]
+    group = d["attrs"].get("group") or width
+    out = f"{params.ref(n, written=True)} + t * {width}"
+    return (f"rmsnorm_row({row(x)}, {params.ref(w)}, {out}, {width}, {group}, "
+            f"{cexpr.float_literal(d['attrs']['eps'])}, {cexpr.float_literal(d['attrs'].get('offset', 0.0))});")
+
+
+def _rope(G, n, params, at, row):
+    d = G.nodes[n]
+    x, pos, inv_freq = d["inputs"]
+    width = d["shape"][-1]
+    out = f"{params.ref(n, written=True)} + t * {width}"
+    pairs = G.nodes[inv_freq]["shape"][0]
+    return (f"rope_row({row(x)}, {out}, {width}, {d['attrs']['head_dim']}, {pairs}, "
+            f"{str(bool(d['attrs'].get('interleaved'))).lower()}, {params.ref(pos)}[t], {params.ref(inv_freq)});")
+
+
+def _kv_write(G, n, params, at, row):
+    cache, x, pos = G.nodes[n]["inputs"]
+    width = G.nodes[n]["shape"][-1]
+    return _loop(width, f"{params.ref(cache, written=True)}[(size_t){params.ref(pos)}[t] * {width} + i] = "
+                        f"f32_to_bf16({at(x)});")
+
+
+def _softmax(G, n, params, at, row):
+    (x,) = G.nodes[n]["inputs"]
+    width = G.nodes[n]["shape"][-1]
+    return f"softmax_row({row(x)}, {params.ref(n, written=True)} + t * {width}, {width});"
+
+
+def _argmax(G, n, params, at, row):
+    (x,) = G.nodes[n]["inputs"]
+    return (f"{{ const int best = block_argmax({row(x)}, {G.nodes[x]['shape'][-1]}); "
+            f"if (threadIdx.x == 0) {params.ref(n, written=True)}[t] = best; }}")
+
+
+PHASES = {"embedding": _embedding, "rmsnorm": _rmsnorm, "rope": _rope, "kv_write": _kv_write,
+          "softmax": _softmax, "argmax": _argmax}

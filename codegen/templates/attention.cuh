@@ -1,0 +1,68 @@
+// Decode attention over a bf16 KV cache, split over the context (flash-decoding): each block
+// scores one chunk of positions for one query head and leaves (max, sum, weighted values) in a
+// workspace; a combine kernel merges the chunks of every head.
+#pragma once
+#include "common.cuh"
+
+// Workspace per (head, chunk): [0] = running max, [1] = sum of exp, [2 : 2 + HD] = sum of exp * v.
+template <int H, int KV, int HD, int CHUNK, int NCHUNK>
+__device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc, const bf16_t* vc, int pos,
+                                                int window, float scale, float softcap, float* ws) {
+    constexpr int W = KV * HD;                  // floats per cache row
+    const int h = blockIdx.x, c = blockIdx.y, kvh = h / (H / KV);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    float* out = ws + ((size_t)h * NCHUNK + c) * (HD + 2);
+    const int lo = window > 0 ? max(0, pos - window + 1) : 0;
+    const int start = max(c * CHUNK, lo), end = min(c * CHUNK + CHUNK, pos + 1);
+    if (start >= end) {                         // nothing to attend in this chunk
+        if (threadIdx.x == 0) { out[0] = NEG_INF; out[1] = 0.0f; }
+        return;
+    }
+    __shared__ float qs[HD];
+    __shared__ float score[CHUNK];
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) qs[d] = q[h * HD + d] * scale;
+    __syncthreads();
+    for (int p = start + warp; p < end; p += warps) {
+        const bf16_t* k = kc + (size_t)p * W + kvh * HD;
+        float s = 0.0f;
+        for (int d = lane; d < HD; d += 32) s = fmaf(qs[d], bf16_to_f32(k[d]), s);
+        s = warp_sum(s);
+        if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+        if (lane == 0) score[p - start] = s;
+    }
+    __syncthreads();
+    float m = NEG_INF;
+    for (int i = threadIdx.x; i < end - start; i += blockDim.x) m = fmaxf(m, score[i]);
+    m = block_max(m);
+    float l = 0.0f;
+    for (int i = threadIdx.x; i < end - start; i += blockDim.x) {
+        const float e = __expf(score[i] - m);
+        score[i] = e;
+        l += e;
+    }
+    l = block_sum(l);                           // its barriers also publish score[]
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int p = start; p < end; p++) acc = fmaf(score[p - start], bf16_to_f32(vc[(size_t)p * W + kvh * HD + d]), acc);
+        out[2 + d] = acc;
+    }
+    if (threadIdx.x == 0) { out[0] = m; out[1] = l; }
+}
+
+template <int HD, int NCHUNK>
+__device__ __forceinline__ void attention_combine(const float* ws, float* o) {
+    const int h = blockIdx.x;
+    const float* part = ws + (size_t)h * NCHUNK * (HD + 2);
+    float m = NEG_INF;
+    for (int c = 0; c < NCHUNK; c++)
+        if (part[c * (HD + 2) + 1] > 0.0f) m = fmaxf(m, part[c * (HD + 2)]);
+    float l = 0.0f;
+    for (int c = 0; c < NCHUNK; c++)
+        if (part[c * (HD + 2) + 1] > 0.0f) l += part[c * (HD + 2) + 1] * __expf(part[c * (HD + 2)] - m);
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int c = 0; c < NCHUNK; c++)   // chunks past the position hold no values: skip them
+            if (part[c * (HD + 2) + 1] > 0.0f) acc += part[c * (HD + 2) + 2 + d] * __expf(part[c * (HD + 2)] - m);
+        o[h * HD + d] = acc / l;
+    }
+}

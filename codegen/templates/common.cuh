@@ -1,0 +1,82 @@
+// Shared device helpers. Header-free on purpose: NVRTC needs no CUDA include path, so CI can
+// compile every kernel without a GPU or a toolkit.
+#pragma once
+
+#define NEG_INF __int_as_float(0xff800000)
+
+typedef unsigned short bf16_t;   // raw bfloat16 bits
+typedef unsigned short f16_t;    // raw IEEE half bits
+
+__device__ __forceinline__ float bf16_to_f32(bf16_t h) { return __uint_as_float(((unsigned)h) << 16); }
+
+__device__ __forceinline__ float f16_to_f32(f16_t h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// Round to nearest even; the KV cache is stored in bf16.
+__device__ __forceinline__ bf16_t f32_to_bf16(float f) {
+    unsigned u = __float_as_uint(f);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+#if FUSELM_WEIGHT_F16
+typedef f16_t weight_t;
+__device__ __forceinline__ float w2f(weight_t w) { return f16_to_f32(w); }
+#else
+typedef bf16_t weight_t;
+__device__ __forceinline__ float w2f(weight_t w) { return bf16_to_f32(w); }
+#endif
+
+// Unpack 8 weights held in one 16-byte load.
+__device__ __forceinline__ void unpack8(uint4 q, float (&out)[8]) {
+    const weight_t* h = reinterpret_cast<const weight_t*>(&q);
+#pragma unroll
+    for (int i = 0; i < 8; i++) out[i] = w2f(h[i]);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block-wide reductions for blocks of up to 1024 threads; every thread gets the result.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();                       // partial[] may still be read from a previous call
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = lane < warps ? partial[lane] : 0.0f;
+    return warp_sum(v);
+}
+
+__device__ __forceinline__ float block_max(float v) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = lane < warps ? partial[lane] : NEG_INF;
+    return warp_max(v);
+}
+
+// RoPE on one element of a rotated pair: `second` says whether this is the pair's second half.
+__device__ __forceinline__ float rope_rotate(float self, float partner, bool second, float angle) {
+    float s, c;
+    sincosf(angle, &s, &c);  // not __sincosf: angles reach thousands of radians
+    return second ? self * c + partner * s : self * c - partner * s;
+}
+
+__device__ __forceinline__ float rms_scale(float sum_sq, int n, float eps) { return rsqrtf(sum_sq / n + eps); }

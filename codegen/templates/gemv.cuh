@@ -1,0 +1,99 @@
+// GEMV building blocks: one warp computes one output row, streaming the weight row with 16-byte
+// loads that bypass L1 (__ldcs: each weight byte is read once per token) while the input vector
+// comes through L1 (__ldg), since every warp of the block re-reads it.
+#pragma once
+#include "common.cuh"
+
+// The input vector as the GEMV sees it: x itself ...
+struct PlainVector {
+    const float* x;
+    __device__ __forceinline__ void load8(int k, float (&v)[8]) const {
+        float4 a = __ldg(reinterpret_cast<const float4*>(x + k));
+        float4 b = __ldg(reinterpret_cast<const float4*>(x + k + 4));
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    }
+    __device__ __forceinline__ float at(int k) const { return x[k]; }
+};
+
+// ... or RMSNorm(x) computed on the fly: the prologue. `scale` is 1/rms(x), found by the block.
+struct NormedVector {
+    const float* x;
+    const weight_t* w;
+    float scale, offset;   // offset = 1 for norms that multiply by (1 + w)
+    __device__ __forceinline__ void load8(int k, float (&v)[8]) const {
+        PlainVector{x}.load8(k, v);
+        float g[8];
+        unpack8(__ldg(reinterpret_cast<const uint4*>(w + k)), g);
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] *= scale * (g[i] + offset);
+    }
+    __device__ __forceinline__ float at(int k) const { return x[k] * scale * (w2f(w[k]) + offset); }
+};
+
+// 1/rms of x[0:K], computed by the whole block (x is small and hot in L2).
+template <int K>
+__device__ __forceinline__ float block_rms_scale(const float* x, float eps) {
+    float ss = 0.0f;
+    for (int k = threadIdx.x; k < K; k += blockDim.x) ss += x[k] * x[k];
+    return rms_scale(block_sum(ss), K, eps);
+}
+
+// dot(W[row, 0:K], v) for the calling warp; every lane gets the result.
+// UNROLL independent 16-byte loads are issued before any is used, to keep enough bytes in flight.
+template <int K, int UNROLL, class Vector>
+__device__ __forceinline__ float warp_dot(const weight_t* __restrict__ row, const Vector& v) {
+    constexpr int CHUNK = 8;                         // weights per 16-byte load
+    constexpr int STEP = 32 * CHUNK;                 // weights per warp-wide load
+    constexpr int FULL = K / (STEP * UNROLL) * (STEP * UNROLL);
+    const int lane = threadIdx.x & 31;
+    float acc = 0.0f;
+    if constexpr (K % CHUNK != 0) {                  // rows are not 16-byte aligned: scalar loads
+        for (int k = lane; k < K; k += 32) acc = fmaf(w2f(row[k]), v.at(k), acc);
+        return warp_sum(acc);
+    }
+    for (int base = 0; base < FULL; base += STEP * UNROLL) {
+        uint4 q[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++)
+            q[u] = __ldcs(reinterpret_cast<const uint4*>(row + base + u * STEP + lane * CHUNK));
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            float w[8], xv[8];
+            unpack8(q[u], w);
+            v.load8(base + u * STEP + lane * CHUNK, xv);
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc = fmaf(w[i], xv[i], acc);
+        }
+    }
+    // Remainder: whole 16-byte chunks, then single elements (K need not be a multiple of 8).
+    constexpr int K8 = K / CHUNK * CHUNK;
+    for (int k = FULL + lane * CHUNK; k < K8; k += STEP) {
+        float w[8], xv[8];
+        unpack8(__ldcs(reinterpret_cast<const uint4*>(row + k)), w);
+        v.load8(k, xv);
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc = fmaf(w[i], xv[i], acc);
+    }
+    for (int k = K8 + lane; k < K; k += 32) acc = fmaf(w2f(row[k]), v.at(k), acc);
+    return warp_sum(acc);
+}
+
+// Which output row slot `s` of tile `tile` computes. Contiguous tiles own rows [tile*R, tile*R+R);
+// paired tiles (for RoPE over heads of HD) own R/2 rotation pairs, partners in adjacent slots
+// (s, s^1), so a row-local epilogue finds its partner in the same block. `pair` gets the index
+// of the pair within its head (the RoPE frequency). Returns -1 past the end.
+template <int R, int N, int HD, bool INTERLEAVED>
+__device__ __forceinline__ int slot_row(int tile, int s, int& pair) {
+    if constexpr (HD == 0) {
+        pair = 0;
+        int row = tile * R + s;
+        return row < N ? row : -1;
+    } else {
+        constexpr int HALF = HD / 2;
+        int p = tile * (R / 2) + (s >> 1);
+        if (p >= N / 2) return -1;
+        int head = p / HALF;
+        pair = p % HALF;
+        return INTERLEAVED ? head * HD + 2 * pair + (s & 1) : head * HD + pair + (s & 1) * HALF;
+    }
+}

@@ -1,0 +1,71 @@
+// Row-wise building blocks: one block owns one token's row and runs the kernel's ops in turn.
+#pragma once
+#include "common.cuh"
+
+// Index of the largest element of x[0:n] (the first one on ties), for the whole block.
+__device__ __forceinline__ int block_argmax(const float* x, int n) {
+    __shared__ float best_v[32];
+    __shared__ int best_i[32];
+    float v = NEG_INF;
+    int idx = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        if (x[i] > v) { v = x[i]; idx = i; }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (ov > v || (ov == v && oi < idx)) { v = ov; idx = oi; }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    __syncthreads();
+    if (lane == 0) { best_v[warp] = v; best_i[warp] = idx; }
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < warps ? best_v[lane] : NEG_INF;
+        idx = lane < warps ? best_i[lane] : 0;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, v, o);
+            int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+            if (ov > v || (ov == v && oi < idx)) { v = ov; idx = oi; }
+        }
+        if (lane == 0) best_i[0] = idx;
+    }
+    __syncthreads();
+    return best_i[0];
+}
+
+// RMSNorm of x[0:n] in groups of `group` (group == n: the whole row), weight w[group].
+__device__ __forceinline__ void rmsnorm_row(const float* x, const weight_t* w, float* out, int n, int group,
+                                            float eps, float offset) {
+    for (int g0 = 0; g0 < n; g0 += group) {
+        float ss = 0.0f;
+        for (int i = threadIdx.x; i < group; i += blockDim.x) ss += x[g0 + i] * x[g0 + i];
+        const float scale = rms_scale(block_sum(ss), group, eps);
+        for (int i = threadIdx.x; i < group; i += blockDim.x)
+            out[g0 + i] = x[g0 + i] * scale * (w2f(w[i]) + offset);
+    }
+}
+
+__device__ __forceinline__ void softmax_row(const float* x, float* out, int n) {
+    float m = NEG_INF;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, x[i]);
+    m = block_max(m);
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) sum += __expf(x[i] - m);
+    const float inv = 1.0f / block_sum(sum);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = __expf(x[i] - m) * inv;
+}
+
+// RoPE over a row of heads of `hd`: element i pairs with i +- rot/2 (or its odd/even neighbour).
+__device__ __forceinline__ void rope_row(const float* x, float* out, int n, int hd, int pairs,
+                                         bool interleaved, int pos, const float* inv_freq) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int j = i % hd, base = i - j;
+        int pair, partner;
+        bool second;
+        if (interleaved) { pair = j >> 1; second = j & 1; partner = base + (j ^ 1); }
+        else { second = j >= pairs; pair = second ? j - pairs : j; partner = base + (second ? j - pairs : j + pairs); }
+        out[i] = pair < pairs ? rope_rotate(x[i], x[partner], second, (float)pos * inv_freq[pair]) : x[i];
+    }
+}

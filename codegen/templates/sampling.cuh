@@ -1,0 +1,100 @@
+// Sampling on the GPU with one block: repetition penalty, temperature, then the top-k, top-p and
+// min-p cuts as one logit threshold found by bisection (no sort), then an inverse-CDF draw.
+#pragma once
+#include "rowwise.cuh"
+
+struct SamplingArgs {      // mirrors runtime/cuda_sampler.py
+    float temperature, top_p, min_p, repetition_penalty;
+    int top_k, seed, step, pad;
+};
+
+__device__ __forceinline__ float penalized(const float* logits, const unsigned char* seen, int i, float rp) {
+    const float l = logits[i];
+    return seen[i] ? (l > 0.0f ? l / rp : l * rp) : l;
+}
+
+// Counter-based uniform in [0, 1): splitmix64 of (seed, step), so replays are reproducible.
+__device__ __forceinline__ float uniform01(int seed, int step) {
+    unsigned long long z = ((unsigned long long)(unsigned)seed << 32) + (unsigned)step + 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return (float)(z >> 40) * (1.0f / 16777216.0f);
+}
+
+// Count and probability mass (relative to max m) of logits/T above threshold `thr`.
+template <int V>
+__device__ __forceinline__ void mass_above(const float* logits, const unsigned char* seen, const SamplingArgs& a,
+                                           float m, float thr, float& count, float& mass) {
+    float c = 0.0f, s = 0.0f;
+    for (int i = threadIdx.x; i < V; i += blockDim.x) {
+        const float l = penalized(logits, seen, i, a.repetition_penalty) / a.temperature;
+        if (l >= thr) { c += 1.0f; s += __expf(l - m); }
+    }
+    count = block_sum(c);
+    mass = block_sum(s);
+}
+
+template <int V>
+__device__ int sample_token(const float* logits, const unsigned char* seen, const SamplingArgs& a) {
+    __shared__ float scan[1024];
+    float m = NEG_INF, lo = __int_as_float(0x7f800000);
+    for (int i = threadIdx.x; i < V; i += blockDim.x) {
+        const float l = penalized(logits, seen, i, a.repetition_penalty) / a.temperature;
+        m = fmaxf(m, l);
+        lo = fminf(lo, l);
+    }
+    m = block_max(m);
+    lo = -block_max(-lo);
+    float total_c, total;
+    mass_above<V>(logits, seen, a, m, lo, total_c, total);
+    float thr = lo;
+    if (a.min_p > 0.0f) thr = fmaxf(thr, m + __logf(a.min_p));
+    // Bisection for the highest threshold that still keeps >= top_k tokens and >= top_p of the mass.
+    if (a.top_k > 0 || a.top_p < 1.0f) {
+        float keep = thr, drop = m;              // `keep` satisfies both cuts; `drop` need not
+        for (int it = 0; it < 40; it++) {
+            const float mid = 0.5f * (keep + drop);
+            float c, s;
+            mass_above<V>(logits, seen, a, m, mid, c, s);
+            const bool ok = (a.top_k <= 0 || c >= a.top_k) && (a.top_p >= 1.0f || s >= a.top_p * total);
+            if (ok) keep = mid; else drop = mid;
+        }
+        float c, s;
+        mass_above<V>(logits, seen, a, m, drop, c, s);   // `drop` itself may already be enough
+        const bool ok = (a.top_k <= 0 || c >= a.top_k) && (a.top_p >= 1.0f || s >= a.top_p * total);
+        thr = ok ? drop : keep;
+    }
+    // Inverse CDF over contiguous ranges per thread, in token order.
+    constexpr int PER = (V + 1023) / 1024;
+    const int begin = threadIdx.x * PER, stop = min(V, begin + PER);
+    float mine = 0.0f;
+    for (int i = begin; i < stop; i++) {
+        const float l = penalized(logits, seen, i, a.repetition_penalty) / a.temperature;
+        if (l >= thr) mine += __expf(l - m);
+    }
+    scan[threadIdx.x] = mine;
+    __syncthreads();
+    for (int off = 1; off < 1024; off <<= 1) {   // inclusive Hillis-Steele scan
+        const float add = threadIdx.x >= off ? scan[threadIdx.x - off] : 0.0f;
+        __syncthreads();
+        scan[threadIdx.x] += add;
+        __syncthreads();
+    }
+    const float target = uniform01(a.seed, a.step) * scan[1023];
+    __shared__ int chosen;
+    if (threadIdx.x == 0) chosen = -1;
+    __syncthreads();
+    const float before = scan[threadIdx.x] - mine;
+    if (target >= before && target < scan[threadIdx.x] && mine > 0.0f) {
+        float acc = before;
+        int pick = -1;
+        for (int i = begin; i < stop; i++) {
+            const float l = penalized(logits, seen, i, a.repetition_penalty) / a.temperature;
+            if (l >= thr) { pick = i; acc += __expf(l - m); if (acc > target) break; }
+        }
+        chosen = pick;
+    }
+    __syncthreads();
+    return chosen >= 0 ? chosen : block_argmax(logits, V);
+}
