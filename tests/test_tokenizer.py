@@ -92,13 +92,22 @@ def corpus(n: int, seed: int = 0) -> list[str]:
     return out
 
 
+def representable(tok, text: str) -> bool:
+    """Whether every byte of `text` has a token: SmolLM2's vocabulary lacks 21 of the 256 byte
+    tokens (0xF1, 0xFF, ...), which BPE then drops, so such text cannot decode back to itself."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    spell = bytes_to_unicode()
+    return all(tok.backend.token_to_id(spell[b]) is not None for b in text.encode())
+
+
 def check_stream(tok, ids) -> str:
     """Feed ids one at a time: no piece may hold a broken character; the pieces add up to decode()."""
     stream, pieces = tok.stream(), []
     for i in ids:
         pieces.append(stream.push(i))
     pieces.append(stream.flush())
-    assert not any("\ufffd" in p for p in pieces)
+    if "\ufffd" not in tok.decode(ids):
+        assert not any("\ufffd" in p for p in pieces)
     assert "".join(pieces) == tok.decode(ids)
     return "".join(pieces)
 
@@ -136,8 +145,10 @@ def test_random_text_parity(ours, hf, hf_raw, folder_pair, text):
     if not has_numeric(text):
         assert ids == hf_raw.encode(text)
     assert folder_pair[0].encode(text) == folder_pair[1].encode(text) == ids
-    assert ours.decode(ids) == hf.decode(ids) == text
-    assert check_stream(ours, ids) == text
+    assert ours.decode(ids) == hf.decode(ids)
+    assert check_stream(ours, ids) == ours.decode(ids)
+    if representable(ours, text):
+        assert ours.decode(ids) == text
 
 
 def test_numbers_split_like_llama_cpp_smollm(ours, hf_raw):
