@@ -77,8 +77,8 @@ def load_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, progress: boo
     weights = {}
     for node in tqdm(nodes, desc="loading weights", unit="tensor", disable=not progress, leave=False):
         if node.name not in available:
-            raise FuselmError(f"{ckpt.path}: missing tensor '{node.name}' (the model needs it, "
-                              f"the checkpoint has {len(available)} other tensors)")
+            raise FuselmError(f"{ckpt.path}: missing tensor '{node.name}' (the model needs it; "
+                              f"the checkpoint has {len(available)} tensors)")
         shape = store.shape(node.name)
         if shape != tuple(node.shape):
             raise FuselmError(f"{ckpt.path}: tensor '{node.name}' has shape {shape} in the checkpoint "

@@ -44,7 +44,8 @@ def read_gguf(path: Path) -> gguf.GGUFReader:
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # the parser raises ValueError, struct.error, IndexError... on bad bytes
-        raise FuselmError(f"{path}: not a valid GGUF file ({' '.join(str(e).split()) or type(e).__name__})") from None
+        detail = " ".join(str(e).split()) or type(e).__name__
+        raise FuselmError(f"{path}: not a valid GGUF file, truncated or corrupt ({detail})") from None
     for t in reader.tensors:  # a truncated data section shows as views shorter than the header says
         if t.data.nbytes != int(t.n_bytes):
             raise FuselmError(f"{path}: truncated: tensor '{t.name}' has {t.data.nbytes} of {t.n_bytes} bytes")

@@ -23,6 +23,7 @@ _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
 _QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
 SPLITS = {"llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "smaug-bpe": _LLAMA3,
           "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2}
+DIGITS_FIRST = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 
 
 def tokenizer_from_gguf(reader: gguf.GGUFReader, path: Path) -> TextTokenizer:
@@ -72,7 +73,7 @@ def _byte_level(tokens: list[str], merges: list[str], pre: str | None) -> Tokeni
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(SPLITS[pre]), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    elif pre == "smollm":  # GPT-2's split after cutting out every digit alone
+    elif pre in DIGITS_FIRST:  # GPT-2's split after cutting out every numeric character alone
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
     else:  # "gpt2", "default" and unknown: GPT-2's own split

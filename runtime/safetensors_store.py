@@ -24,6 +24,8 @@ def read_header(path: Path) -> tuple[dict, int]:
 
     Every entry is checked against the file size, so a truncated file fails here, naming itself."""
     size = path.stat().st_size
+    if size < 8:
+        raise FuselmError(f"{path}: not a valid safetensors file (only {size} bytes)")
     try:
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
