@@ -124,19 +124,28 @@ class Model:
         except ValueError as e:
             raise FuselmError(str(e)) from None
 
-    def generate(self, prompt: str, max_new_tokens: int = 64, *, chat: bool = False,
-                 **sampling) -> Iterator[str]:
+    def generate(self, prompt: str, max_new_tokens: int = 64, *, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
+                 repetition_penalty: float | None = None, seed: int | None = None,
+                 chat: bool = False) -> Iterator[str]:
         """Stream the continuation of `prompt` (with chat=True: the answer to it as a user message,
-        through the chat template). Sampling keywords: temperature, top_k, top_p, min_p,
-        repetition_penalty, seed. Starts from an empty cache."""
+        through the chat template). Sampling settings left as None take the model's defaults
+        (`self.defaults`). Starts from an empty cache."""
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                        repetition_penalty=repetition_penalty, seed=seed)
         self._cache_ids.clear()
         if chat:
             return self.chat([{"role": "user", "content": prompt}], max_new_tokens, **sampling)
         return self._generate(prompt, max_new_tokens, None, sampling)
 
-    def chat(self, messages: Sequence[dict], max_new_tokens: int = 64, **sampling) -> Iterator[str]:
+    def chat(self, messages: Sequence[dict], max_new_tokens: int = 64, *,
+             temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+             min_p: float | None = None, repetition_penalty: float | None = None,
+             seed: int | None = None) -> Iterator[str]:
         """Stream the assistant's reply to `messages` (dicts with "role" and "content"). When the
         messages extend the previous chat, the cached tokens are reused instead of fed again."""
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                        repetition_penalty=repetition_penalty, seed=seed)
         return self._generate(list(messages), max_new_tokens, self._cache_ids, sampling)
 
     def reset(self) -> None:
