@@ -38,7 +38,9 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         raise FuselmError(f"{path}: no such file or folder")
     if path.is_dir():
         return _open_folder(path)
-    if path.suffix.lower() == ".gguf" or path.open("rb").read(4) == b"GGUF":
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if path.suffix.lower() == ".gguf" or magic == b"GGUF":
         return _open_gguf(path)
     raise FuselmError(f"{path}: not a checkpoint (expected a Hugging Face folder or a .gguf file)")
 

@@ -1,6 +1,7 @@
 """A Hugging Face style config.json dict built from a GGUF file's llama.cpp metadata."""
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import gguf
@@ -46,6 +47,9 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> dict:
     head_dim = metadata(reader, f"{arch}.attention.key_length")
     if head_dim is not None:
         cfg["head_dim"] = head_dim
+    if "rope_freqs.weight" in names:  # llama.cpp keeps Llama 3.1 RoPE scaling as a tensor, not metadata
+        warnings.warn(f"{path}: the rope_freqs tensor (Llama 3.1 RoPE scaling) is ignored; "
+                      "long-context outputs will differ", stacklevel=2)
     if metadata(reader, f"{arch}.rope.scaling.type") == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
     for hf_key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
