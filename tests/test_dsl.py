@@ -223,7 +223,7 @@ def test_tied_weight_is_one_node():
         g.weight("model.embed_tokens.weight", (6, 10))
 
 
-def test_tied_llama_graph_has_no_lm_head(h):
+def test_tied_llama_graph_has_no_lm_head():
     from fuselm.models import DecoderConfig, build_graph
 
     cfg = DecoderConfig("LlamaForCausalLM", 11, 8, 12, 1, 2, 1, 4, tie_word_embeddings=True)

@@ -308,7 +308,8 @@ def hf_inv_freq(hd, theta, scaling):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     cfg = transformers.LlamaConfig(hidden_size=2 * hd, num_attention_heads=2, head_dim=hd,
-                                   rope_theta=theta, rope_scaling=scaling)
+                                   rope_theta=theta, rope_scaling=scaling,
+                                   max_position_embeddings=131072)
     kind = (scaling or {}).get("rope_type", "default")
     if kind == "default":
         inv, factor = LlamaRotaryEmbedding.compute_default_rope_parameters(config=cfg)

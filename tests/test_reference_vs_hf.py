@@ -81,7 +81,7 @@ def kind_of(kw, attn, rope):
 
 
 @given(case=llama_case(), prompt_len=st.integers(1, 7), seed=st.integers(0, 2**31 - 1))
-@settings(max_examples=40)
+@settings(max_examples=60)
 def test_llama_vs_transformers(h, case, prompt_len, seed):
     kw, attn, rope = case
     model, weights, cfg = h.make_hf_model("LlamaForCausalLM", seed=seed, **kw)
@@ -98,7 +98,7 @@ def test_llama_vs_transformers(h, case, prompt_len, seed):
 @given(kv=st.integers(1, 2), group=st.sampled_from([1, 2, 3]), hd=st.sampled_from([4, 6, 8]),
        layers=st.integers(1, 3), window=st.integers(2, 5), extra=st.integers(1, 4),
        seed=st.integers(0, 2**31 - 1))
-@settings(max_examples=25)
+@settings(max_examples=40)
 def test_mistral_sliding_window_vs_transformers(h, kv, group, hd, layers, window, extra, seed):
     """Mistral with a sliding window shorter than the sequence, in the prompt and in decode.
 
