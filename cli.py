@@ -78,7 +78,7 @@ def _check_run_arguments(args: argparse.Namespace) -> None:
         raise FuselmError(f"-n must be a positive number of tokens, got {args.max_new_tokens}")
     if args.ctx is not None and args.ctx <= 0:
         raise FuselmError(f"--ctx must be a positive number of tokens, got {args.ctx}")
-    SamplingParams(**{k: v for k, v in _sampling_kwargs(args).items()}).validate()
+    SamplingParams(**_sampling_kwargs(args)).validate()
     if args.model is not None and not Path(args.model).exists():
         raise FuselmError(f"no such file or folder: {args.model}")
     if args.prompt is not None and not args.prompt.strip():

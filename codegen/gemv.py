@@ -8,13 +8,14 @@ from ..dsl import Kind, get
 from . import cexpr
 from .params import Params
 
-THREADS = 256      # 8 warps; one output row per warp at a time
-UNROLL = 4         # 16-byte weight loads in flight per lane
+THREADS = 256      # 8 warps
+ROWS_PER_WARP = 2  # rows a warp streams at once, sharing each load of the vector
+UNROLL = 4         # 16-byte loads in flight per lane and row
 
 
 def _slots(members: int, pairs: bool) -> int:
-    """Rows per member in one block's tile: the block's 8 warps take one dot product each."""
-    r = max(1, (THREADS // 32) // members)
+    """Rows per member in one block's tile: each of the 8 warps takes ROWS_PER_WARP dot products."""
+    r = max(1, (THREADS // 32) * ROWS_PER_WARP // members)
     return max(2, r + (r & 1)) if pairs else r
 
 
@@ -42,6 +43,7 @@ def context(G: nx.DiGraph, launch: dict, params: Params) -> dict:
         start += tiles
         max_tile = max(max_tile, R * len(z["linears"]))
     return {"K": K, "x": x, "prologue": pro, "zips": zips, "threads": THREADS, "unroll": UNROLL,
+            "rows_per_warp": ROWS_PER_WARP,
             "max_tile": max_tile, "grid": start}
 
 

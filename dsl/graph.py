@@ -87,8 +87,9 @@ class Graph:
         shapes = [self.nodes[a.name].shape for a in args]
         try:
             shape, dtype = opdef.shape_rule(shapes, attrs)
-        except _ops.ShapeError as e:
-            raise _ops.ShapeError(f"{name or opname}: {e}") from None
+        except (_ops.ShapeError, ValueError, TypeError) as e:   # incl. operands of the wrong rank
+            where = name or f"{opname} #{self._counter + 1}"
+            raise _ops.ShapeError(f"{where}: {e} (operand shapes {shapes})") from None
         if name is None:
             self._counter += 1
             name = f"{opname}_{self._counter}"

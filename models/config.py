@@ -54,7 +54,7 @@ class DecoderConfig:
             head_dim=int(d.get("head_dim") or hidden // heads),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            rope_scaling=d.get("rope_scaling"),
+            rope_scaling=d.get("rope_scaling") or _scaling_in(d.get("rope_parameters")),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             sliding_window=d.get("sliding_window") if d.get("use_sliding_window", True) else None,
@@ -65,6 +65,13 @@ class DecoderConfig:
             raise ConfigError(f"{source}: num_attention_heads {heads} is not a multiple of "
                               f"num_key_value_heads {cfg.num_kv_heads}")
         return cfg
+
+
+def _scaling_in(params: dict | None) -> dict | None:
+    """transformers 5 writes RoPE scaling under `rope_parameters` instead of `rope_scaling`."""
+    if params and params.get("rope_type", "default") != "default":
+        return params
+    return None
 
 
 def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:

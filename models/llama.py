@@ -8,20 +8,21 @@ def build(cfg: DecoderConfig) -> Graph:
     g = Graph(cfg.architecture)
     ids, pos, inv_freq = step_inputs(g, cfg)
     D, hd, eps = cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps
+    bias, mlp_bias = cfg.attention_bias, bool(cfg.extra.get("mlp_bias"))
     x = g.op("embedding", g.weight("model.embed_tokens.weight", (cfg.vocab_size, D)), ids)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}"
         h = rmsnorm(g, x, f"{p}.input_layernorm.weight", eps)
-        q = linear(g, h, f"{p}.self_attn.q_proj", cfg.num_heads * hd, cfg.attention_bias)
-        k = linear(g, h, f"{p}.self_attn.k_proj", cfg.num_kv_heads * hd, cfg.attention_bias)
-        v = linear(g, h, f"{p}.self_attn.v_proj", cfg.num_kv_heads * hd, cfg.attention_bias)
+        q = linear(g, h, f"{p}.self_attn.q_proj", cfg.num_heads * hd, bias)
+        k = linear(g, h, f"{p}.self_attn.k_proj", cfg.num_kv_heads * hd, bias)
+        v = linear(g, h, f"{p}.self_attn.v_proj", cfg.num_kv_heads * hd, bias)
         q = g.op("rope", q, pos, inv_freq, head_dim=hd)
         k = g.op("rope", k, pos, inv_freq, head_dim=hd)
         a = cached_attention(g, cfg, i, q, k, v, pos, window=cfg.sliding_window)
-        x = x + linear(g, a, f"{p}.self_attn.o_proj", D)
+        x = x + linear(g, a, f"{p}.self_attn.o_proj", D, bias)
         h = rmsnorm(g, x, f"{p}.post_attention_layernorm.weight", eps)
-        gate = linear(g, h, f"{p}.mlp.gate_proj", cfg.intermediate_size)
-        up = linear(g, h, f"{p}.mlp.up_proj", cfg.intermediate_size)
-        x = x + linear(g, g.op("silu", gate) * up, f"{p}.mlp.down_proj", D)
+        gate = linear(g, h, f"{p}.mlp.gate_proj", cfg.intermediate_size, mlp_bias)
+        up = linear(g, h, f"{p}.mlp.up_proj", cfg.intermediate_size, mlp_bias)
+        x = x + linear(g, g.op("silu", gate) * up, f"{p}.mlp.down_proj", D, mlp_bias)
     g.output(logits=lm_head(g, cfg, rmsnorm(g, x, "model.norm.weight", eps)))
     return g

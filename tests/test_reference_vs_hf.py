@@ -139,9 +139,6 @@ def test_longer_llama_decode_vs_transformers(h):
 
 # ---- known gaps, filed for their owners ----------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="models/llama.py: with attention_bias=True, transformers' Llama "
-                   "also gives o_proj a bias (LlamaAttention.o_proj bias=config.attention_bias); the "
-                   "graph adds q/k/v biases only")
 def test_llama_attention_bias_vs_transformers(h):
     model, weights, cfg = h.make_hf_model(
         "LlamaForCausalLM", seed=3, vocab_size=30, hidden_size=16, intermediate_size=20,
@@ -150,8 +147,6 @@ def test_llama_attention_bias_vs_transformers(h):
     compare(h, model, weights, cfg, [1, 2, 3, 4], [5], None)
 
 
-@pytest.mark.xfail(strict=True, reason="models/config.py DecoderConfig.from_hf: mlp_bias=True is "
-                   "neither supported nor refused; the gate/up/down biases are silently dropped")
 def test_llama_mlp_bias_is_supported_or_refused(h):
     from fuselm.models import ConfigError
 
@@ -164,9 +159,6 @@ def test_llama_mlp_bias_is_supported_or_refused(h):
     compare(h, model, weights, cfg, [1, 2, 3, 4], [5], None)
 
 
-@pytest.mark.xfail(strict=True, reason="models/config.py DecoderConfig.from_hf reads RoPE scaling "
-                   "only from 'rope_scaling'; config.json written by transformers 5 has it only "
-                   "under 'rope_parameters', so llama3/linear scaling is silently dropped")
 def test_from_hf_reads_rope_parameters():
     import transformers
 

@@ -5,7 +5,7 @@
 #include "common.cuh"
 
 // Workspace per (head, chunk): [0] = running max, [1] = sum of exp, [2 : 2 + HD] = sum of exp * v.
-template <int H, int KV, int HD, int CHUNK, int NCHUNK>
+template <int H, int KV, int HD, int CHUNK, int NCHUNK>  // blockDim.x == 128
 __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc, const bf16_t* vc, int pos,
                                                 int window, float scale, float softcap, float* ws) {
     constexpr int W = KV * HD;                  // floats per cache row
@@ -20,15 +20,26 @@ __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc
     }
     __shared__ float qs[HD];
     __shared__ float score[CHUNK];
+    __shared__ float partial[4][HD];               // per-warp sums of exp * v (blockDim.x == 128)
     for (int d = threadIdx.x; d < HD; d += blockDim.x) qs[d] = q[h * HD + d] * scale;
     __syncthreads();
-    for (int p = start + warp; p < end; p += warps) {
+    // Scores: one lane per position, the whole head row in 16-byte loads (latency hides across lanes).
+    for (int p = start + threadIdx.x; p < end; p += blockDim.x) {
         const bf16_t* k = kc + (size_t)p * W + kvh * HD;
         float s = 0.0f;
-        for (int d = lane; d < HD; d += 32) s = fmaf(qs[d], bf16_to_f32(k[d]), s);
-        s = warp_sum(s);
+        if constexpr (HD % 8 == 0) {              // rows and heads 16-byte aligned
+#pragma unroll
+            for (int d = 0; d < HD; d += 8) {
+                const uint4 raw = __ldg(reinterpret_cast<const uint4*>(k + d));
+                const bf16_t* kv = reinterpret_cast<const bf16_t*>(&raw);
+#pragma unroll
+                for (int i = 0; i < 8; i++) s = fmaf(qs[d + i], bf16_to_f32(kv[i]), s);
+            }
+        } else {
+            for (int d = 0; d < HD; d++) s = fmaf(qs[d], bf16_to_f32(k[d]), s);
+        }
         if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
-        if (lane == 0) score[p - start] = s;
+        score[p - start] = s;
     }
     __syncthreads();
     float m = NEG_INF;
@@ -41,11 +52,25 @@ __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc
         l += e;
     }
     l = block_sum(l);                           // its barriers also publish score[]
-    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-        float acc = 0.0f;
-        for (int p = start; p < end; p++) acc = fmaf(score[p - start], bf16_to_f32(vc[(size_t)p * W + kvh * HD + d]), acc);
-        out[2 + d] = acc;
+    // Values: warp w takes positions start + w, + 4, ...; lane owns dims lane, lane + 32, ...
+    constexpr int PER = (HD + 31) / 32;
+    float acc[PER];
+#pragma unroll
+    for (int j = 0; j < PER; j++) acc[j] = 0.0f;
+#pragma unroll 4
+    for (int p = start + warp; p < end; p += warps) {
+        const float e = score[p - start];
+        const bf16_t* v = vc + (size_t)p * W + kvh * HD;
+#pragma unroll
+        for (int j = 0; j < PER; j++)
+            if (lane + 32 * j < HD) acc[j] = fmaf(e, bf16_to_f32(v[lane + 32 * j]), acc[j]);
     }
+#pragma unroll
+    for (int j = 0; j < PER; j++)
+        if (lane + 32 * j < HD) partial[warp][lane + 32 * j] = acc[j];
+    __syncthreads();
+    for (int d = threadIdx.x; d < HD; d += blockDim.x)
+        out[2 + d] = partial[0][d] + partial[1][d] + partial[2][d] + partial[3][d];
     if (threadIdx.x == 0) { out[0] = m; out[1] = l; }
 }
 

@@ -38,44 +38,58 @@ __device__ __forceinline__ float block_rms_scale(const float* x, float eps) {
     return rms_scale(block_sum(ss), K, eps);
 }
 
-// dot(W[row, 0:K], v) for the calling warp; every lane gets the result.
-// UNROLL independent 16-byte loads are issued before any is used, to keep enough bytes in flight.
-template <int K, int UNROLL, class Vector>
-__device__ __forceinline__ float warp_dot(const weight_t* __restrict__ row, const Vector& v) {
+// acc[r] = dot(W[rows[r], 0:K], v) for NR rows at once, by the calling warp; every lane gets the
+// results. Each lane keeps UNROLL x NR independent 16-byte loads in flight, and each chunk of the
+// vector it loads serves all NR rows (fewer L1 reads per weight byte).
+template <int K, int UNROLL, int NR, class Vector>
+__device__ __forceinline__ void warp_dot_rows(const weight_t* const (&rows)[NR], const Vector& v, float (&acc)[NR]) {
     constexpr int CHUNK = 8;                         // weights per 16-byte load
     constexpr int STEP = 32 * CHUNK;                 // weights per warp-wide load
-    constexpr int FULL = K / (STEP * UNROLL) * (STEP * UNROLL);
+    constexpr int FULL = K % CHUNK ? 0 : K / (STEP * UNROLL) * (STEP * UNROLL);
     const int lane = threadIdx.x & 31;
-    float acc = 0.0f;
+#pragma unroll
+    for (int r = 0; r < NR; r++) acc[r] = 0.0f;
     if constexpr (K % CHUNK != 0) {                  // rows are not 16-byte aligned: scalar loads
-        for (int k = lane; k < K; k += 32) acc = fmaf(w2f(row[k]), v.at(k), acc);
-        return warp_sum(acc);
-    }
-    for (int base = 0; base < FULL; base += STEP * UNROLL) {
-        uint4 q[UNROLL];
+        for (int k = lane; k < K; k += 32) {
+            const float xk = v.at(k);
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++)
-            q[u] = __ldcs(reinterpret_cast<const uint4*>(row + base + u * STEP + lane * CHUNK));
+            for (int r = 0; r < NR; r++) acc[r] = fmaf(w2f(rows[r][k]), xk, acc[r]);
+        }
+    } else {
+        for (int base = 0; base < FULL; base += STEP * UNROLL) {
+            uint4 q[UNROLL][NR];
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
-            float w[8], xv[8];
-            unpack8(q[u], w);
-            v.load8(base + u * STEP + lane * CHUNK, xv);
+            for (int u = 0; u < UNROLL; u++)
 #pragma unroll
-            for (int i = 0; i < 8; i++) acc = fmaf(w[i], xv[i], acc);
+                for (int r = 0; r < NR; r++)
+                    q[u][r] = __ldcs(reinterpret_cast<const uint4*>(rows[r] + base + u * STEP + lane * CHUNK));
+#pragma unroll
+            for (int u = 0; u < UNROLL; u++) {
+                float xv[8];
+                v.load8(base + u * STEP + lane * CHUNK, xv);
+#pragma unroll
+                for (int r = 0; r < NR; r++) {
+                    float w[8];
+                    unpack8(q[u][r], w);
+#pragma unroll
+                    for (int i = 0; i < 8; i++) acc[r] = fmaf(w[i], xv[i], acc[r]);
+                }
+            }
+        }
+        for (int k = FULL + lane * CHUNK; k < K; k += STEP) {   // the remaining whole chunks
+            float xv[8];
+            v.load8(k, xv);
+#pragma unroll
+            for (int r = 0; r < NR; r++) {
+                float w[8];
+                unpack8(__ldcs(reinterpret_cast<const uint4*>(rows[r] + k)), w);
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[r] = fmaf(w[i], xv[i], acc[r]);
+            }
         }
     }
-    // Remainder: whole 16-byte chunks, then single elements (K need not be a multiple of 8).
-    constexpr int K8 = K / CHUNK * CHUNK;
-    for (int k = FULL + lane * CHUNK; k < K8; k += STEP) {
-        float w[8], xv[8];
-        unpack8(__ldcs(reinterpret_cast<const uint4*>(row + k)), w);
-        v.load8(k, xv);
 #pragma unroll
-        for (int i = 0; i < 8; i++) acc = fmaf(w[i], xv[i], acc);
-    }
-    for (int k = K8 + lane; k < K; k += 32) acc = fmaf(w2f(row[k]), v.at(k), acc);
-    return warp_sum(acc);
+    for (int r = 0; r < NR; r++) acc[r] = warp_sum(acc[r]);
 }
 
 // Which output row slot `s` of tile `tile` computes. Contiguous tiles own rows [tile*R, tile*R+R);

@@ -1,0 +1,242 @@
+"""`fuselm bench`: decode speed against the GPU's measured copy bandwidth, in one run.
+
+For each model (a preset name with random weights made on the GPU, or a checkpoint path) it
+prints and returns: copy bandwidth, decode tok/s (median of runs of 128 tokens) and ms/token,
+bytes per token and the fraction of the bandwidth achieved, time to first token for 32- and
+512-token prompts, decode tok/s at 4k context, compile time cold and warm, load time, peak GPU
+memory, optionally per-kernel-family time (`--profile`) and Hugging Face transformers on the
+same shapes (`--peers hf`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+from ..codegen import generate, headers, module_source, sampler
+from ..codegen.nvrtc import compile_cubin, options
+from ..compiler import compile_graph
+from ..models import build_graph
+from ..models.presets import PRESETS, preset
+from .engine import SamplingParams
+
+GREEDY = SamplingParams()
+
+
+def copy_bandwidth(gib: int = 4) -> float:
+    """Device-to-device copy, bytes read + written per second (median of 10)."""
+    import cupy as cp
+    n = gib * 2**30 // 4
+    a = cp.ones(n, cp.float32)
+    b = cp.empty_like(a)
+    times = []
+    for _ in range(12):
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record()
+        cp.copyto(b, a)
+        e1.record()
+        e1.synchronize()
+        times.append(cp.cuda.get_elapsed_time(e0, e1) / 1e3)
+    del a, b
+    cp.get_default_memory_pool().free_all_blocks()
+    return 2 * n * 4 / statistics.median(times[2:])
+
+
+def compile_times(graph, ctx: int, arch: str) -> tuple[float, float]:
+    """Seconds from graph to cubin with an empty kernel cache, then with it warm."""
+    import os
+    out = []
+    with tempfile.TemporaryDirectory() as d:
+        old = os.environ.get("FUSELM_CACHE")
+        os.environ["FUSELM_CACHE"] = d
+        try:
+            for _ in range(2):
+                t0 = time.perf_counter()
+                G = compile_graph(graph, tokens=1)
+                ks = generate(G, rows=ctx) + [sampler(G.nodes[next(iter(G.graph["outputs"].values()))]["shape"][-1])]
+                compile_cubin(module_source(ks), headers(), options(arch))
+                out.append(time.perf_counter() - t0)
+        finally:
+            if old is None:
+                os.environ.pop("FUSELM_CACHE")
+            else:
+                os.environ["FUSELM_CACHE"] = old
+    return out[0], out[1]
+
+
+def _decode_rate(engine, prompt, n: int) -> tuple[float, float]:
+    """(time to first token, decode tok/s over n tokens) from a fresh conversation."""
+    engine.reset()
+    t0 = time.perf_counter()
+    tok = engine.prefill(prompt, GREEDY)
+    ttft = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    for _ in range(n):
+        tok = engine.decode(tok, GREEDY)
+    return ttft, n / (time.perf_counter() - t1)
+
+
+def profile(engine, reps: int = 20) -> dict[str, dict]:
+    """Per kernel family: microseconds per token and GB/s, each launch timed alone with events."""
+    import cupy as cp
+    per = defaultdict(lambda: {"us": 0.0, "bytes": 0, "launches": 0})
+    calls = iter(engine.calls)
+    for k in engine.kernels:
+        for _ in k.launches:
+            fn, grid, block, args = next(calls)
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            with engine.stream:
+                fn(grid, block, args)
+                e0.record(engine.stream)
+                for _ in range(reps):
+                    fn(grid, block, args)
+                e1.record(engine.stream)
+            e1.synchronize()
+            fam = per[k.family]
+            fam["us"] += cp.cuda.get_elapsed_time(e0, e1) * 1e3 / reps
+            fam["launches"] += 1
+        per[k.family]["bytes"] += k.bytes_read + k.bytes_written
+    return {f: {**v, "GBps": v["bytes"] / v["us"] / 1e3 if v["us"] else 0.0} for f, v in per.items()}
+
+
+def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do_profile: bool = False,
+                peers: tuple[str, ...] = (), copy_Bps: float | None = None, fuse: bool = True) -> dict:
+    import cupy as cp
+
+    from .cuda_engine import CudaEngine
+    from .random_weights import random_gpu_weights
+    cfg = preset(name)
+    graph = build_graph(cfg)
+    arch = f"sm_{cp.cuda.Device().compute_capability}"
+    cold, warm = compile_times(graph, ctx, arch)
+    t0 = time.perf_counter()
+    weights = random_gpu_weights(graph)
+    cp.cuda.Device().synchronize()
+    load = time.perf_counter() - t0
+    engine = CudaEngine(graph, weights, ctx=ctx, fuse=fuse)
+    del weights
+    rng = np.random.default_rng(0)
+    prompt32 = rng.integers(0, cfg.vocab_size, 32).tolist()
+    prompt512 = rng.integers(0, cfg.vocab_size, 512).tolist()
+    _decode_rate(engine, prompt32, 8)                              # warm-up (captures the graph)
+    results = [_decode_rate(engine, prompt32, tokens) for _ in range(runs)]
+    ttft32 = statistics.median(r[0] for r in results)
+    tok_s = statistics.median(r[1] for r in results)
+    ttft512, _ = _decode_rate(engine, prompt512, 1)
+    engine.reset()                                                 # 4k context: jump the position
+    engine.position = 4096
+    tok = engine.prefill(prompt32[:1], GREEDY)
+    t1 = time.perf_counter()
+    for _ in range(tokens):
+        tok = engine.decode(tok, GREEDY)
+    tok_s_4k = tokens / (time.perf_counter() - t1)
+    weight_bytes = sum(w.nbytes for w in engine.weights.values())
+    kv_row = sum(s.shape[1] * 2 for s in engine.states.values())
+    avg_ctx = 32 + tokens / 2
+    bytes_per_token = weight_bytes + kv_row * avg_ctx
+    res = {"model": name, "dtype": "bf16", "fused": fuse, "decode_tok_s": round(tok_s, 1),
+           "ms_per_token": round(1e3 / tok_s, 3), "bytes_per_token": int(bytes_per_token),
+           "achieved_GBps": round(bytes_per_token * tok_s / 1e9, 1),
+           "ttft_32_ms": round(ttft32 * 1e3, 1), "ttft_512_ms": round(ttft512 * 1e3, 1),
+           "decode_tok_s_at_4k": round(tok_s_4k, 1), "ratio_4k": round(tok_s_4k / tok_s, 3),
+           "compile_cold_s": round(cold, 2), "compile_warm_s": round(warm, 2),
+           "load_s": round(load, 2), "peak_gpu_GiB": round(cp.get_default_memory_pool().total_bytes() / 2**30, 2),
+           "launches_per_token": len(engine.calls)}
+    if copy_Bps:
+        res["bandwidth_fraction"] = round(bytes_per_token * tok_s / copy_Bps, 3)
+        res["bandwidth_limit_tok_s"] = round(copy_Bps / bytes_per_token, 1)
+    if do_profile:
+        res["profile"] = profile(engine)
+    del engine
+    cp.get_default_memory_pool().free_all_blocks()
+    if "hf" in peers:
+        res["hf_eager_tok_s"] = hf_decode_rate(cfg, tokens)
+        res["vs_hf"] = round(tok_s / res["hf_eager_tok_s"], 2)
+    return res
+
+
+def hf_decode_rate(cfg, tokens: int) -> float:
+    """Hugging Face transformers, eager bf16, greedy, same shapes with random weights."""
+    import torch
+    import transformers
+    conf = transformers.AutoConfig.for_model("mistral" if cfg.architecture.startswith("Mistral") else "llama",
+                                            **{k: v for k, v in cfg.extra.items() if k != "architectures"})
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(conf, torch_dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, 32), device="cuda")
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=8, min_new_tokens=8, **kw)
+        rates = []
+        for n in (1, tokens + 1):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+            torch.cuda.synchronize()
+            rates.append(time.perf_counter() - t)
+    del model
+    torch.cuda.empty_cache()
+    return round(tokens / (rates[1] - rates[0]), 1)
+
+
+def run(models: list[str], out: str | None = None, **kw) -> dict:
+    """Benchmark `models`, print a table, write JSON to `out` if given, return the record."""
+    import cupy as cp
+
+    from .cuda_engine import gpu_name
+    copy = copy_bandwidth()
+    record = {"gpu": gpu_name(), "date": date.today().isoformat(), "copy_GBps": round(copy / 1e9, 1),
+              "results": []}
+    print(f"{record['gpu']}: device copy {copy / 1e9:.0f} GB/s (read + write)")
+    for m in models:
+        r = bench_model(m, copy_Bps=copy, **kw)
+        record["results"].append(r)
+        print(_row(r), flush=True)
+        if r.get("profile"):
+            for fam, p in r["profile"].items():
+                print(f"    {fam:10s} {p['launches']:4d} launches {p['us']:9.1f} us/token {p['GBps']:8.1f} GB/s")
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(record, indent=1) + "\n")
+    del cp
+    return record
+
+
+def _row(r: dict) -> str:
+    s = (f"{r['model']:14s} {r['decode_tok_s']:8.1f} tok/s {r['ms_per_token']:7.3f} ms/tok "
+         f"{r.get('bandwidth_fraction', 0) * 100:5.1f}% of copy bw | ttft32 {r['ttft_32_ms']} ms "
+         f"ttft512 {r['ttft_512_ms']} ms | 4k ctx {r['decode_tok_s_at_4k']} tok/s | compile "
+         f"{r['compile_cold_s']}s cold {r['compile_warm_s']}s warm | {r['peak_gpu_GiB']} GiB")
+    if "hf_eager_tok_s" in r:
+        s += f" | HF eager {r['hf_eager_tok_s']} tok/s (x{r['vs_hf']})"
+    return s
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("models", nargs="*", default=["llama-3.2-1b", "llama-3.1-8b"],
+                   help=f"presets: {', '.join(PRESETS)}")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--profile", action="store_true", help="time per kernel family")
+    p.add_argument("--peers", default="", help="comma list; 'hf' = Hugging Face transformers eager")
+    p.add_argument("--no-fuse", action="store_true")
+    p.add_argument("--json", dest="out", help="write the JSON record here")
+
+
+def main(args: argparse.Namespace) -> int:
+    run(args.models, out=args.out, runs=args.runs, tokens=args.tokens, do_profile=args.profile,
+        peers=tuple(p for p in args.peers.split(",") if p), fuse=not args.no_fuse)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="fuselm bench")
+    add_arguments(parser)
+    raise SystemExit(main(parser.parse_args()))

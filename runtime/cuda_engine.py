@@ -1,0 +1,228 @@
+"""The CUDA backend: compiled kernels replayed as one CUDA graph per decode step.
+
+Everything a step needs lives on the GPU: weights (bf16), one arena for activations (planned by
+the compiler), the KV caches (bf16, `ctx` rows), the token id and position (device int32), and
+the sampler's state. The sampling kernel writes the next token id and advances the position, so
+the captured graph is replayed unchanged every step; only the sampled id is copied back.
+"""
+from __future__ import annotations
+
+import time
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ..codegen import generate, headers, module_source, sampler
+from ..codegen.nvrtc import cache_dir, compile_cubin, options
+from ..codegen.params import storage_of
+from ..compiler import compile_graph
+from ..dsl import Graph
+from ..errors import FuselmError
+from .engine import SamplingParams
+
+SAMPLING_ARGS = np.dtype([("temperature", "f4"), ("top_p", "f4"), ("min_p", "f4"),
+                          ("repetition_penalty", "f4"), ("top_k", "i4"), ("seed", "i4"),
+                          ("step", "i4"), ("pad", "i4")])   # mirrors SamplingArgs in sampling.cuh
+
+
+def gpu_available() -> bool:
+    """Whether CuPy imports and sees at least one CUDA device."""
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def gpu_name() -> str:
+    import cupy
+    return cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+
+
+def to_bf16_bits(x):
+    """float32 array (numpy or cupy) -> uint16 bfloat16 bits, round to nearest even."""
+    xp = type(x).__module__.split(".")[0] == "cupy" and __import__("cupy") or np
+    u = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(xp.uint16)
+
+
+class CudaEngine:
+    """A model compiled for the GPU. Implements runtime.engine.Engine."""
+    device = "cuda"
+
+    def __init__(self, graph: Graph, weights: Mapping[str, object], ctx: int = 4096, fuse: bool = True,
+                 use_graph: bool = True, arch: str | None = None):
+        import cupy
+        self.cp, self.graph, self.max_context, self.use_graph = cupy, graph, ctx, use_graph
+        self.position = 0
+        self.arch = arch or f"sm_{cupy.cuda.Device().compute_capability}"
+        t0 = time.perf_counter()
+        self.G = compile_graph(graph, fuse=fuse, tokens=1)
+        self.kernels = generate(self.G, rows=ctx)
+        self.logits_value = next(iter(self.G.graph["outputs"].values()))   # the first output
+        vocab = self.G.nodes[self.logits_value]["shape"][-1]
+        self.kernels.append(sampler(vocab))
+        cubin, _, self.compile_cached = compile_cubin(module_source(self.kernels), headers(), options(self.arch))
+        self.compile_seconds = time.perf_counter() - t0
+        self.module = _load_cubin(cupy, cubin)
+        self._allocate(weights, vocab)
+        self._bind()
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._graph_exec = None
+        self._sampling: SamplingParams | None = None
+
+    @classmethod
+    def from_checkpoint(cls, ckpt, graph: Graph, ctx: int = 4096, fuse: bool = True) -> "CudaEngine":
+        """Load `ckpt`'s weights as bf16 and compile `graph` for this GPU."""
+        import ml_dtypes
+
+        from .checkpoint import load_weights
+        weights = load_weights(ckpt, graph, dtype=ml_dtypes.bfloat16)
+        return cls(graph, weights, ctx=ctx, fuse=fuse)
+
+    # ---- memory ----
+    def _allocate(self, weights: Mapping[str, object], vocab: int) -> None:
+        cp, G = self.cp, self.G
+        self.weights = {}
+        for node in self.graph.sources("weight"):
+            w = weights.get(node.name) if hasattr(weights, "get") else weights[node.name]
+            if w is None:
+                raise FuselmError(f"missing weight '{node.name}'")
+            if tuple(w.shape) != node.shape:
+                raise FuselmError(f"weight '{node.name}' has shape {tuple(w.shape)}, expected {node.shape}")
+            self.weights[node.name] = _as_device_bf16(cp, w)
+        self.constants = {k: cp.asarray(v, cp.float32) for k, v in G.graph["constants"].items()}
+        self.states = {n.name: cp.zeros((self.max_context, n.shape[-1]), cp.uint16)
+                       for n in self.graph.sources("state")}
+        self.arena = cp.empty(max(G.graph["arena_bytes"], 256), cp.uint8)
+        self.ids = cp.zeros(1, cp.int32)
+        self.pos = cp.zeros(1, cp.int32)
+        self.seen = cp.zeros(vocab, cp.uint8)
+        self.sampling_args = cp.zeros(SAMPLING_ARGS.itemsize, cp.uint8)
+        ws = max([k.workspace_floats for k in self.kernels] + [1])
+        self.workspace = cp.empty(ws, cp.float32)
+
+    def buffer(self, value: str):
+        """The device array holding graph value `value` (arena slices for activations)."""
+        cp, G = self.cp, self.G
+        special = {"attention_workspace": self.workspace, "seen": self.seen, "ids": self.ids,
+                   "pos": self.pos, "sampling_args": self.sampling_args}
+        if value == "logits":
+            value = self.logits_value
+        if value in special:
+            return special[value]
+        store = storage_of(G, value)
+        op = G.nodes[store]["op"]
+        if op == "weight":
+            return self.weights[store]
+        if op == "constant":
+            return self.constants[store]
+        if op == "state":
+            return self.states[store]
+        if op == "input":
+            return {"ids": self.ids, "pos": self.pos}[store]
+        offset, nbytes = G.graph["buffers"][store]
+        view = self.arena[offset:offset + nbytes]
+        return view.view(cp.int32 if G.nodes[store]["dtype"] == "i32" else cp.float32)
+
+    def _bind(self) -> None:
+        """Resolve every launch's arguments once: the schedule is then a flat list of calls."""
+        self.calls = []
+        for k in self.kernels:
+            for launch in k.launches:
+                fn = self.module.get_function(launch.function)
+                grid = tuple(1 if g == "T" else g for g in launch.grid)
+                self.calls.append((fn, grid, (launch.block,), tuple(self.buffer(a) for a in launch.args)))
+
+    # ---- execution ----
+    def _run_schedule(self) -> None:
+        for fn, grid, block, args in self.calls:
+            fn(grid, block, args)
+
+    def step(self) -> None:
+        """One decode step on the stream: the whole schedule, as a CUDA graph when enabled."""
+        with self.stream:
+            if not self.use_graph:
+                self._run_schedule()
+                return
+            if self._graph_exec is None:
+                self.stream.begin_capture()
+                self._run_schedule()
+                self._graph_exec = self.stream.end_capture()
+            self._graph_exec.launch(self.stream)
+
+    def _set_sampling(self, sampling: SamplingParams) -> None:
+        if sampling == self._sampling:
+            return
+        sampling.validate()
+        a = np.zeros(1, SAMPLING_ARGS)
+        a["temperature"], a["top_p"], a["min_p"] = sampling.temperature, sampling.top_p, sampling.min_p
+        a["repetition_penalty"], a["top_k"] = sampling.repetition_penalty, sampling.top_k
+        a["seed"] = sampling.seed if sampling.seed is not None else np.random.randint(0, 2**31 - 1)
+        a["step"] = self.position
+        self.sampling_args.set(a.view(np.uint8), stream=self.stream)
+        self._sampling = sampling
+
+    def reset(self) -> None:
+        """Position back to 0, no tokens seen, the sampler's random stream restarted."""
+        self.position = 0
+        self.seen.fill(0)
+        self._sampling = None
+
+    def feed(self, token: int) -> None:
+        """Queue one step with `token` at the current position (no host synchronisation)."""
+        if self.position >= self.max_context:
+            raise FuselmError(f"the conversation reached the context of {self.max_context} tokens")
+        with self.stream:
+            self.ids.set(np.array([token], np.int32), stream=self.stream)
+            self.pos.set(np.array([self.position], np.int32), stream=self.stream)
+        self.step()
+        self.position += 1
+
+    def next_token(self) -> int:
+        out = np.empty(1, np.int32)
+        self.ids.get(stream=self.stream, out=out)
+        self.stream.synchronize()
+        return int(out[0])
+
+    def prefill(self, ids: Sequence[int], sampling: SamplingParams) -> int:
+        if self.position + len(ids) > self.max_context:
+            raise FuselmError(f"prompt of {len(ids)} tokens does not fit the context of {self.max_context}")
+        self._set_sampling(sampling)
+        seen = np.zeros(self.seen.shape[0], np.uint8)
+        seen[np.asarray(ids, np.int64)] = 1
+        with self.stream:
+            self.seen |= self.cp.asarray(seen)
+        for t in ids:
+            self.feed(int(t))
+        return self.next_token()
+
+    def decode(self, token: int, sampling: SamplingParams) -> int:
+        self._set_sampling(sampling)
+        self.feed(token)
+        return self.next_token()
+
+    def logits(self) -> np.ndarray:
+        """The last step's logits [vocab] (for tests and tools)."""
+        self.stream.synchronize()
+        return self.cp.asnumpy(self.buffer(self.logits_value))[: self.seen.shape[0]]
+
+
+def _load_cubin(cupy, cubin: bytes):
+    """Load a cubin through a file in the kernel cache (RawModule loads from a path)."""
+    import hashlib
+    path = cache_dir() / f"{hashlib.sha256(cubin).hexdigest()}.module.cubin"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(cubin)
+    return cupy.RawModule(path=str(path))
+
+
+def _as_device_bf16(cp, w):
+    """A weight (numpy float32 / bfloat16 / cupy array) as device uint16 bf16 bits."""
+    if isinstance(w, cp.ndarray):
+        return w if w.dtype == cp.uint16 else to_bf16_bits(w)
+    w = np.asarray(w)
+    if w.dtype.name == "bfloat16":
+        return cp.asarray(w.view(np.uint16))
+    return cp.asarray(to_bf16_bits(w.astype(np.float32)))

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Everything fuselm checks on a GPU machine, in one go: install, GPU tests, benchmark.
+# Usage (device machine): bash scripts/gpu_check.sh [bench models...]; results land in $OUT (or ./gpu_out).
+set -uo pipefail
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 FUSELM_CACHE=${FUSELM_CACHE:-/tmp/fuselm-cache}
+if [ -d .whl ]; then   # packages the GPU image lacks (gguf), carried as wheels
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -m pytest tests/test_gpu.py -m gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+tests_rc=${PIPESTATUS[0]}
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  models=${*:-llama-3.2-1b llama-3.1-8b smollm2-135m}
+  python3 -m fuselm.runtime.bench $models --profile --peers hf --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+fi
+exit $tests_rc
