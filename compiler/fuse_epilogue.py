@@ -4,57 +4,56 @@ Before: gemv kernels (possibly horizontal, possibly with a norm prologue).
 After: every ELEMENTWISE, ROW_LOCAL or CACHE_WRITE node that reads a value computed in a gemv
 kernel runs in that kernel's epilogue, on the tile of rows the block has just computed (bias,
 RoPE, KV-cache write, SiLU(gate) * up, residual add), provided that
-- the kernel graph stays acyclic (the node's other operands come from earlier kernels),
+- no other operand of the node depends on the kernel (that would need the kernel twice),
 - its tiled operands line up (same width; one row-to-slot mapping per zip set: see kernels.py),
 - the result stays a legal gemv kernel (kernels.check_gemv).
 Ops that need a whole GEMV output first (NORM, REDUCTION such as softmax) are never fused here.
-Values that other kernels still read are written by the epilogue; the rest stay in registers.
+Values that other kernels still read are written by the epilogue; the rest stay on chip.
 """
 from __future__ import annotations
 
 import networkx as nx
 
-from .kernels import EPILOGUE_KINDS, check_gemv, family, members, merge
+from ..dsl import Kind
+from .kernels import EPILOGUE_KINDS, check_gemv, family, members
 
 
 def fuse_epilogue(G: nx.DiGraph) -> nx.DiGraph:
     G = G.copy()
-    changed = True
-    while changed:
-        changed = False
-        groups = members(G)
-        for kernel, nodes in groups.items():
-            if family(G, nodes) != "gemv":
-                continue
-            for cand in _candidates(G, nodes):
-                if _try_fuse(G, kernel, cand):
-                    changed = True
+    groups = members(G)
+    for kernel in list(groups):
+        if kernel not in groups or family(G, groups[kernel]) != "gemv":
+            continue
+        nodes = groups[kernel]
+        grown = True
+        while grown:
+            grown = False
+            for cand in _candidates(G, nodes, groups):
+                if _legal(G, nodes, cand):
+                    del groups[G.nodes[cand]["kernel"]]
+                    G.nodes[cand]["kernel"] = kernel
+                    nodes.append(cand)
+                    grown = True
                     break
-            if changed:
-                break
     return G
 
 
-def _candidates(G: nx.DiGraph, nodes: list[str]) -> list[str]:
+def _candidates(G: nx.DiGraph, nodes: list[str], groups: dict) -> list[str]:
+    """Single-op kernels of an epilogue kind that read something this kernel computes."""
     inside = set(nodes)
-    seen = []
-    for n in nodes:
-        for reader in G.successors(n):
-            d = G.nodes[reader]
-            if reader not in inside and d["kind"] in EPILOGUE_KINDS and reader not in seen \
-                    and len(members(G)[d["kernel"]]) == 1:
-                seen.append(reader)
-    return sorted(seen, key=lambda n: G.nodes[n]["order"])
+    found = {r for n in nodes for r in G.successors(n)
+             if r not in inside and G.nodes[r]["kind"] in EPILOGUE_KINDS
+             and len(groups[G.nodes[r]["kernel"]]) == 1}
+    return sorted(found, key=lambda n: G.nodes[n]["order"])
 
 
-def _try_fuse(G: nx.DiGraph, kernel: str, cand: str) -> bool:
-    trial = G.copy()
-    if not merge(trial, [kernel, G.nodes[cand]["kernel"]], into=kernel):
-        return False
+def _legal(G: nx.DiGraph, nodes: list[str], cand: str) -> bool:
+    inside = set(nodes)
+    for i in G.nodes[cand]["inputs"]:
+        if i not in inside and G.nodes[i]["kind"] is not Kind.SOURCE and inside & nx.ancestors(G, i):
+            return False           # i is computed after this kernel: fusing would form a cycle
     try:
-        check_gemv(trial, members(trial)[kernel])
+        check_gemv(G, sorted(nodes + [cand], key=lambda n: G.nodes[n]["order"]))
     except ValueError:
         return False
-    for n in trial:
-        G.nodes[n]["kernel"] = trial.nodes[n]["kernel"]
     return True

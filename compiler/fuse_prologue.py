@@ -18,6 +18,7 @@ from .kernels import members, merge
 
 def fuse_prologue(G: nx.DiGraph) -> nx.DiGraph:
     G = G.copy()
+    groups = members(G)
     for norm in [n for n, d in G.nodes(data=True) if d["kind"] is Kind.NORM]:
         readers = list(G.successors(norm))
         if not readers or any(G.nodes[r]["kind"] is not Kind.LINEAR for r in readers):
@@ -25,18 +26,17 @@ def fuse_prologue(G: nx.DiGraph) -> nx.DiGraph:
         by_kernel: dict[str, list[str]] = defaultdict(list)
         for r in readers:
             by_kernel[G.nodes[r]["kernel"]].append(r)
-        if any(_has_prologue(G, k) for k in by_kernel):
-            continue
+        if any(G.nodes[n]["kind"] is Kind.NORM for k in by_kernel for n in groups[k]):
+            continue   # a gemv kernel has one prologue
         first, *others = sorted(by_kernel)
         for kernel in others:
-            G.nodes[_clone(G, norm, f"{norm}@{kernel}", by_kernel[kernel])]["kernel"] = kernel
-        merge(G, [first, G.nodes[norm]["kernel"]], into=first)
+            clone = _clone(G, norm, f"{norm}@{kernel}", by_kernel[kernel])
+            G.nodes[clone]["kernel"] = kernel
+            groups[kernel].append(clone)
+        own = G.nodes[norm]["kernel"]
+        if merge(G, [first, own], into=first):
+            groups[first] += groups.pop(own)
     return G
-
-
-def _has_prologue(G: nx.DiGraph, kernel: str) -> bool:
-    nodes = members(G)[kernel]
-    return any(G.nodes[n]["kind"] is Kind.NORM for n in nodes)
 
 
 def _clone(G: nx.DiGraph, norm: str, name: str, readers: list[str]) -> str:
