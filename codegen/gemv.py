@@ -8,15 +8,30 @@ from ..dsl import Kind, get
 from . import cexpr
 from .params import Params
 
-THREADS = 256      # 8 warps
+MAX_WARPS = 8      # per block
 ROWS_PER_WARP = 2  # rows a warp streams at once, sharing each load of the vector
+MIN_BLOCKS = 4 * 132   # enough blocks to fill the GPU (132 SMs on the H200) several times over
 UNROLL = 4         # 16-byte loads in flight per lane and row
 
 
-def _slots(members: int, pairs: bool) -> int:
-    """Rows per member in one block's tile: each of the 8 warps takes ROWS_PER_WARP dot products."""
-    r = max(1, (THREADS // 32) * ROWS_PER_WARP // members)
+def _slots(warps: int, members: int, pairs: bool) -> int:
+    """Rows per member in one block's tile: each warp takes ROWS_PER_WARP dot products."""
+    r = max(1, warps * ROWS_PER_WARP // members)
     return max(2, r + (r & 1)) if pairs else r
+
+
+def _tiles(width: int, R: int, pairs: bool) -> int:
+    return -(-width // R) if not pairs else -(-(width // 2) // (R // 2))
+
+
+def _warps(sets: list[dict]) -> int:
+    """Warps per block: 8, unless that leaves too few blocks to keep every SM streaming (short
+    outputs such as a 2048-row O projection), then fewer warps and so more, smaller blocks."""
+    warps = MAX_WARPS
+    while warps > 1 and sum(_tiles(z["width"], _slots(warps, len(z["linears"]), bool(z["pairs"])),
+                                   bool(z["pairs"])) for z in sets) < MIN_BLOCKS:
+        warps //= 2
+    return warps
 
 
 def context(G: nx.DiGraph, launch: dict, params: Params) -> dict:
@@ -31,10 +46,12 @@ def context(G: nx.DiGraph, launch: dict, params: Params) -> dict:
         pro = {"weight": params.ref(G.nodes[prologue]["inputs"][1]), "eps": cexpr.float_literal(a["eps"]),
                "offset": cexpr.float_literal(a.get("offset", 0.0))}
     zips, start, max_tile = [], 0, 0
-    for z in zip_sets(G, nodes):
+    sets = zip_sets(G, nodes)
+    warps = _warps(sets)
+    for z in sets:
         hd, interleaved = z["pairs"] or (0, False)
-        R = _slots(len(z["linears"]), bool(hd))
-        tiles = -(-z["width"] // R) if not hd else -(-(z["width"] // 2) // (R // 2))
+        R = _slots(warps, len(z["linears"]), bool(hd))
+        tiles = _tiles(z["width"], R, bool(hd))
         z_epi = [n for n in epilogue if _zip_of(G, n, z["linears"], set(nodes))]
         zips.append({"N": z["width"], "R": R, "hd": hd, "interleaved": str(interleaved).lower(),
                      "start": start, "end": start + tiles,
@@ -42,7 +59,7 @@ def context(G: nx.DiGraph, launch: dict, params: Params) -> dict:
                      "epilogue": _epilogue(G, launch, z["linears"], z_epi, R, params)})
         start += tiles
         max_tile = max(max_tile, R * len(z["linears"]))
-    return {"K": K, "x": x, "prologue": pro, "zips": zips, "threads": THREADS, "unroll": UNROLL,
+    return {"K": K, "x": x, "prologue": pro, "zips": zips, "threads": warps * 32, "unroll": UNROLL,
             "rows_per_warp": ROWS_PER_WARP,
             "max_tile": max_tile, "grid": start}
 
@@ -60,8 +77,8 @@ def _zip_of(G, node, linears, inside) -> bool:
 
 def _epilogue(G, launch, linears, epilogue, R, params) -> str:
     """C statements run by thread `s` < R for its slot `row`: every epilogue op, then the writes."""
-    var = {l: f"tile_out[{i} * R + s]" for i, l in enumerate(linears)}
-    partner = {l: f"tile_out[{i} * R + (s ^ 1)]" for i, l in enumerate(linears)}
+    var = {l: f"(tile_out[{i} * R + s] * pscale)" for i, l in enumerate(linears)}
+    partner = {l: f"(tile_out[{i} * R + (s ^ 1)] * pscale)" for i, l in enumerate(linears)}
     decls, body = [], []
     inside = set(launch["nodes"])
     for n in epilogue:

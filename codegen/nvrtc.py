@@ -40,8 +40,10 @@ def compile_cubin(source: str, headers: dict[str, str], opts: list[str], use_cac
             nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError as e:
             log = nvrtc.getProgramLog(prog)
+            log = log.decode(errors="replace") if isinstance(log, bytes) else log
             raise FuselmError(f"NVRTC failed to compile generated CUDA ({e}): {_first_error(log)}") from None
         log, cubin = nvrtc.getProgramLog(prog), nvrtc.getCUBIN(prog)
+        log = log.decode(errors="replace") if isinstance(log, bytes) else log
     finally:
         nvrtc.destroyProgram(prog)
     if use_cache:

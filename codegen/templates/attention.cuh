@@ -52,22 +52,43 @@ __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc
         l += e;
     }
     l = block_sum(l);                           // its barriers also publish score[]
-    // Values: warp w takes positions start + w, + 4, ...; lane owns dims lane, lane + 32, ...
-    constexpr int PER = (HD + 31) / 32;
-    float acc[PER];
-#pragma unroll
-    for (int j = 0; j < PER; j++) acc[j] = 0.0f;
+    // Values: LPP lanes share a position, each owning 8 consecutive dims (one 16-byte load), so a
+    // warp reads 32 / LPP whole value rows per step; partial sums meet through shuffles and smem.
+    if constexpr (HD % 8 == 0 && 32 % (HD / 8) == 0) {
+        constexpr int LPP = HD / 8, PPW = 32 / LPP;
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        const int sub = lane / LPP, d0 = (lane % LPP) * 8;
 #pragma unroll 4
-    for (int p = start + warp; p < end; p += warps) {
-        const float e = score[p - start];
-        const bf16_t* v = vc + (size_t)p * W + kvh * HD;
+        for (int p = start + warp * PPW + sub; p < end; p += warps * PPW) {
+            const float e = score[p - start];
+            const uint4 raw = __ldg(reinterpret_cast<const uint4*>(vc + (size_t)p * W + kvh * HD + d0));
+            const bf16_t* v = reinterpret_cast<const bf16_t*>(&raw);
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc[j] = fmaf(e, bf16_to_f32(v[j]), acc[j]);
+        }
+#pragma unroll
+        for (int o = LPP; o < 32; o <<= 1)
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
+        if (sub == 0)
+#pragma unroll
+            for (int j = 0; j < 8; j++) partial[warp][d0 + j] = acc[j];
+    } else {                                     // any head size: one dim per lane, 2-byte loads
+        constexpr int PER = (HD + 31) / 32;
+        float acc[PER];
+#pragma unroll
+        for (int j = 0; j < PER; j++) acc[j] = 0.0f;
+        for (int p = start + warp; p < end; p += warps) {
+            const float e = score[p - start];
+            const bf16_t* v = vc + (size_t)p * W + kvh * HD;
+#pragma unroll
+            for (int j = 0; j < PER; j++)
+                if (lane + 32 * j < HD) acc[j] = fmaf(e, bf16_to_f32(v[lane + 32 * j]), acc[j]);
+        }
 #pragma unroll
         for (int j = 0; j < PER; j++)
-            if (lane + 32 * j < HD) acc[j] = fmaf(e, bf16_to_f32(v[lane + 32 * j]), acc[j]);
+            if (lane + 32 * j < HD) partial[warp][lane + 32 * j] = acc[j];
     }
-#pragma unroll
-    for (int j = 0; j < PER; j++)
-        if (lane + 32 * j < HD) partial[warp][lane + 32 * j] = acc[j];
     __syncthreads();
     for (int d = threadIdx.x; d < HD; d += blockDim.x)
         out[2 + d] = partial[0][d] + partial[1][d] + partial[2][d] + partial[3][d];

@@ -15,19 +15,21 @@ struct PlainVector {
     __device__ __forceinline__ float at(int k) const { return x[k]; }
 };
 
-// ... or RMSNorm(x) computed on the fly: the prologue. `scale` is 1/rms(x), found by the block.
+// ... or RMSNorm(x) without its 1/rms factor: the prologue. dot(W, x * s * g) = s * dot(W, x * g),
+// so the block applies s = 1/rms(x) to the finished dot products, and the weight stream starts at
+// once instead of waiting for a block-wide reduction.
 struct NormedVector {
     const float* x;
     const weight_t* w;
-    float scale, offset;   // offset = 1 for norms that multiply by (1 + w)
+    float offset;   // 1 for norms that multiply by (1 + w)
     __device__ __forceinline__ void load8(int k, float (&v)[8]) const {
         PlainVector{x}.load8(k, v);
         float g[8];
         unpack8(__ldg(reinterpret_cast<const uint4*>(w + k)), g);
 #pragma unroll
-        for (int i = 0; i < 8; i++) v[i] *= scale * (g[i] + offset);
+        for (int i = 0; i < 8; i++) v[i] *= g[i] + offset;
     }
-    __device__ __forceinline__ float at(int k) const { return x[k] * scale * (w2f(w[k]) + offset); }
+    __device__ __forceinline__ float at(int k) const { return x[k] * (w2f(w[k]) + offset); }
 };
 
 // 1/rms of x[0:K], computed by the whole block (x is small and hot in L2).
