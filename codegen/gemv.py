@@ -8,15 +8,15 @@ from ..dsl import Kind, get
 from . import cexpr
 from .params import Params
 
-MAX_WARPS = 8      # per block
+WARPS = 8          # per block
 ROWS_PER_WARP = 2  # rows a warp streams at once, sharing each load of the vector
-MIN_BLOCKS = 4 * 132   # enough blocks to fill the GPU (132 SMs on the H200) several times over
+MIN_WARPS = 132 * 32   # enough streaming warps for every SM (132 on the H200) to keep HBM busy
 UNROLL = 4         # 16-byte loads in flight per lane and row
 
 
-def _slots(warps: int, members: int, pairs: bool) -> int:
-    """Rows per member in one block's tile: each warp takes ROWS_PER_WARP dot products."""
-    r = max(1, warps * ROWS_PER_WARP // members)
+def _slots(ksplit: int, members: int, pairs: bool) -> int:
+    """Rows per member in one block's tile: each group of `ksplit` warps takes ROWS_PER_WARP rows."""
+    r = max(1, WARPS // ksplit * ROWS_PER_WARP // members)
     return max(2, r + (r & 1)) if pairs else r
 
 
@@ -24,14 +24,16 @@ def _tiles(width: int, R: int, pairs: bool) -> int:
     return -(-width // R) if not pairs else -(-(width // 2) // (R // 2))
 
 
-def _warps(sets: list[dict]) -> int:
-    """Warps per block: 8, unless that leaves too few blocks to keep every SM streaming (short
-    outputs such as a 2048-row O projection), then fewer warps and so more, smaller blocks."""
-    warps = MAX_WARPS
-    while warps > 1 and sum(_tiles(z["width"], _slots(warps, len(z["linears"]), bool(z["pairs"])),
-                                   bool(z["pairs"])) for z in sets) < MIN_BLOCKS:
-        warps //= 2
-    return warps
+def _ksplit(sets: list[dict], K: int) -> int:
+    """Warps per output row (split-K inside the block). Short outputs with long rows (a 2048-row
+    O or down projection) give too few rows for one warp each to fill the GPU with loads in
+    flight, so several warps share a row, each streaming a slice of it."""
+    rows = sum(z["width"] * len(z["linears"]) for z in sets)
+    ksplit = 1
+    while (rows // ROWS_PER_WARP * ksplit < MIN_WARPS and ksplit < 4
+           and K % (2 * ksplit * 8) == 0 and K // (2 * ksplit) >= 256):
+        ksplit *= 2
+    return ksplit
 
 
 def context(G: nx.DiGraph, launch: dict, params: Params) -> dict:
@@ -47,10 +49,10 @@ def context(G: nx.DiGraph, launch: dict, params: Params) -> dict:
                "offset": cexpr.float_literal(a.get("offset", 0.0))}
     zips, start, max_tile = [], 0, 0
     sets = zip_sets(G, nodes)
-    warps = _warps(sets)
+    ksplit = _ksplit(sets, K)
     for z in sets:
         hd, interleaved = z["pairs"] or (0, False)
-        R = _slots(warps, len(z["linears"]), bool(hd))
+        R = _slots(ksplit, len(z["linears"]), bool(hd))
         tiles = _tiles(z["width"], R, bool(hd))
         z_epi = [n for n in epilogue if _zip_of(G, n, z["linears"], set(nodes))]
         zips.append({"N": z["width"], "R": R, "hd": hd, "interleaved": str(interleaved).lower(),
@@ -59,7 +61,7 @@ def context(G: nx.DiGraph, launch: dict, params: Params) -> dict:
                      "epilogue": _epilogue(G, launch, z["linears"], z_epi, R, params)})
         start += tiles
         max_tile = max(max_tile, R * len(z["linears"]))
-    return {"K": K, "x": x, "prologue": pro, "zips": zips, "threads": warps * 32, "unroll": UNROLL,
+    return {"K": K, "x": x, "prologue": pro, "zips": zips, "threads": WARPS * 32, "unroll": UNROLL, "ksplit": ksplit,
             "rows_per_warp": ROWS_PER_WARP,
             "max_tile": max_tile, "grid": start}
 

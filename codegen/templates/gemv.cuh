@@ -7,6 +7,7 @@
 // The input vector as the GEMV sees it: x itself ...
 struct PlainVector {
     const float* x;
+    __device__ __forceinline__ PlainVector from(int k0) const { return {x + k0}; }
     __device__ __forceinline__ void load8(int k, float (&v)[8]) const {
         float4 a = __ldg(reinterpret_cast<const float4*>(x + k));
         float4 b = __ldg(reinterpret_cast<const float4*>(x + k + 4));
@@ -22,6 +23,7 @@ struct NormedVector {
     const float* x;
     const weight_t* w;
     float offset;   // 1 for norms that multiply by (1 + w)
+    __device__ __forceinline__ NormedVector from(int k0) const { return {x + k0, w + k0, offset}; }
     __device__ __forceinline__ void load8(int k, float (&v)[8]) const {
         PlainVector{x}.load8(k, v);
         float g[8];
@@ -78,6 +80,7 @@ __device__ __forceinline__ void warp_dot_rows(const weight_t* const (&rows)[NR],
                 }
             }
         }
+#pragma unroll
         for (int k = FULL + lane * CHUNK; k < K; k += STEP) {   // the remaining whole chunks
             float xv[8];
             v.load8(k, xv);

@@ -1,0 +1,284 @@
+"""`fuselm inspect`: the kernels and launch schedule fuselm generates for a model, without a GPU.
+
+    fuselm inspect llama-3.2-1b                    the schedule as a table, then a summary
+    fuselm inspect MODEL --out DIR                 every distinct kernel as DIR/<name>.cu + schedule.txt
+    fuselm inspect MODEL --json                    one JSON object: {"launches": [...], ...}
+    fuselm inspect MODEL --compile --arch sm_80    also NVRTC: compile time, registers, spills
+
+MODEL is a preset name (models/presets.py), a Hugging Face folder or .gguf file (only its config
+is read, never the weights), or a config.json file. The schedule is one decode step (T = 1 token)
+with a KV cache of --ctx rows, exactly what the CUDA runtime replays per token, sampler included.
+
+Bytes per launch come from the code generator (KernelSource.bytes_read / bytes_written, weights
+at 2 bytes, activations at 4, the KV cache at --ctx rows). A kernel with several launches (the
+attention split + combine) has its inputs on the first launch, its outputs on the last, and its
+workspace (workspace_floats) written by the one and read by the other.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import FuselmError
+
+DEFAULT_CTX = 4096   # as api.load: min(model's maximum, 4096) unless --ctx is given
+
+
+@dataclass
+class Row:
+    """One launch of the per-token schedule."""
+    index: int
+    kernel: str
+    function: str
+    family: str
+    layer: int | None
+    grid: tuple[int, int]
+    block: int
+    bytes_read: int
+    bytes_written: int
+    nodes: list[str]
+
+    def as_json(self) -> dict:
+        return {"index": self.index, "kernel": self.kernel, "function": self.function,
+                "family": self.family, "layer": self.layer, "nodes": self.nodes,
+                "grid": list(self.grid), "block": self.block, "bytes_read": self.bytes_read,
+                "bytes_written": self.bytes_written}
+
+
+# ---- model -> config -> kernels -------------------------------------------------------------------
+
+def load_config(model: str):
+    """(DecoderConfig, description) of a preset name, checkpoint path or config.json file."""
+    from ..models.config import DecoderConfig
+    from ..models.presets import PRESETS, preset
+
+    path = Path(model)
+    if path.exists():
+        if path.is_file() and path.suffix.lower() == ".json":
+            try:
+                raw = json.loads(path.read_text(encoding="utf-8"))
+            except (ValueError, UnicodeDecodeError) as e:
+                raise FuselmError(f"{path}: invalid JSON ({' '.join(str(e).split())})") from None
+            return DecoderConfig.from_hf(raw, str(path)), str(path)
+        from ..runtime.checkpoint import open_checkpoint   # headers and metadata only
+        return open_checkpoint(path).config, str(path)
+    if model in PRESETS:
+        return preset(model), f"preset {model}"
+    raise FuselmError(f"'{model}' is neither a file or folder nor a preset "
+                      f"(presets: {', '.join(sorted(PRESETS))})")
+
+
+def build(cfg, fuse: bool = True, ctx: int | None = None, dump: str | Path | None = None):
+    """(compiled graph, kernels in launch order with the sampler last, ctx) as the runtime has them."""
+    from ..compiler import compile_graph
+    from ..models import build_graph
+    from .emit import generate, sampler
+
+    ctx = ctx or min(cfg.max_position_embeddings, DEFAULT_CTX)
+    G = compile_graph(build_graph(cfg), fuse=fuse, tokens=1, dump=dump)
+    kernels = generate(G, rows=ctx)
+    logits = next(iter(G.graph["outputs"].values()))       # as CudaEngine: the first output
+    kernels.append(sampler(G.nodes[logits]["shape"][-1]))
+    return G, kernels, ctx
+
+
+def schedule_rows(kernels) -> list[Row]:
+    """One Row per launch, in launch order (T in a grid is 1: one decode token)."""
+    rows = []
+    for k in kernels:
+        n = len(k.launches)
+        workspace = 4 * k.workspace_floats if n > 1 else 0
+        for j, launch in enumerate(k.launches):
+            read = (k.bytes_read if j == 0 else 0) + (workspace if j > 0 else 0)
+            written = (k.bytes_written if j == n - 1 else 0) + (workspace if j < n - 1 else 0)
+            grid = tuple(1 if g == "T" else int(g) for g in launch.grid)
+            rows.append(Row(len(rows), k.name, launch.function, k.family, k.layer, grid,
+                            int(launch.block), read, written, list(k.nodes)))
+    return rows
+
+
+# ---- reports --------------------------------------------------------------------------------------
+
+def fmt_bytes(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def table(rows: list[Row]) -> str:
+    """The schedule as a fixed-width table, one line per launch."""
+    head = ("#", "kernel function", "layer", "grid", "block", "read", "written", "graph nodes")
+    cells = [(str(r.index), r.function, "-" if r.layer is None else str(r.layer), f"{r.grid[0]}x{r.grid[1]}",
+              str(r.block), fmt_bytes(r.bytes_read), fmt_bytes(r.bytes_written), ", ".join(r.nodes))
+             for r in rows]
+    width = [max(len(c[i]) for c in [head, *cells]) for i in range(len(head) - 1)]
+    right = {0, 2, 4, 5, 6}
+
+    def line(c):
+        parts = [c[i].rjust(width[i]) if i in right else c[i].ljust(width[i]) for i in range(len(width))]
+        return "  ".join(parts + [c[-1]]).rstrip()
+    return "\n".join([line(head), line(["-" * w for w in width] + ["-" * 11])] + [line(c) for c in cells])
+
+
+def _launch_label(function: str, kernel_name: str) -> str:
+    """'attention combine' for the extra launch `<kernel name>_combine` of an attention kernel."""
+    suffix = function[len(kernel_name):].lstrip("_") if function.startswith(kernel_name) else ""
+    return f"{kernel_name.split('_')[0]} {suffix}" if suffix else function
+
+
+def summary(G, kernels, rows: list[Row], ctx: int) -> list[str]:
+    """Kernels and launches per layer, before and after the layers, and the arena."""
+    layers = sorted({k.layer for k in kernels if k.layer is not None})
+    per_layer = {}
+    for L in layers:
+        ks = [k for k in kernels if k.layer == L]
+        extra = [_launch_label(l.function, k.name) for k in ks for l in k.launches[1:]]
+        label = f"{len(ks)}" + (f" (+{len(extra)} {', '.join(extra)})" if extra else "")
+        per_layer[L] = label
+    out = []
+    counts = Counter(per_layer.values())
+    if len(counts) == 1:
+        out.append(f"kernels per layer: {next(iter(counts))}, x {len(layers)} layers")
+    else:
+        out += [f"kernels in layer {L}: {v}" for L, v in per_layer.items()]
+    first_layer = next((i for i, k in enumerate(kernels) if k.layer is not None), len(kernels))
+    before = kernels[:first_layer]
+    after = [k for i, k in enumerate(kernels) if k.layer is None and i >= first_layer]
+    for what, ks in (("before the layers", before), ("at the end", after)):
+        if ks:
+            n = sum(len(k.launches) for k in ks)
+            out.append(f"{what}: {n} launch{'es' if n != 1 else ''}: "
+                       + ", ".join(f"{k.name} ({', '.join(k.nodes)})" for k in ks))
+    total_r, total_w = sum(r.bytes_read for r in rows), sum(r.bytes_written for r in rows)
+    out.append(f"launches per token: {len(rows)} ({len(kernels)} kernels, "
+               f"{len({k.name for k in kernels})} distinct)")
+    out.append(f"bytes per token: {fmt_bytes(total_r)} read, {fmt_bytes(total_w)} written "
+               f"(KV cache counted at {ctx} positions)")
+    out.append(f"activation arena: {G.graph['arena_bytes']:,} bytes with buffer reuse, "
+               f"{G.graph['arena_bytes_no_reuse']:,} without")
+    return out
+
+
+def kernel_files(kernels) -> dict[str, str]:
+    """File name -> text for every distinct kernel: its source headed by the graph nodes it implements
+    in each layer that uses it (KernelSource.annotated() of the first use, the others listed above)."""
+    uses: dict[str, list] = {}
+    for k in kernels:
+        uses.setdefault(k.name, []).append(k)
+    files = {}
+    for name, ks in uses.items():
+        first = ks[0]
+        launches = ", ".join(f"{l.function} <<<{'x'.join(str(g) for g in l.grid)}, {l.block}>>>"
+                             for l in first.launches)
+        head = [f"// launches: {launches}"]
+        if len(ks) > 1:
+            head.append(f"// used {len(ks)} times per token; graph nodes per use:")
+            head += [f"//   layer {'-' if k.layer is None else k.layer}: {', '.join(k.nodes)}" for k in ks]
+        files[f"{name}.cu"] = "\n".join(head) + "\n" + first.annotated()
+    return files
+
+
+# ---- NVRTC ----------------------------------------------------------------------------------------
+
+_REGS = re.compile(r"Used (\d+) registers")
+_STACK = re.compile(r"(\d+) bytes stack frame")
+
+
+def compile_report(kernels, arch: str) -> dict:
+    """Compile the whole module with NVRTC (no cache): seconds, and per function registers, stack
+    frame and spill bytes from ptxas' resource report."""
+    from . import headers, module_source
+    from .nvrtc import compile_cubin, options, spills
+
+    t0 = time.perf_counter()
+    cubin, log, _ = compile_cubin(module_source(kernels), headers(), options(arch, verbose=True),
+                                  use_cache=False)
+    seconds = time.perf_counter() - t0
+    functions, fn = {}, None
+    for line in log.splitlines():
+        m = re.search(r"Function properties for (\w+)", line) or re.search(r"Compiling entry function '(\w+)'", line)
+        if m:
+            fn = m.group(1)
+            functions.setdefault(fn, {})
+        elif fn:
+            for key, rx in (("registers", _REGS), ("stack_bytes", _STACK)):
+                s = rx.search(line)
+                if s:
+                    functions[fn][key] = int(s.group(1))
+    for f, b in spills(log).items():
+        functions.setdefault(f, {})["spill_bytes"] = b
+    return {"arch": arch, "seconds": round(seconds, 3), "cubin_bytes": len(cubin), "functions": functions}
+
+
+def compile_lines(rep: dict) -> list[str]:
+    fns = rep["functions"]
+    spilling = {f: v["spill_bytes"] for f, v in fns.items() if v.get("spill_bytes")}
+    out = [f"NVRTC {rep['arch']}: {len(fns)} functions compiled in {rep['seconds']:.2f} s "
+           f"({rep['cubin_bytes']:,}-byte cubin); "
+           + (f"{len(spilling)} spill: " + ", ".join(f"{f} {b} B" for f, b in spilling.items())
+              if spilling else "no spills")]
+    w = max((len(f) for f in fns), default=0)
+    out += [f"  {f.ljust(w)}  {v.get('registers', '?'):>3} regs  {v.get('stack_bytes', '?'):>4} B stack  "
+            f"{v.get('spill_bytes', '?'):>4} B spilled" for f, v in sorted(fns.items())]
+    return out
+
+
+# ---- command --------------------------------------------------------------------------------------
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL",
+                   help="preset name, HF checkpoint folder, .gguf file or config.json (weights are not read)")
+    p.add_argument("--out", metavar="DIR", help="write every distinct kernel as DIR/<name>.cu and "
+                   "the schedule as DIR/schedule.txt")
+    p.add_argument("--json", action="store_true", help="print the schedule as JSON")
+    p.add_argument("--arch", default="sm_90", help="GPU architecture for --compile (default sm_90)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the module with NVRTC: time, registers and spills per function")
+    p.add_argument("--no-fuse", action="store_true", help="the schedule without fusion")
+    p.add_argument("--dump", metavar="DIR", help="write the graph after each compiler pass (.txt, .dot)")
+    p.add_argument("--ctx", type=int, metavar="N", help="KV cache rows the attention kernels are built "
+                   "for (default min(model's maximum, 4096))")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.ctx is not None and args.ctx <= 0:
+        raise FuselmError(f"--ctx must be a positive number of tokens, got {args.ctx}")
+    if not re.fullmatch(r"sm_\d+[a-z]?", args.arch):
+        raise FuselmError(f"--arch must look like sm_90, got '{args.arch}'")
+    cfg, source = load_config(args.model)
+    G, kernels, ctx = build(cfg, fuse=not args.no_fuse, ctx=args.ctx, dump=args.dump)
+    rows = schedule_rows(kernels)
+    title = (f"{source}: {cfg.architecture}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+             f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads of {cfg.head_dim}, vocab {cfg.vocab_size}; "
+             f"{'fused' if not args.no_fuse else 'unfused'}, ctx {ctx}; one decode token")
+    lines = summary(G, kernels, rows, ctx)
+    rep = compile_report(kernels, args.arch) if args.compile else None
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        files = kernel_files(kernels)
+        for name, text in files.items():
+            (out / name).write_text(text)
+        (out / "schedule.txt").write_text("\n".join([title, "", table(rows), "", *lines,
+                                                     *(compile_lines(rep) if rep else [])]) + "\n")
+    if args.json:
+        doc = {"model": source, "architecture": cfg.architecture, "fused": not args.no_fuse, "ctx": ctx,
+               "tokens": 1, "launches": [r.as_json() for r in rows],
+               "arena_bytes": G.graph["arena_bytes"], "arena_bytes_no_reuse": G.graph["arena_bytes_no_reuse"]}
+        if rep:
+            doc["compile"] = rep
+        print(json.dumps(doc, indent=1))
+        return 0
+    if args.out:
+        print(title)
+        print(f"wrote {len(files)} kernels and schedule.txt to {args.out}")
+    else:
+        print(title + "\n\n" + table(rows) + "\n")
+    print("\n".join(lines + (compile_lines(rep) if rep else [])))
+    return 0
