@@ -43,7 +43,7 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2) -> list[KernelSour
         name = _name(launch["family"], ctx, body)
         body = body.replace("KERNEL", name)
         if launch["family"] == "attention":
-            launches = [Launch(f"{name}_split", (ctx["H"], ctx["nchunk"]), ctx["threads"], params.values),
+            launches = [Launch(f"{name}_split", (ctx["KV"], ctx["nchunk"]), ctx["threads"], params.values),
                         Launch(f"{name}_combine", (ctx["H"], 1), ctx["threads"], params.values)]
         else:
             launches = [Launch(name, (ctx["grid"], 1), ctx["threads"], params.values)]

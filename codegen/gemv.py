@@ -1,6 +1,8 @@
 """The gemv family: norm prologue -> GEMVs side by side -> epilogue on each block's tile of rows."""
 from __future__ import annotations
 
+import os
+
 import networkx as nx
 
 from ..compiler.kernels import gemv_parts, zip_sets
@@ -9,9 +11,9 @@ from . import cexpr
 from .params import Params
 
 WARPS = 8          # per block
-ROWS_PER_WARP = 2  # rows a warp streams at once, sharing each load of the vector
+ROWS_PER_WARP = int(os.environ.get("FUSELM_GEMV_ROWS", 2))  # rows a warp streams at once, sharing each load of the vector
 MIN_WARPS = 132 * 32   # enough streaming warps for every SM (132 on the H200) to keep HBM busy
-UNROLL = 4         # 16-byte loads in flight per lane and row
+UNROLL = int(os.environ.get("FUSELM_GEMV_UNROLL", 4))      # 16-byte loads in flight per lane and row
 
 
 def _slots(ksplit: int, members: int, pairs: bool) -> int:
