@@ -6,7 +6,7 @@ import networkx as nx
 from . import cexpr
 from .params import Params
 
-CHUNK = 256      # cache positions per block
+CHUNK = 64       # cache positions per block: small, so that long contexts give many blocks
 THREADS = 128
 
 

@@ -10,7 +10,7 @@ import jinja2
 import networkx as nx
 import numpy as np
 
-from ..dsl import get
+from ..dsl import Kind, get
 from . import attention, gemv, rowwise
 from .kernel import KernelSource, Launch
 from .params import Params, storage_of
@@ -80,6 +80,8 @@ def _traffic(G: nx.DiGraph, launch: dict, rows: int, weight_bytes: int) -> tuple
     def nbytes(v):
         d = G.nodes[v]
         shape = [1 if s == "T" else rows if s == "S" else s for s in d["shape"]]
+        if any(G.nodes[n]["kind"] is Kind.EMBEDDING and G.nodes[n]["inputs"][0] == v for n in launch["nodes"]):
+            shape = shape[1:]                       # an embedding reads one row of its table
         per = weight_bytes if d["op"] in ("weight", "state") else 4
         if d["op"] not in ("weight", "constant", "input", "state") and get(d["op"]).inplace_of is not None:
             per = weight_bytes
