@@ -3,6 +3,9 @@
     fuselm run [MODEL] -p PROMPT -n N [--chat] [sampling options] [--device D] [--ctx N] [--no-fuse]
     fuselm run [MODEL] -i                   interactive chat (also with no -p on a terminal)
     fuselm pull                             fetch the embedded default model
+    fuselm inspect MODEL [--out DIR] [--json] [--compile] [--no-fuse] [--dump DIR]
+                                            generated kernels and launch schedule (no GPU)
+    fuselm bench [PRESET ...] [--no-fuse]   decode speed vs. the GPU's copy bandwidth
 
 Adding a subcommand: write `add_arguments(parser)` and `handler(args) -> int` in your own module,
 then add one line to COMMANDS below, importing your module inside a small wrapper so that
@@ -167,10 +170,41 @@ def pull(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- fuselm inspect / bench ----------------------------------------------------------------------
+
+def _inspect_arguments(p: argparse.ArgumentParser) -> None:
+    from .codegen import inspect
+    inspect.add_arguments(p)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    """`fuselm inspect`: generated kernels and launch schedule of a model (no GPU needed)."""
+    from .codegen import inspect
+    return inspect.main(args)
+
+
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    from .runtime import bench
+    bench.add_arguments(p)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """`fuselm bench`: decode speed against the measured copy bandwidth (needs a GPU)."""
+    from .runtime import cuda_engine
+    if not cuda_engine.gpu_available():
+        raise FuselmError("fuselm bench needs an NVIDIA GPU (none found)")
+    from .runtime import bench
+    return bench.main(args)
+
+
 COMMANDS: dict[str, Command] = {
     "run": Command("generate text from a prompt, or chat", add_run_arguments, run),
     "pull": Command("download the embedded default model (SmolLM2-135M-Instruct)",
                     lambda p: None, pull),
+    "inspect": Command("show the kernels and launch schedule generated for a model (no GPU needed)",
+                       _inspect_arguments, _inspect),
+    "bench": Command("measure decode speed against the GPU's copy bandwidth (needs a GPU)",
+                     _bench_arguments, _bench),
 }
 
 

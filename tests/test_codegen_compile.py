@@ -1,0 +1,113 @@
+"""Every kernel the code generator emits compiles with NVRTC, for sm_80 and sm_90, without a GPU.
+
+For every architecture in models.ARCHITECTURES (through its presets, real shapes) and a few tiny
+odd configs (hidden size not a multiple of 8, head_dim 40, MQA, tied embeddings), fused and
+unfused: generate the whole per-token schedule (sampler included), compile it as one module to a
+cubin, and check ptxas' resource report (NVRTC --ptxas-options=-v): a report for every entry
+function, and zero spill bytes in the GEMV kernels, whose registers hold the loads in flight.
+
+CuPy's low-level `cupy.cuda.nvrtc` needs no driver, so this runs on CI (cupy-cuda12x +
+nvidia-cuda-nvrtc-cu12). Nothing is skipped and nothing is cached on disk (use_cache=False);
+generated kernels are shared between the two architectures through a module-scoped fixture.
+"""
+from __future__ import annotations
+
+import pytest
+
+from fuselm.codegen import generate, headers, module_source, sampler
+from fuselm.codegen.nvrtc import compile_cubin, options, spills
+from fuselm.compiler import compile_graph
+from fuselm.models import ARCHITECTURES, DecoderConfig, build_graph
+from fuselm.models.presets import PRESETS, preset
+
+ARCHS = ("sm_80", "sm_90")
+
+
+def tiny(**overrides) -> DecoderConfig:
+    d = dict(architectures=["LlamaForCausalLM"], vocab_size=100, hidden_size=64, intermediate_size=96,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=300)          # 300 rows: the last attention chunk is partial
+    d.update(overrides)
+    return DecoderConfig.from_hf(d, source="tiny test config")
+
+
+TINY = {
+    # every GEMV row (K = 36 and 50) is not 16-byte aligned; odd vocab
+    "tiny-hidden36": lambda: tiny(hidden_size=36, num_attention_heads=3, num_key_value_heads=1,
+                                  head_dim=12, intermediate_size=50, vocab_size=97),
+    "tiny-headdim40": lambda: tiny(hidden_size=160, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=40, intermediate_size=200),
+    "tiny-mqa": lambda: tiny(num_attention_heads=4, num_key_value_heads=1),
+    "tiny-tied": lambda: tiny(tie_word_embeddings=True),
+}
+SUPPORTED_PRESETS = [n for n, d in PRESETS.items() if d["architectures"][0] in ARCHITECTURES]
+CONFIGS = {**{n: (lambda n=n: preset(n)) for n in SUPPORTED_PRESETS}, **TINY}
+
+
+@pytest.fixture(scope="module")
+def kernels_of():
+    """(config name, fuse) -> the runtime's kernel list (sampler last), generated once per module."""
+    made = {}
+
+    def get(name: str, fuse: bool):
+        if (name, fuse) not in made:
+            cfg = CONFIGS[name]()
+            G = compile_graph(build_graph(cfg), fuse=fuse, tokens=1)
+            ks = generate(G, rows=min(cfg.max_position_embeddings, 4096))
+            logits = next(iter(G.graph["outputs"].values()))
+            made[name, fuse] = ks + [sampler(G.nodes[logits]["shape"][-1])]
+        return made[name, fuse]
+    return get
+
+
+def test_every_architecture_has_a_preset_compiled_here():
+    covered = {PRESETS[n]["architectures"][0] for n in SUPPORTED_PRESETS}
+    assert covered == set(ARCHITECTURES), f"architectures without a preset: {set(ARCHITECTURES) - covered}"
+
+
+def test_the_ptxas_report_is_in_the_nvrtc_log():
+    """options(verbose=True) must make NVRTC return ptxas' report; spills() must read it."""
+    src = 'extern "C" __global__ void probe(float* x) { x[threadIdx.x] *= 2.0f; }'
+    _, log, cached = compile_cubin(src, {}, options("sm_90", verbose=True), use_cache=False)
+    assert not cached
+    assert "ptxas info" in log and "Compiling entry function 'probe'" in log, log
+    assert spills(log) == {"probe": 0}
+    _, quiet, _ = compile_cubin(src, {}, options("sm_90"), use_cache=False)
+    assert "ptxas info" not in quiet
+
+
+# Known bugs, reported to the codegen owner. Every other check still runs for these cases; only the
+# spill assertion is expected to fail, and the test fails once the spill is gone (strict by hand).
+KNOWN_SPILLS = {
+    # ptxas for sm_80 keeps an 8-byte stack frame in the unfused down-projection GEMV (K = 14336,
+    # 48 registers: not register pressure; likely a small local array indexed by a loop variable
+    # ptxas did not unroll). sm_90 and the fused kernel (with the residual-add epilogue) are clean.
+    ("llama-3.1-8b", False, "sm_80"): "gemv_k14336_1x4096 spills 8 bytes on sm_80",
+    ("mistral-7b", False, "sm_80"): "gemv_k14336_1x4096 spills 8 bytes on sm_80",
+}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_module_compiles_and_gemv_kernels_do_not_spill(kernels_of, name, fuse, arch):
+    ks = kernels_of(name, fuse)
+    cubin, log, cached = compile_cubin(module_source(ks), headers(), options(arch, verbose=True),
+                                       use_cache=False)
+    assert not cached
+    assert cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
+    functions = {launch.function for k in ks for launch in k.launches}
+    for f in functions:
+        assert f.encode() in cubin, f"{f} is launched but not in the cubin"
+    report = spills(log)
+    missing = functions - set(report)
+    assert not missing, f"no ptxas resource report for {sorted(missing)}; log:\n{log[:2000]}"
+    assert f"for '{arch}'" in log
+    gemv = {launch.function for k in ks if k.family == "gemv" for launch in k.launches}
+    assert gemv, "no gemv kernel generated"
+    spilling = {f: report[f] for f in sorted(gemv) if report[f]}
+    known = KNOWN_SPILLS.get((name, fuse, arch))
+    if known:
+        assert spilling, f"fixed: {known!r} no longer happens; remove it from KNOWN_SPILLS"
+        pytest.xfail(f"known bug: {known} ({spilling})")
+    assert not spilling, f"{name} {arch}: gemv kernels spill (bytes stored + loaded): {spilling}"
