@@ -115,20 +115,28 @@ __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc
     }
 }
 
-template <int HD, int NCHUNK>
-__device__ __forceinline__ void attention_combine(const float* ws, float* o) {
+// Merge the chunks of one query head: chunks [c0, c1] are the ones the split kernel filled.
+// Chunk weights go through shared memory so that the per-dimension sums issue independent loads.
+template <int HD, int CHUNK, int NCHUNK>
+__device__ __forceinline__ void attention_combine(const float* ws, float* o, int pos, int window) {
+    __shared__ float weight[NCHUNK];
     const int h = blockIdx.x;
+    const int c0 = (window > 0 ? max(0, pos - window + 1) : 0) / CHUNK, c1 = pos / CHUNK;
     const float* part = ws + (size_t)h * NCHUNK * (HD + 2);
     float m = NEG_INF;
-    for (int c = 0; c < NCHUNK; c++)
-        if (part[c * (HD + 2) + 1] > 0.0f) m = fmaxf(m, part[c * (HD + 2)]);
+    for (int c = c0 + threadIdx.x; c <= c1; c += blockDim.x) m = fmaxf(m, part[c * (HD + 2)]);
+    m = block_max(m);
     float l = 0.0f;
-    for (int c = 0; c < NCHUNK; c++)
-        if (part[c * (HD + 2) + 1] > 0.0f) l += part[c * (HD + 2) + 1] * __expf(part[c * (HD + 2)] - m);
+    for (int c = c0 + threadIdx.x; c <= c1; c += blockDim.x) {
+        const float w = __expf(part[c * (HD + 2)] - m);
+        weight[c] = w;
+        l += w * part[c * (HD + 2) + 1];
+    }
+    l = block_sum(l);                           // its barriers also publish weight[]
     for (int d = threadIdx.x; d < HD; d += blockDim.x) {
         float acc = 0.0f;
-        for (int c = 0; c < NCHUNK; c++)   // chunks past the position hold no values: skip them
-            if (part[c * (HD + 2) + 1] > 0.0f) acc += part[c * (HD + 2) + 2 + d] * __expf(part[c * (HD + 2)] - m);
+#pragma unroll 8
+        for (int c = c0; c <= c1; c++) acc = fmaf(weight[c], part[c * (HD + 2) + 2 + d], acc);
         o[h * HD + d] = acc / l;
     }
 }
