@@ -4,7 +4,7 @@ Before: gemv kernels (possibly horizontal, possibly with a norm prologue).
 After: every ELEMENTWISE, ROW_LOCAL or CACHE_WRITE node that reads a value computed in a gemv
 kernel runs in that kernel's epilogue, on the tile of rows the block has just computed (bias,
 RoPE, KV-cache write, SiLU(gate) * up, residual add), provided that
-- no other operand of the node depends on the kernel (that would need the kernel twice),
+- no other operand of the node comes from a kernel that depends on this one (a cycle),
 - its tiled operands line up (same width; one row-to-slot mapping per zip set: see kernels.py),
 - the result stays a legal gemv kernel (kernels.check_gemv).
 Ops that need a whole GEMV output first (NORM, REDUCTION such as softmax) are never fused here.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import networkx as nx
 
 from ..dsl import Kind
-from .kernels import EPILOGUE_KINDS, check_gemv, family, members
+from .kernels import EPILOGUE_KINDS, check_gemv, family, kernel_graph, members
 
 
 def fuse_epilogue(G: nx.DiGraph) -> nx.DiGraph:
@@ -49,9 +49,13 @@ def _candidates(G: nx.DiGraph, nodes: list[str], groups: dict) -> list[str]:
 
 def _legal(G: nx.DiGraph, nodes: list[str], cand: str) -> bool:
     inside = set(nodes)
-    for i in G.nodes[cand]["inputs"]:
-        if i not in inside and G.nodes[i]["kind"] is not Kind.SOURCE and inside & nx.ancestors(G, i):
-            return False           # i is computed after this kernel: fusing would form a cycle
+    outside = [i for i in G.nodes[cand]["inputs"] if i not in inside and G.nodes[i]["kind"] is not Kind.SOURCE]
+    if outside:
+        # An operand made by a kernel that runs after this one (directly or through any other
+        # kernel) would need this kernel twice: the kernel graph would get a cycle.
+        Q, kernel = kernel_graph(G), G.nodes[nodes[0]]["kernel"]
+        if any(nx.has_path(Q, kernel, G.nodes[i]["kernel"]) for i in outside):
+            return False
     try:
         check_gemv(G, sorted(nodes + [cand], key=lambda n: G.nodes[n]["order"]))
     except ValueError:

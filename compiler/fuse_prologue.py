@@ -4,7 +4,8 @@ Before: a NORM node whose every reader is a LINEAR node, in a kernel of its own.
 After: the NORM runs inside the gemv kernel of its readers: each block recomputes the row's
 statistics (cheap: the vector comes from L2) and scales the vector as it streams the weights, so
 the normalized vector never goes through memory. When the readers sit in several gemv kernels,
-the norm is cloned, one copy per kernel. Norms read by anything else stay where they are.
+the norm is cloned, one copy per kernel. Norms read by anything else, or that are graph outputs,
+stay where they are.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def fuse_prologue(G: nx.DiGraph) -> nx.DiGraph:
     groups = members(G)
     for norm in [n for n, d in G.nodes(data=True) if d["kind"] is Kind.NORM]:
         readers = list(G.successors(norm))
-        if not readers or any(G.nodes[r]["kind"] is not Kind.LINEAR for r in readers):
+        if not readers or any(G.nodes[r]["kind"] is not Kind.LINEAR for r in readers) \
+                or norm in G.graph["outputs"].values():   # an output must be written: no prologue
             continue
         by_kernel: dict[str, list[str]] = defaultdict(list)
         for r in readers:

@@ -106,7 +106,8 @@ def check_gemv(G: nx.DiGraph, nodes: list[str]) -> None:
     for n in epilogue:
         if G.nodes[n]["kind"] not in EPILOGUE_KINDS:
             raise ValueError(f"{n} ({G.nodes[n]['op']}) cannot run in a GEMV epilogue")
-    if prologue is not None and set(G.successors(prologue)) - set(linears):
+    if prologue is not None and (set(G.successors(prologue)) - set(linears)
+                                 or prologue in G.graph["outputs"].values()):
         raise ValueError(f"prologue {prologue} is read outside its GEMVs, so it must be written")
     zip_sets(G, nodes)  # raises on misaligned tiles
 

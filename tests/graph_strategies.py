@@ -23,12 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from hypothesis import assume, note, strategies as st
+from hypothesis import strategies as st
 
-from fuselm.compiler import compile_graph
-from fuselm.compiler.fuse_epilogue import fuse_epilogue
-from fuselm.compiler.lower import to_networkx
-from fuselm.compiler.validate import InvalidGraph, validate
 from fuselm.dsl import Graph, Value
 
 UNARY = ("silu", "gelu_tanh", "scale", "softcap")
@@ -230,30 +226,3 @@ def model_weights(graph: Graph, seed: int) -> dict:
             w = rng.standard_normal(node.shape) / np.sqrt(node.shape[-1])
         out[node.name] = w.astype(np.float32)
     return out
-
-
-# ---- the one known compiler bug ------------------------------------------------------------------
-
-def compile_or_skip_known_bug(graph, tokens, pass_list):
-    """compile_graph, except for graphs that hit the one known compiler bug, which are rejected.
-
-    The bug (fuse_epilogue makes the kernel graph cyclic; pinned by the strict xfail
-    test_compiler_passes.test_epilogue_fusion_keeps_the_kernel_graph_acyclic_across_kernels) is
-    recognised only when stepping through the passes shows validation failing with a kernel-graph
-    cycle right after fuse_epilogue; any other failure is raised.
-    """
-    try:
-        return compile_graph(graph, tokens=tokens, pass_list=pass_list)
-    except InvalidGraph as e:
-        G = to_networkx(graph)
-        for p in pass_list:
-            G = p(G)
-            try:
-                validate(G)
-            except InvalidGraph as e2:
-                known = p is fuse_epilogue and "kernel graph has a cycle" in str(e2)
-                if not known:
-                    raise
-                note(f"known fuse_epilogue cycle bug: {e}")
-                assume(False)
-        raise
