@@ -14,14 +14,13 @@ from .kernels import family, members, merge
 
 def fuse_elementwise(G: nx.DiGraph) -> nx.DiGraph:
     G = G.copy()
+    rowwise = {k for k, nodes in members(G).items() if family(G, nodes) == "rowwise"}
     changed = True
-    while changed:
+    while changed:   # sweep until nothing merges: one merge can make another one legal
         changed = False
-        groups = members(G)
-        rowwise = {k for k, nodes in groups.items() if family(G, nodes) == "rowwise"}
         for u, v in G.edges:
             ku, kv = G.nodes[u]["kernel"], G.nodes[v]["kernel"]
             if ku != kv and ku in rowwise and kv in rowwise and merge(G, [ku, kv]):
+                rowwise.discard(kv)   # its nodes now belong to ku, which stays row-wise
                 changed = True
-                break
     return G

@@ -81,15 +81,18 @@ __device__ __forceinline__ void warp_dot_rows(const weight_t* const (&rows)[NR],
             }
         }
 #pragma unroll
-        for (int k = FULL + lane * CHUNK; k < K; k += STEP) {   // the remaining whole chunks
-            float xv[8];
-            v.load8(k, xv);
+        for (int base = FULL; base < K; base += STEP) {     // the remaining whole chunks
+            const int k = base + lane * CHUNK;
+            if (k < K) {
+                float xv[8];
+                v.load8(k, xv);
 #pragma unroll
-            for (int r = 0; r < NR; r++) {
-                float w[8];
-                unpack8(__ldcs(reinterpret_cast<const uint4*>(rows[r] + k)), w);
+                for (int r = 0; r < NR; r++) {
+                    float w[8];
+                    unpack8(__ldcs(reinterpret_cast<const uint4*>(rows[r] + k)), w);
 #pragma unroll
-                for (int i = 0; i < 8; i++) acc[r] = fmaf(w[i], xv[i], acc[r]);
+                    for (int i = 0; i < 8; i++) acc[r] = fmaf(w[i], xv[i], acc[r]);
+                }
             }
         }
     }
