@@ -30,6 +30,7 @@ class Kind(enum.Enum):
     CACHE_WRITE = "cache_write"  # writes rows into a persistent KV cache, in place
     ATTENTION = "attention"      # attends over a KV cache
     REDUCTION = "reduction"      # needs a whole row first (softmax, argmax)
+    MOE = "moe"                  # routed expert FFN: reads only the weights of the experts a row picks
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,16 @@ def _attention_shape(shapes, attrs):
     return q, "f32"
 
 
+def _moe_shape(shapes, attrs):
+    x, logits, w_gate, w_up, w_down = shapes
+    e, i, d = w_gate
+    if (logits[-1] != e or x[-1] != d or w_up != (e, i, d) or w_down != (e, d, i)
+            or not 1 <= attrs["top_k"] <= e):
+        raise ShapeError(f"moe_ffn: x {x}, router logits {logits}, experts {w_gate} {w_up} {w_down}, "
+                         f"top_k {attrs['top_k']}")
+    return x, "f32"
+
+
 def _argmax_shape(shapes, attrs):
     return (shapes[0][0],), "i32"
 
@@ -179,6 +190,25 @@ def _attention(q, kc, vc, pos, n_heads, n_kv_heads, head_dim, scale, window=0, s
     return out.astype(np.float32)
 
 
+def _moe_ffn(x, logits, w_gate, w_up, w_down, top_k, act="silu"):
+    """Mixtral's sparse MoE block, in float64, row by row.
+
+    softmax(logits) -> the top_k experts -> their probabilities renormalised to sum 1 (the same as
+    a softmax over the top_k logits alone) -> sum of weight * down_e(act(gate_e x) * up_e x).
+    """
+    act_ref = REGISTRY[act].reference
+    out = np.zeros(x.shape, np.float64)
+    for t in range(x.shape[0]):
+        lg = logits[t].astype(np.float64)
+        top = np.argsort(-lg, kind="stable")[:top_k]
+        w = np.exp(lg[top] - lg[top].max())
+        xt = x[t].astype(np.float64)
+        for e, we in zip(top, w / w.sum()):
+            h = act_ref(w_gate[e].astype(np.float64) @ xt) * (w_up[e].astype(np.float64) @ xt)
+            out[t] += we * (w_down[e].astype(np.float64) @ h)
+    return out.astype(np.float32)
+
+
 def _softmax(x):
     e = np.exp(x - x.max(axis=-1, keepdims=True))
     return (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
@@ -202,6 +232,8 @@ for _op in [
     OpDef("attention", Kind.ATTENTION, 4, _attention_shape, _attention,
           attr_defaults={"window": 0, "softcap": 0.0}),
     OpDef("softmax", Kind.REDUCTION, 1, _same_as_first, _softmax),
+    # x [T, D], router logits [T, E], gate and up [E, I, D], down [E, D, I] (stacked over experts)
+    OpDef("moe_ffn", Kind.MOE, 5, _moe_shape, _moe_ffn, attr_defaults={"act": "silu"}),
     OpDef("argmax", Kind.REDUCTION, 1, _argmax_shape, lambda x: np.argmax(x, axis=-1).astype(np.int32)),
     _elementwise("add", 2, lambda a, b: (a + b).astype(np.float32), "{a} + {b}"),
     _elementwise("mul", 2, lambda a, b: (a * b).astype(np.float32), "{a} * {b}"),

@@ -1,8 +1,10 @@
 """Building blocks shared by the decoder architectures: each one a few DSL calls."""
 from __future__ import annotations
 
+import numpy as np
+
 from ..dsl import Graph, Value
-from .config import DecoderConfig, rope_inv_freq
+from .config import ConfigError, DecoderConfig, rope_inv_freq
 
 
 def linear(g: Graph, x: Value, prefix: str, n: int, bias: bool = False) -> Value:
@@ -23,16 +25,66 @@ def step_inputs(g: Graph, cfg: DecoderConfig) -> tuple[Value, Value, Value]:
 
 
 def cached_attention(g: Graph, cfg: DecoderConfig, layer: int, q: Value, k: Value, v: Value,
-                     pos: Value, window: int = 0, **attrs) -> Value:
+                     pos: Value, window: int = 0, scale: float | None = None, **attrs) -> Value:
     """Write this step's K and V rows into the layer's cache, then attend over the cache."""
     kv_width = cfg.num_kv_heads * cfg.head_dim
     k_cache = g.op("kv_write", g.state(f"cache.{layer}.k", ("S", kv_width)), k, pos)
     v_cache = g.op("kv_write", g.state(f"cache.{layer}.v", ("S", kv_width)), v, pos)
     return g.op("attention", q, k_cache, v_cache, pos, n_heads=cfg.num_heads,
                 n_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                scale=cfg.head_dim ** -0.5, window=window or 0, **attrs)
+                scale=cfg.head_dim ** -0.5 if scale is None else scale, window=window or 0, **attrs)
 
 
-def lm_head(g: Graph, cfg: DecoderConfig, x: Value) -> Value:
-    name = "model.embed_tokens" if cfg.tie_word_embeddings else "lm_head"
+def lm_head(g: Graph, cfg: DecoderConfig, x: Value, tied: bool | None = None) -> Value:
+    """Logits; `tied` overrides cfg.tie_word_embeddings (for architectures whose default is True)."""
+    name = "model.embed_tokens" if (cfg.tie_word_embeddings if tied is None else tied) else "lm_head"
     return linear(g, x, name, cfg.vocab_size)
+
+
+
+def layer_windows(cfg: DecoderConfig, slides=None) -> list[int]:
+    """The attention window of every layer (0: full attention).
+
+    A config that lists `layer_types` (transformers >= 4.53 writes them) decides per layer:
+    "sliding_attention" layers use `cfg.sliding_window`. Without the list, `slides(i)` is the
+    architecture's own rule (Gemma 2: even layers); the default is Qwen2's, which covers Mistral:
+    layers i >= `max_window_layers` slide (0 when absent: every layer). No `sliding_window`
+    (or `use_sliding_window: false`, see DecoderConfig.from_hf): every layer attends in full.
+    """
+    w = int(cfg.sliding_window or 0)
+    types = cfg.extra.get("layer_types")
+    if types:
+        if len(types) < cfg.num_layers:
+            raise ConfigError(f"layer_types lists {len(types)} layers, the model has {cfg.num_layers}")
+        return [w if t == "sliding_attention" else 0 for t in types[:cfg.num_layers]]
+    if slides is None:
+        first = int(cfg.extra.get("max_window_layers") or 0)
+        slides = lambda i: i >= first   # noqa: E731
+    return [w if slides(i) else 0 for i in range(cfg.num_layers)]
+
+
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def activation(name: str) -> str:
+    """The DSL op of a Hugging Face activation name (hidden_act / hidden_activation)."""
+    if name not in ACTIVATIONS:
+        raise ConfigError(f"activation '{name}' is not supported (supported: {', '.join(sorted(ACTIVATIONS))})")
+    return ACTIVATIONS[name]
+
+
+def embed_scale(cfg: DecoderConfig) -> float:
+    """Gemma's embedding multiplier sqrt(hidden), rounded as transformers rounds it.
+
+    transformers multiplies by the normalizer cast to the activation dtype, so a bf16 (fp16)
+    checkpoint run in its own dtype scales by bf16(sqrt(D)) (59.75, not 59.87, for D = 3584).
+    The config's `torch_dtype` / `dtype` names that dtype; float32 keeps the exact root.
+    """
+    s = np.float32(cfg.hidden_size ** 0.5)
+    dtype = str(cfg.extra.get("dtype") or cfg.extra.get("torch_dtype") or "float32").replace("torch.", "")
+    if dtype == "bfloat16":      # round to nearest even on the top 16 bits
+        b = int(s.view(np.uint32))
+        s = np.uint32((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).view(np.float32)
+    elif dtype == "float16":
+        s = np.float32(np.float16(s))
+    return float(s)

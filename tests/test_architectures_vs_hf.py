@@ -1,0 +1,352 @@
+"""Qwen2, Qwen3, Gemma 2 and Mixtral: the reference executor against transformers (torch CPU,
+float32) on tiny random configs, and every new architecture's graph through the compiler, the code
+generator and NVRTC.
+
+Each case feeds a prompt (logits of every row) and then single-token decode steps through the KV
+cache on both sides; bound ||ours - hf|| / ||hf|| < 1e-4 per step. The worst relative error per
+architecture is printed at the end of the module (pytest -s shows it). Every case also checks
+that the graph reads exactly the weights the HF model has (a bias or norm we forgot shows).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+TOL = 1e-4
+WORST: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_worst():
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)    # tiny matrices: 2 threads made each case ~40x slower on CI's 2 cores
+    yield
+    torch.set_num_threads(threads)
+    if WORST:
+        print("\nworst relative error of the reference executor vs transformers (float32):")
+        for kind, err in sorted(WORST.items()):
+            print(f"  {kind:<34} {err:.2e}")
+
+
+def hf_model(h, arch: str, seed: int, **kw):
+    """A tiny float32 HF model of `arch` with random weights; its weights under checkpoint names
+    (what the Hub's safetensors files hold) and fuselm's DecoderConfig from its config dict."""
+    import torch
+    import transformers
+
+    from fuselm.models import DecoderConfig
+
+    hf_cfg = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
+        architectures=[arch], attn_implementation="eager", **kw)
+    if arch == "MixtralForCausalLM":
+        hf_cfg._experts_implementation = "eager"   # torch._grouped_mm wants 16-byte strides
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(hf_cfg).eval()
+    h.randomize_(model, seed)
+    weights = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
+    if hf_cfg.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    if arch == "MixtralForCausalLM":
+        weights = mixtral_checkpoint_names(weights, hf_cfg.intermediate_size)
+    return model, weights, DecoderConfig.from_hf(hf_cfg.to_dict(), source=f"tiny {arch}")
+
+
+def mixtral_checkpoint_names(weights: dict, inter: int) -> dict:
+    """transformers 5 fuses the experts on load (mlp.experts.gate_up_proj [E, 2I, D] = w1 then w3,
+    mlp.experts.down_proj [E, D, I] = w2); back to the Hub's block_sparse_moe names, stacked over
+    experts under a "*" name as models/mixtral.py reads them."""
+    out = {}
+    for k, v in weights.items():
+        p = k.replace(".mlp.", ".block_sparse_moe.")
+        if k.endswith("experts.gate_up_proj"):
+            base = p[:-len("gate_up_proj")] + "*."
+            out[base + "w1.weight"], out[base + "w3.weight"] = v[:, :inter], v[:, inter:]
+        elif k.endswith("experts.down_proj"):
+            out[p[:-len("down_proj")] + "*.w2.weight"] = v
+        else:
+            out[p] = v
+    return out
+
+
+def compare(h, model, weights, cfg, prompt, steps, kind, graph=None) -> float:
+    from fuselm.models import build_graph
+
+    graph = graph or build_graph(cfg)
+    used = {n.name for n in graph.sources("weight")}
+    assert used == set(weights), f"graph reads {sorted(used - set(weights))}, ignores {sorted(set(weights) - used)}"
+    for n in graph.sources("weight"):
+        assert n.shape == weights[n.name].shape, (n.name, n.shape, weights[n.name].shape)
+    theirs = h.hf_prefill_then_decode(model, prompt, steps)
+    ours = h.ours_prefill_then_decode(cfg, weights, prompt, steps, graph=graph)
+    assert float(np.std(theirs[0])) > 0.1, "logits nearly constant: the comparison proves little"
+    errs = [h.rel_err(o, t) for o, t in zip(ours, theirs)]
+    WORST[kind] = max(WORST.get(kind, 0.0), max(errs))
+    assert max(errs) < TOL, f"{kind}: relative errors per step {errs}"
+    return max(errs)
+
+
+def tokens(seed: int, vocab: int, prompt_len: int, steps: int = 3):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab, prompt_len).tolist(), rng.integers(0, vocab, steps).tolist()
+
+
+def check_windows_without_layer_types(model, cfg):
+    """An older config.json has no layer_types: the architecture's own rule must give the same
+    per-layer windows as transformers' config.layer_types."""
+    from fuselm.models.layers import layer_windows
+
+    extra = {k: v for k, v in cfg.extra.items() if k != "layer_types"}
+    old = dataclasses.replace(cfg, extra=extra)
+    windows = [a.attrs["window"] for a in build_graph_of(old).nodes.values() if a.op == "attention"]
+    expect = [cfg.sliding_window if t == "sliding_attention" else 0 for t in model.config.layer_types]
+    assert windows == layer_windows(cfg) == [w or 0 for w in expect]
+
+
+def build_graph_of(cfg):
+    from fuselm.models import build_graph
+    return build_graph(cfg)
+
+
+# ---- Qwen2 / Qwen2.5 -------------------------------------------------------------------------------
+
+@st.composite
+def gqa(draw, hds=(2, 4, 6, 8)):
+    kv = draw(st.integers(1, 3))
+    heads = kv * draw(st.sampled_from([1, 2, 3]))
+    return heads, kv, draw(st.sampled_from(hds))
+
+
+@given(shape=gqa(), layers=st.integers(1, 3), tied=st.booleans(), sliding=st.booleans(),
+       window=st.integers(2, 4), first_sliding=st.integers(0, 3), prompt_len=st.integers(1, 7),
+       seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=50)
+def test_qwen2_vs_transformers(h, shape, layers, tied, sliding, window, first_sliding, prompt_len, seed):
+    heads, kv, hd = shape
+    kw = dict(vocab_size=53, hidden_size=heads * hd, intermediate_size=37, num_hidden_layers=layers,
+              num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=tied,
+              rope_theta=1000000.0, rms_norm_eps=1e-6, use_sliding_window=sliding,
+              sliding_window=window, max_window_layers=first_sliding)
+    model, weights, cfg = hf_model(h, "Qwen2ForCausalLM", seed, **kw)
+    assert "model.layers.0.self_attn.q_proj.bias" in weights
+    assert "model.layers.0.self_attn.o_proj.bias" not in weights
+    check_windows_without_layer_types(model, cfg)
+    compare(h, model, weights, cfg, *tokens(seed, 53, prompt_len), "qwen2")
+
+
+# ---- Qwen3 -----------------------------------------------------------------------------------------
+
+@given(shape=gqa(), per_head=st.integers(2, 9), layers=st.integers(1, 3), bias=st.booleans(),
+       tied=st.booleans(), sliding=st.booleans(), window=st.integers(2, 4),
+       first_sliding=st.integers(0, 3), prompt_len=st.integers(1, 7), seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=50)
+def test_qwen3_vs_transformers(h, shape, per_head, layers, bias, tied, sliding, window, first_sliding,
+                               prompt_len, seed):
+    heads, kv, hd = shape     # head_dim explicit, independent of hidden / heads
+    kw = dict(vocab_size=47, hidden_size=heads * per_head, head_dim=hd, intermediate_size=31,
+              num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+              attention_bias=bias, tie_word_embeddings=tied, rope_theta=1000000.0,
+              use_sliding_window=sliding, sliding_window=window, max_window_layers=first_sliding)
+    model, weights, cfg = hf_model(h, "Qwen3ForCausalLM", seed, **kw)
+    assert weights["model.layers.0.self_attn.q_norm.weight"].shape == (hd,)
+    check_windows_without_layer_types(model, cfg)
+    compare(h, model, weights, cfg, *tokens(seed, 47, prompt_len), "qwen3")
+
+
+def test_qwen3_qk_norm_matters(h):
+    """Dropping the per-head Q/K norms moves the logits far beyond the tolerance."""
+    from fuselm.models import llama
+
+    model, weights, cfg = hf_model(h, "Qwen3ForCausalLM", 5, vocab_size=40, hidden_size=24,
+                                   head_dim=8, intermediate_size=20, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    prompt, steps = tokens(5, 40, 6)
+    compare(h, model, weights, cfg, prompt, steps, "qwen3")
+    ours = h.ours_prefill_then_decode(cfg, weights, prompt, steps, graph=llama.build(cfg))
+    theirs = h.hf_prefill_then_decode(model, prompt, steps)
+    assert max(h.rel_err(o, t) for o, t in zip(ours, theirs)) > 100 * TOL
+
+
+# ---- Gemma 2 ---------------------------------------------------------------------------------------
+
+@given(shape=gqa(hds=(2, 4, 8)), layers=st.integers(1, 4), tied=st.sampled_from([True, True, False]),
+       attn_cap=st.sampled_from([None, 50.0, 2.0]), final_cap=st.sampled_from([None, 30.0, 3.0]),
+       qpas=st.sampled_from([None, 3, 32]), window=st.integers(2, 5), extra=st.integers(0, 3),
+       seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=60)
+def test_gemma2_vs_transformers(h, shape, layers, tied, attn_cap, final_cap, qpas, window, extra, seed):
+    heads, kv, hd = shape
+    kw = dict(vocab_size=61, hidden_size=heads * hd * 2, head_dim=hd, intermediate_size=29,
+              num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+              tie_word_embeddings=tied, attn_logit_softcapping=attn_cap,
+              final_logit_softcapping=final_cap, query_pre_attn_scalar=qpas or hd,
+              sliding_window=window, rms_norm_eps=1e-6)
+    model, weights, cfg = hf_model(h, "Gemma2ForCausalLM", seed, **kw)
+    check_windows_without_layer_types(model, cfg)
+    compare(h, model, weights, cfg, *tokens(seed, 61, window + extra), "gemma2")
+
+
+def test_gemma2_each_feature_matters(h, monkeypatch):
+    """Soft-capping, the window, the query scalar and the embedding scale each move the logits far
+    beyond the tolerance when left out: the comparisons above see them."""
+    from fuselm.models import gemma2
+
+    model, weights, cfg = hf_model(
+        h, "Gemma2ForCausalLM", 11, vocab_size=50, hidden_size=32, head_dim=8, intermediate_size=24,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, attn_logit_softcapping=1.0,
+        final_logit_softcapping=2.0, query_pre_attn_scalar=2, sliding_window=3)
+    prompt, steps = tokens(11, 50, 7)
+    compare(h, model, weights, cfg, prompt, steps, "gemma2")
+    theirs = h.hf_prefill_then_decode(model, prompt, steps)
+
+    def moved(c):
+        ours = h.ours_prefill_then_decode(c, weights, prompt, steps, graph=gemma2.build(c))
+        return max(h.rel_err(o, t) for o, t in zip(ours, theirs))
+
+    for change in [dict(attn_logit_softcapping=None), dict(final_logit_softcapping=None),
+                   dict(layer_types=["full_attention"] * 2), dict(query_pre_attn_scalar=8)]:
+        assert moved(dataclasses.replace(cfg, extra={**cfg.extra, **change})) > 100 * TOL, change
+    monkeypatch.setattr(gemma2, "embed_scale", lambda c: 1.0)
+    assert moved(cfg) > 100 * TOL, "embedding scale"
+
+
+def test_gemma_embed_scale_rounds_like_transformers():
+    import torch
+
+    from fuselm.models import DecoderConfig
+    from fuselm.models.layers import embed_scale
+
+    for d in (2304, 3584, 4608):
+        base = DecoderConfig("Gemma2ForCausalLM", 10, d, 1, 1, 1, 1, 1)
+        assert embed_scale(base) == np.float32(d ** 0.5)
+        for name, dt in [("bfloat16", torch.bfloat16), ("float16", torch.float16)]:
+            for key in ("dtype", "torch_dtype"):
+                got = embed_scale(dataclasses.replace(base, extra={key: name}))
+                assert got == torch.tensor(d ** 0.5).to(dt).item(), (d, name, key)
+    assert embed_scale(dataclasses.replace(base, hidden_size=3584, extra={"dtype": "bfloat16"})) == 59.75
+
+
+# ---- Mixtral ---------------------------------------------------------------------------------------
+
+@given(shape=gqa(hds=(2, 4, 6)), layers=st.integers(1, 2), experts=st.integers(2, 5),
+       top_k=st.integers(1, 3), window=st.sampled_from([None, 3]), prompt_len=st.integers(1, 7),
+       seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=50)
+def test_mixtral_vs_transformers(h, shape, layers, experts, top_k, window, prompt_len, seed):
+    heads, kv, hd = shape
+    kw = dict(vocab_size=43, hidden_size=heads * hd, intermediate_size=13, num_hidden_layers=layers,
+              num_attention_heads=heads, num_key_value_heads=kv, num_local_experts=experts,
+              num_experts_per_tok=min(top_k, experts), sliding_window=window, rope_theta=1000000.0)
+    model, weights, cfg = hf_model(h, "MixtralForCausalLM", seed, **kw)
+    compare(h, model, weights, cfg, *tokens(seed, 43, prompt_len), "mixtral")
+
+
+def test_moe_ffn_routes_to_top_k_only():
+    """moe_ffn against a direct sum over the chosen experts, with the renormalised softmax weights."""
+    from fuselm.dsl import get
+
+    rng = np.random.default_rng(0)
+    T, D, I, E, k = 3, 6, 5, 4, 2
+    x, logits = rng.standard_normal((T, D)), np.array([[3., 1., 2., 0.], [0., 0.5, -1., 4.], [1., 2., 3., 4.]])
+    wg, wu, wd = rng.standard_normal((E, I, D)), rng.standard_normal((E, I, D)), rng.standard_normal((E, D, I))
+    out = get("moe_ffn").reference(x, logits, wg, wu, wd, top_k=k)
+    silu = lambda a: a / (1 + np.exp(-a))   # noqa: E731
+    for t, chosen in enumerate([(0, 2), (3, 1), (3, 2)]):
+        w = np.exp(logits[t, list(chosen)])
+        w /= w.sum()
+        want = sum(we * wd[e] @ (silu(wg[e] @ x[t]) * (wu[e] @ x[t])) for e, we in zip(chosen, w))
+        np.testing.assert_allclose(out[t], want, rtol=1e-5)
+
+
+# ---- presets and the compiler ----------------------------------------------------------------------
+
+NEW = ["qwen2.5-7b", "qwen3-8b", "gemma-2-9b"]
+
+
+def test_presets_build_with_real_shapes():
+    from fuselm.models import build_graph
+    from fuselm.models.presets import PRESETS, REFERENCE_PRESETS, preset
+
+    assert set(NEW) <= set(PRESETS) and "mixtral-8x7b" in REFERENCE_PRESETS
+    counts = {}
+    for name in NEW + ["mixtral-8x7b"]:
+        g = build_graph(preset(name))
+        att = [n for n in g.nodes.values() if n.op == "attention"]
+        counts[name] = (len(att), sum(1 for n in att if n.attrs["window"]))
+        assert all(n.shape[-1] for n in g.sources("weight"))
+    assert counts == {"qwen2.5-7b": (28, 0), "qwen3-8b": (36, 0), "gemma-2-9b": (42, 21),
+                      "mixtral-8x7b": (32, 0)}
+    gemma = build_graph(preset("gemma-2-9b"))
+    att = [n for n in gemma.nodes.values() if n.op == "attention"]
+    assert att[0].attrs["scale"] == 256 ** -0.5 and att[0].attrs["softcap"] == 50.0
+    assert "lm_head.weight" not in gemma.nodes
+
+
+def tiny_graph(arch):
+    """One small config per architecture with every feature on (sliding and full layers, biases,
+    soft-caps), built from the HF config class's to_dict as a config.json would give it."""
+    import transformers
+
+    from fuselm.models import DecoderConfig, build_graph
+
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2)
+    kw = {"Qwen2ForCausalLM": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+          "Qwen3ForCausalLM": dict(head_dim=32, use_sliding_window=True, sliding_window=8,
+                                   max_window_layers=2, attention_bias=True),
+          "Gemma2ForCausalLM": dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24),
+          "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2)}[arch]
+    d = getattr(transformers, arch.replace("ForCausalLM", "Config"))(architectures=[arch], **common, **kw).to_dict()
+    return build_graph(DecoderConfig.from_hf(d)), common["vocab_size"]
+
+
+ARCHS = ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM"]
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiles_through_compiler_and_nvrtc(arch, fuse):
+    import fuselm.codegen as cg
+    from fuselm.codegen import nvrtc
+    from fuselm.compiler import compile_graph
+
+    pytest.importorskip("cupy")
+    graph, vocab = tiny_graph(arch)
+    G = compile_graph(graph, fuse=fuse)
+    assert G.graph["schedule"]
+    ks = cg.generate(G, rows=64)
+    cubin, log, cached = nvrtc.compile_cubin(cg.module_source(ks + [cg.sampler(vocab)]), cg.headers(),
+                                             nvrtc.options("sm_90"), use_cache=False)
+    assert len(cubin) > 1000 and not cached
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_presets_compile(name):
+    """The real shapes through the fused pipeline and the code generator (no NVRTC: the tiny graphs
+    above compile the same templates)."""
+    import fuselm.codegen as cg
+    from fuselm.compiler import compile_graph
+    from fuselm.models import build_graph
+    from fuselm.models.presets import preset
+
+    G = compile_graph(build_graph(preset(name)))
+    assert cg.generate(G, rows=64)
+
+
+def test_mixtral_is_refused_by_the_compiler_until_moe_has_a_kernel():
+    """moe_ffn (Kind.MOE) has no kernel family yet (the lead's job), so Mixtral sits in
+    REFERENCE_ONLY and the compiler must refuse it at once, naming the op. The day it compiles,
+    this fails: move Mixtral into ARCHITECTURES and test it like the others."""
+    from fuselm.compiler import compile_graph
+    from fuselm.compiler.validate import InvalidGraph
+    from fuselm.models import ARCHITECTURES, REFERENCE_ONLY
+
+    assert "MixtralForCausalLM" in REFERENCE_ONLY and "MixtralForCausalLM" not in ARCHITECTURES
+    graph, vocab = tiny_graph("MixtralForCausalLM")
+    for fuse in (True, False):
+        with pytest.raises(InvalidGraph, match="no kernel family runs .*moe_ffn"):
+            compile_graph(graph, fuse=fuse)
