@@ -21,5 +21,5 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
             "softcap": cexpr.float_literal(a.get("softcap") or 0.0), "threads": THREADS,
             "q": params.ref(q), "kc": params.ref(kc), "vc": params.ref(vc), "pos": params.ref(pos),
             "out": params.ref(n, written=True),
-            "ws": params.extra("float*", "attention_workspace"),
+            "ws": params.extra("float*", "workspace"),
             "workspace_floats": a["n_heads"] * nchunk * (a["head_dim"] + 2)}

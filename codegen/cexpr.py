@@ -21,8 +21,13 @@ def float_literal(x: float) -> str:
 def elementwise(G: nx.DiGraph, node: str, operands: list[str]) -> str:
     """The C expression of elementwise `node` applied to the C expressions `operands`."""
     d = G.nodes[node]
-    opdef = get(d["op"])
+    return elementwise_op(d["op"], operands, d["attrs"])
+
+
+def elementwise_op(op: str, operands: list[str], attrs: dict | None = None) -> str:
+    """The C expression of elementwise op `op` (attributes `attrs`) over `operands`."""
+    opdef = get(op)
     fields = {f for _, f, _, _ in string.Formatter().parse(opdef.c_expr) if f}
     names = dict(zip("abcdefgh", (f"({o})" for o in operands)))
-    attrs = {k: float_literal(v) for k, v in d["attrs"].items() if k in fields}
-    return f"({opdef.c_expr.format(**names, **attrs)})"
+    values = {k: float_literal(v) for k, v in {**opdef.attr_defaults, **(attrs or {})}.items() if k in fields}
+    return f"({opdef.c_expr.format(**names, **values)})"

@@ -11,12 +11,12 @@ import networkx as nx
 import numpy as np
 
 from ..dsl import Kind, get
-from . import attention, gemv, rowwise
+from . import attention, gemv, moe, rowwise
 from .kernel import KernelSource, Launch
 from .params import Params, storage_of
 
 TEMPLATES = Path(__file__).parent / "templates"
-FAMILIES = {"gemv": gemv, "rowwise": rowwise, "attention": attention}
+FAMILIES = {"gemv": gemv, "rowwise": rowwise, "attention": attention, "moe": moe}
 
 
 @lru_cache(maxsize=1)
@@ -45,6 +45,9 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2) -> list[KernelSour
         if launch["family"] == "attention":
             launches = [Launch(f"{name}_split", (ctx["KV"], ctx["nchunk"]), ctx["threads"], params.values),
                         Launch(f"{name}_combine", (ctx["H"], 1), ctx["threads"], params.values)]
+        elif launch["family"] == "moe":
+            launches = [Launch(f"{name}_up", (ctx["grid_up"], 1), ctx["threads"], params.values),
+                        Launch(f"{name}_down", (ctx["grid_down"], 1), ctx["threads"], params.values)]
         else:
             launches = [Launch(name, (ctx["grid"], 1), ctx["threads"], params.values)]
         read, written = _traffic(G, launch, rows, weight_bytes)
@@ -70,6 +73,8 @@ def _name(family: str, ctx: dict, body: str) -> str:
         shape = ("norm_" if ctx["prologue"] else "") + shape
     elif family == "attention":
         shape = f"h{ctx['H']}_kv{ctx['KV']}_d{ctx['HD']}"
+    elif family == "moe":
+        shape = f"e{ctx['E']}_top{ctx['top_k']}_d{ctx['D']}_i{ctx['I']}"
     else:
         shape = f"{len(ctx['phases'])}ops"
     return re.sub(r"\W", "_", f"{family}_{shape}_{digest}")
@@ -88,5 +93,9 @@ def _traffic(G: nx.DiGraph, launch: dict, rows: int, weight_bytes: int) -> tuple
         return int(np.prod(shape)) * per
     read = sum(nbytes(v) for v in launch["reads"] if G.nodes[storage_of(G, v)]["op"] != "state"
                or launch["family"] == "attention")
+    if launch["family"] == "moe":            # only the chosen experts' weights are streamed
+        (n,) = launch["nodes"]
+        experts = G.nodes[G.nodes[n]["inputs"][2]]["shape"][0]
+        read -= sum(nbytes(w) for w in G.nodes[n]["inputs"][2:]) * (1 - G.nodes[n]["attrs"]["top_k"] / experts)
     written = sum(nbytes(v) for v in launch["writes"] if get(G.nodes[v]["op"]).inplace_of is None)
     return read, written

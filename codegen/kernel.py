@@ -9,7 +9,7 @@ class Launch:
     function: str             # extern "C" entry point in the compiled module
     grid: tuple[int, int]     # ("T" in the schedule becomes the token count at run time)
     block: int
-    args: list[str]           # graph value names, or runtime buffers such as "attention_workspace"
+    args: list[str]           # graph value names, or runtime buffers such as "workspace"
 
 
 @dataclass

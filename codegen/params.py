@@ -41,7 +41,8 @@ class Params:
         return f"p{self.values.index(store)}"
 
     def extra(self, decl: str, key: str) -> str:
-        """A pointer that is not a graph value (attention's workspace): `key` names it for the runtime."""
+        """A pointer that is not a graph value (the workspace shared by attention and MoE kernels,
+        which never need it at the same time): `key` names it for the runtime."""
         self.values.append(key)
         self.decls.append(f"{decl} __restrict__ p{len(self.values) - 1}")
         return f"p{len(self.values) - 1}"

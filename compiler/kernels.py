@@ -5,6 +5,7 @@ Families (each one a CUDA template in codegen/):
                produces that vector, and an epilogue of ELEMENTWISE / ROW_LOCAL / CACHE_WRITE nodes
                computed on the tile of output rows each block owns;
 - "attention": one ATTENTION node (split over the context, then combined);
+- "moe":       one MOE node (gate/up of the routed experts, then their weighted down projection);
 - "rowwise":   any other ops (EMBEDDING, NORM, ELEMENTWISE, ROW_LOCAL, CACHE_WRITE, REDUCTION),
                one block per token row, op after op.
 The helpers here are shared by the passes; they never look at op names, only at kinds and traits.
@@ -73,10 +74,11 @@ def producer_kernel(G: nx.DiGraph, value: str) -> str | None:
 def family(G: nx.DiGraph, nodes: list[str]) -> str:
     """The family of a kernel made of `nodes`; raises ValueError when no family can run it."""
     kinds = [G.nodes[n]["kind"] for n in nodes]
-    if Kind.ATTENTION in kinds:
-        if len(nodes) != 1:
-            raise ValueError(f"attention cannot share a kernel: {nodes}")
-        return "attention"
+    for kind, fam in ((Kind.ATTENTION, "attention"), (Kind.MOE, "moe")):
+        if kind in kinds:
+            if len(nodes) != 1:
+                raise ValueError(f"{fam} cannot share a kernel: {nodes}")
+            return fam
     if Kind.LINEAR in kinds:
         check_gemv(G, nodes)
         return "gemv"

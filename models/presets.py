@@ -41,11 +41,6 @@ PRESETS: dict[str, dict] = {
                        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
                        sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                        tie_word_embeddings=True, max_position_embeddings=8192),
-}
-
-# Shapes of architectures in models.REFERENCE_ONLY (the CPU reference runs them, the compiler does
-# not yet): kept out of PRESETS, which tests and benchmarks compile one by one.
-REFERENCE_PRESETS: dict[str, dict] = {
     "mixtral-8x7b": dict(architectures=["MixtralForCausalLM"], vocab_size=32000, hidden_size=4096,
                          intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1000000.0,
@@ -57,7 +52,6 @@ REFERENCE_PRESETS: dict[str, dict] = {
 def preset(name: str) -> DecoderConfig:
     """The DecoderConfig of a preset; unknown names list the known ones."""
     from .config import ConfigError
-    known = {**PRESETS, **REFERENCE_PRESETS}
-    if name not in known:
-        raise ConfigError(f"unknown preset '{name}'; presets: {', '.join(sorted(known))}")
-    return DecoderConfig.from_hf(known[name], source=f"preset {name}")
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset '{name}'; presets: {', '.join(sorted(PRESETS))}")
+    return DecoderConfig.from_hf(PRESETS[name], source=f"preset {name}")

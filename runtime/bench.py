@@ -106,6 +106,14 @@ def profile(engine, reps: int = 20) -> dict[str, dict]:
     return {f: {**v, "GBps": v["bytes"] / v["us"] / 1e3 if v["us"] else 0.0} for f, v in per.items()}
 
 
+def step_bytes(kernels, states, context: float) -> float:
+    """Bytes one decode step moves: every kernel's weights and activations as codegen counted them
+    (an embedding reads one row, a MoE only its chosen experts), plus the KV cache at `context`."""
+    fixed = sum(k.bytes_read + k.bytes_written for k in kernels if k.family != "attention")
+    kv_row = sum(s.shape[1] * 2 for s in states.values())     # bf16 K and V rows of every layer
+    return fixed + kv_row * context
+
+
 def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do_profile: bool = False,
                 peers: tuple[str, ...] = (), copy_Bps: float | None = None, fuse: bool = True) -> dict:
     import cupy as cp
@@ -137,10 +145,7 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
     for _ in range(tokens):
         tok = engine.decode(tok, GREEDY)
     tok_s_4k = tokens / (time.perf_counter() - t1)
-    weight_bytes = sum(w.nbytes for w in engine.weights.values())
-    kv_row = sum(s.shape[1] * 2 for s in engine.states.values())
-    avg_ctx = 32 + tokens / 2
-    bytes_per_token = weight_bytes + kv_row * avg_ctx
+    bytes_per_token = step_bytes(engine.kernels, engine.states, context=32 + tokens / 2)
     res = {"model": name, "dtype": "bf16", "fused": fuse, "decode_tok_s": round(tok_s, 1),
            "ms_per_token": round(1e3 / tok_s, 3), "bytes_per_token": int(bytes_per_token),
            "achieved_GBps": round(bytes_per_token * tok_s / 1e9, 1),
@@ -202,9 +207,9 @@ def run(models: list[str], out: str | None = None, **kw) -> dict:
         if r.get("profile"):
             for fam, p in r["profile"].items():
                 print(f"    {fam:10s} {p['launches']:4d} launches {p['us']:9.1f} us/token {p['GBps']:8.1f} GB/s")
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(record, indent=1) + "\n")
+        if out:   # after every model, so a run cut short keeps what it measured
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(json.dumps(record, indent=1) + "\n")
     del cp
     return record
 

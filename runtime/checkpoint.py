@@ -74,16 +74,24 @@ def _read_json(path: Path) -> dict:
 def load_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, progress: bool = True) -> dict[str, np.ndarray]:
     """Every weight node of `graph`, read from the checkpoint as `dtype` and shape-checked."""
     nodes = graph.sources("weight")
-    store = ckpt.tensors
-    available = set(store.names())
+    available = set(ckpt.tensors.names())
     weights = {}
     for node in tqdm(nodes, desc="loading weights", unit="tensor", disable=not progress, leave=False):
-        if node.name not in available:
-            raise FuselmError(f"{ckpt.path}: missing tensor '{node.name}' (the model needs it; "
-                              f"the checkpoint has {len(available)} tensors)")
-        shape = store.shape(node.name)
-        if shape != tuple(node.shape):
-            raise FuselmError(f"{ckpt.path}: tensor '{node.name}' has shape {shape} in the checkpoint "
-                              f"but the model expects {tuple(node.shape)}")
-        weights[node.name] = store.get(node.name, dtype)
+        if "*" in node.name:   # a stack over experts: "*" runs over 0 .. E-1 (see models/mixtral.py)
+            weights[node.name] = np.stack([_load_one(ckpt, node.name.replace("*", str(e)), node.shape[1:],
+                                                     available, dtype) for e in range(node.shape[0])])
+            continue
+        weights[node.name] = _load_one(ckpt, node.name, node.shape, available, dtype)
     return weights
+
+
+def _load_one(ckpt: Checkpoint, name: str, expected: tuple, available: set, dtype) -> np.ndarray:
+    """One tensor, checked for presence and shape."""
+    if name not in available:
+        raise FuselmError(f"{ckpt.path}: missing tensor '{name}' (the model needs it; "
+                          f"the checkpoint has {len(available)} tensors)")
+    shape = ckpt.tensors.shape(name)
+    if shape != tuple(expected):
+        raise FuselmError(f"{ckpt.path}: tensor '{name}' has shape {shape} in the checkpoint "
+                          f"but the model expects {tuple(expected)}")
+    return ckpt.tensors.get(name, dtype)

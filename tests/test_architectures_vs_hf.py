@@ -264,16 +264,16 @@ def test_moe_ffn_routes_to_top_k_only():
 
 # ---- presets and the compiler ----------------------------------------------------------------------
 
-NEW = ["qwen2.5-7b", "qwen3-8b", "gemma-2-9b"]
+NEW = ["qwen2.5-7b", "qwen3-8b", "gemma-2-9b", "mixtral-8x7b"]
 
 
 def test_presets_build_with_real_shapes():
     from fuselm.models import build_graph
-    from fuselm.models.presets import PRESETS, REFERENCE_PRESETS, preset
+    from fuselm.models.presets import PRESETS, preset
 
-    assert set(NEW) <= set(PRESETS) and "mixtral-8x7b" in REFERENCE_PRESETS
+    assert set(NEW) <= set(PRESETS)
     counts = {}
-    for name in NEW + ["mixtral-8x7b"]:
+    for name in NEW:
         g = build_graph(preset(name))
         att = [n for n in g.nodes.values() if n.op == "attention"]
         counts[name] = (len(att), sum(1 for n in att if n.attrs["window"]))
@@ -304,7 +304,7 @@ def tiny_graph(arch):
     return build_graph(DecoderConfig.from_hf(d)), common["vocab_size"]
 
 
-ARCHS = ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM"]
+ARCHS = ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "MixtralForCausalLM"]
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
@@ -337,16 +337,22 @@ def test_presets_compile(name):
     assert cg.generate(G, rows=64)
 
 
-def test_mixtral_is_refused_by_the_compiler_until_moe_has_a_kernel():
-    """moe_ffn (Kind.MOE) has no kernel family yet (the lead's job), so Mixtral sits in
-    REFERENCE_ONLY and the compiler must refuse it at once, naming the op. The day it compiles,
-    this fails: move Mixtral into ARCHITECTURES and test it like the others."""
+def test_mixtral_moe_runs_as_its_own_kernel_family():
+    """moe_ffn (Kind.MOE) is one "moe" kernel per layer, and the compiled schedule (fused or not,
+    buffers reused) computes what the op-by-op reference computes."""
     from fuselm.compiler import compile_graph
-    from fuselm.compiler.validate import InvalidGraph
-    from fuselm.models import ARCHITECTURES, REFERENCE_ONLY
+    from fuselm.runtime.reference import new_state, run_graph
+    from fuselm.runtime.schedule_reference import run_schedule
 
-    assert "MixtralForCausalLM" in REFERENCE_ONLY and "MixtralForCausalLM" not in ARCHITECTURES
     graph, vocab = tiny_graph("MixtralForCausalLM")
+    rng = np.random.default_rng(0)
+    weights = {n.name: (0.2 * rng.standard_normal(n.shape)).astype(np.float32) for n in graph.sources("weight")}
+    feeds = {"ids": np.array([3, 17, 5], np.int32), "pos": np.arange(3, dtype=np.int32)}
+    want = run_graph(graph, weights, feeds, new_state(graph, 8))["logits"]
     for fuse in (True, False):
-        with pytest.raises(InvalidGraph, match="no kernel family runs .*moe_ffn"):
-            compile_graph(graph, fuse=fuse)
+        G = compile_graph(graph, fuse=fuse, tokens=3)
+        moe = [l for l in G.graph["schedule"] if l["family"] == "moe"]
+        assert len(moe) == 3 and all(len(l["nodes"]) == 1 for l in moe)
+        got = run_schedule(G, weights, feeds, new_state(graph, 8))["logits"]
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+

@@ -77,6 +77,27 @@ def test_tiny_llama_matches_reference(fuse, variant):
     print(f"tiny llama {variant} fuse={fuse}: worst rel logit error {worst:.2e}")
 
 
+ARCH_TINY = {   # every architecture's distinctive features on, at sizes a test runs in seconds
+    "MistralForCausalLM": dict(sliding_window=8),
+    "Qwen2ForCausalLM": dict(use_sliding_window=False),
+    "Qwen3ForCausalLM": dict(head_dim=64, num_attention_heads=4, num_key_value_heads=2),
+    "Gemma2ForCausalLM": dict(head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+                              attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                              hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
+    "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("arch", sorted(ARCH_TINY))
+def test_architectures_match_reference(arch, fuse):
+    rng = np.random.default_rng()
+    cfg = DecoderConfig.from_hf({**TINY, "architectures": [arch], **ARCH_TINY[arch]})
+    graph = build_graph(cfg)
+    worst = compare_steps(graph, random_weights(graph, rng), rng.integers(0, cfg.vocab_size, 24), fuse=fuse)
+    print(f"{arch} fuse={fuse}: worst rel logit error {worst:.2e}")
+
+
 def test_epilogue_bias_interleaved_rope_softcap():
     """Ops no Llama uses: bias + interleaved RoPE + GELU + soft-capping fused after GEMVs; softmax row-wise."""
     g = Graph("custom")
