@@ -105,7 +105,7 @@ class CudaEngine:
     def buffer(self, value: str):
         """The device array holding graph value `value` (arena slices for activations)."""
         cp, G = self.cp, self.G
-        special = {"attention_workspace": self.workspace, "seen": self.seen, "ids": self.ids,
+        special = {"workspace": self.workspace, "seen": self.seen, "ids": self.ids,
                    "pos": self.pos, "sampling_args": self.sampling_args}
         if value == "logits":
             value = self.logits_value
