@@ -41,7 +41,9 @@ def context(G: nx.DiGraph, launch: dict, params: Params) -> dict:
             continue
         emit = PHASES.get(d["op"], _elementwise) if d["kind"] is not Kind.ELEMENTWISE else _elementwise
         phases.append(f"// {d['op']}\n" + emit(G, n, params, at, row))
-    width = max(G.nodes[n]["shape"][-1] for n in nodes if G.nodes[n]["shape"])
+    widths = [G.nodes[v]["shape"][-1] for n in nodes for v in (n, *G.nodes[n]["inputs"])
+              if G.nodes[v]["kind"] is not Kind.SOURCE or v in G.nodes[n]["inputs"][:1]]
+    width = max(w for w in widths if isinstance(w, int))   # the widest row this block walks
     threads = 1024 if width > 8192 else 256
     return {"phases": phases, "threads": threads, "grid": "T"}
 

@@ -157,6 +157,9 @@ def zip_sets(G: nx.DiGraph, nodes: list[str]) -> list[dict]:
         opdef = get(G.nodes[n]["op"])
         if opdef.kind is Kind.ROW_LOCAL:
             attrs = G.nodes[n]["attrs"]
+            shapes = [G.nodes[i]["shape"] for i in G.nodes[n]["inputs"]]
+            if opdef.tile_fits is not None and not opdef.tile_fits(shapes, attrs):
+                raise ValueError(f"row-local {n} does not fit the GEMV tile layout")
             pairs = (attrs[opdef.span_attr], bool(attrs.get("interleaved")))
             if s["pairs"] not in (None, pairs) or s["width"] % pairs[0]:
                 raise ValueError(f"row-local {n} needs tiles {pairs}, its GEMV has {s['pairs']}")

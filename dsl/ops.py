@@ -50,6 +50,9 @@ class OpDef:
     span_attr: str | None = None
     inplace_of: int | None = None  # the output is this input, updated in place
     attr_defaults: dict = field(default_factory=dict)
+    # Row-local ops: whether the GEMV epilogue's tile layout (pairs i, i + span/2) fits this use,
+    # given the operand shapes and attributes; None means always.
+    tile_fits: Callable[[list, dict], bool] | None = None
 
 
 REGISTRY: dict[str, OpDef] = {}
@@ -227,7 +230,8 @@ for _op in [
     OpDef("rmsnorm", Kind.NORM, 2, _norm_shape, _rmsnorm, attr_defaults={"group": None, "offset": 0.0}),
     OpDef("linear", Kind.LINEAR, 2, _linear_shape, lambda x, w: (x @ w.T).astype(np.float32)),
     OpDef("rope", Kind.ROW_LOCAL, 3, _rope_shape, _rope, span_attr="head_dim",
-          attr_defaults={"interleaved": False}),
+          attr_defaults={"interleaved": False},
+          tile_fits=lambda shapes, attrs: 2 * shapes[2][0] == attrs["head_dim"]),  # no partial rotary
     OpDef("kv_write", Kind.CACHE_WRITE, 3, _kv_write_shape, _kv_write, inplace_of=0),
     OpDef("attention", Kind.ATTENTION, 4, _attention_shape, _attention,
           attr_defaults={"window": 0, "softcap": 0.0}),

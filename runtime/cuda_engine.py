@@ -59,9 +59,11 @@ class CudaEngine:
         t0 = time.perf_counter()
         self.G = compile_graph(graph, fuse=fuse, tokens=1)
         self.kernels = generate(self.G, rows=ctx)
-        self.logits_value = next(iter(self.G.graph["outputs"].values()))   # the first output
-        vocab = self.G.nodes[self.logits_value]["shape"][-1]
-        self.kernels.append(sampler(vocab))
+        # A language model's step ends in the sampler; other graphs (tests, tools) just stop.
+        self.logits_value = self.G.graph["outputs"].get("logits")
+        vocab = self.G.nodes[self.logits_value]["shape"][-1] if self.logits_value else 1
+        if self.logits_value:
+            self.kernels.append(sampler(vocab))
         cubin, _, self.compile_cached = compile_cubin(module_source(self.kernels), headers(), options(self.arch))
         self.compile_seconds = time.perf_counter() - t0
         self.module = _load_cubin(cupy, cubin)
@@ -95,8 +97,11 @@ class CudaEngine:
         self.states = {n.name: cp.zeros((self.max_context, n.shape[-1]), cp.uint16)
                        for n in self.graph.sources("state")}
         self.arena = cp.empty(max(G.graph["arena_bytes"], 256), cp.uint8)
-        self.ids = cp.zeros(1, cp.int32)
-        self.pos = cp.zeros(1, cp.int32)
+        self.inputs = {n.name: cp.zeros([1 if d == "T" else d for d in n.shape],
+                                        cp.int32 if n.dtype == "i32" else cp.float32)
+                       for n in self.graph.sources("input")}            # one token per step
+        self.ids = self.inputs.get("ids", cp.zeros(1, cp.int32))
+        self.pos = self.inputs.get("pos", cp.zeros(1, cp.int32))
         self.seen = cp.zeros(vocab, cp.uint8)
         self.sampling_args = cp.zeros(SAMPLING_ARGS.itemsize, cp.uint8)
         ws = max([k.workspace_floats for k in self.kernels] + [1])
@@ -120,7 +125,7 @@ class CudaEngine:
         if op == "state":
             return self.states[store]
         if op == "input":
-            return {"ids": self.ids, "pos": self.pos}[store]
+            return self.inputs[store]
         offset, nbytes = G.graph["buffers"][store]
         view = self.arena[offset:offset + nbytes]
         return view.view(cp.int32 if G.nodes[store]["dtype"] == "i32" else cp.float32)
@@ -204,8 +209,23 @@ class CudaEngine:
 
     def logits(self) -> np.ndarray:
         """The last step's logits [vocab] (for tests and tools)."""
+        return self.output("logits")[0]
+
+    # ---- any graph: set inputs and state, run one step, read outputs (tests and tools) ----
+    def set_input(self, name: str, value) -> None:
+        """Upload one step's value of graph input `name` (shape [1, ...])."""
+        buf = self.inputs[name]
+        buf.set(np.asarray(value, buf.dtype).reshape(buf.shape), stream=self.stream)
+
+    def set_state(self, name: str, value) -> None:
+        """Replace persistent buffer `name` (a KV cache, [rows, width]) by `value`, stored as bf16."""
+        with self.stream:
+            self.states[name][...] = self.cp.asarray(to_bf16_bits(np.asarray(value, np.float32)))
+
+    def output(self, name: str) -> np.ndarray:
+        """The last step's value of graph output `name`."""
         self.stream.synchronize()
-        return self.cp.asnumpy(self.buffer(self.logits_value))[: self.seen.shape[0]]
+        return self.cp.asnumpy(self.buffer(self.G.graph["outputs"][name]))
 
 
 def _load_cubin(cupy, cubin: bytes):

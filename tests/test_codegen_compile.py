@@ -110,3 +110,23 @@ def test_module_compiles_and_gemv_kernels_do_not_spill(kernels_of, name, fuse, a
         assert spilling, f"fixed: {known!r} no longer happens; remove it from KNOWN_SPILLS"
         pytest.xfail(f"known bug: {known} ({spilling})")
     assert not spilling, f"{name} {arch}: gemv kernels spill (bytes stored + loaded): {spilling}"
+
+
+def test_random_graphs_compile_for_sm90():
+    """Every hypothesis-drawn DSL graph (tests/graph_strategies.py) compiles, fused and not:
+    the code generator has no shape or op combination it cannot emit."""
+    from hypothesis import HealthCheck, given, settings
+
+    from graph_strategies import random_graphs
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(case=random_graphs())
+    def check(case):
+        rows = max([v.shape[0] for v in case.state.values()] + [8])
+        for fuse in (True, False):
+            G = compile_graph(case.graph, fuse=fuse, tokens=1)
+            cubin, _, _ = compile_cubin(module_source(generate(G, rows=rows)), headers(),
+                                        options("sm_90"), use_cache=False)
+            assert cubin[:4] == b"\x7fELF"
+
+    check()

@@ -3,6 +3,9 @@ against Hugging Face transformers. Every check draws fresh random inputs and poi
 activation arena with NaN first, so an element no kernel wrote shows up as NaN."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -12,6 +15,8 @@ from fuselm.models.presets import PRESETS
 from fuselm.runtime.cuda_engine import gpu_available
 from fuselm.runtime.engine import SamplingParams
 from fuselm.runtime.reference import new_state, run_graph
+
+sys.path.insert(0, str(Path(__file__).parent))   # graph_strategies, shared with the CPU tests
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU on this machine")]
@@ -115,6 +120,43 @@ def test_epilogue_bias_interleaved_rope_softcap():
     print(f"custom epilogue graph: worst rel error {worst:.2e}")
 
 
+@pytest.mark.parametrize("fuse", [True, False])
+def test_random_graphs_match_reference(fuse):
+    """Hypothesis-drawn DSL graphs (tests/graph_strategies.py: GEMVs with norms, biases, RoPE,
+    elementwise chains, cached attention, reductions; odd sizes), one token per step on the GPU,
+    against the op-by-op reference on all tokens at once."""
+    import cupy as cp
+    from hypothesis import HealthCheck, given, settings
+
+    from graph_strategies import random_graphs
+
+    @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(case=random_graphs())
+    def check(case):
+        weights = {k: bf16_round(v) for k, v in case.weights.items()}
+        state = {k: bf16_round(v) for k, v in case.state.items()}
+        want = run_graph(case.graph, weights, case.feeds, {k: v.copy() for k, v in state.items()})
+        rows = max([v.shape[0] for v in state.values()] + [8])
+        eng = engine_for(case.graph, weights, ctx=rows, fuse=fuse)
+        for name, value in state.items():
+            eng.set_state(name, value)
+        got = {k: [] for k in case.graph.outputs}
+        for t in range(case.tokens):
+            eng.arena.view(cp.float32).fill(cp.nan)           # poison
+            for name, value in case.feeds.items():
+                eng.set_input(name, value[t:t + 1])
+            eng.step()
+            for k in got:
+                got[k].append(eng.output(k))
+        for k, parts in got.items():
+            g, w = np.concatenate(parts), want[k]
+            if g.dtype.kind == "f":
+                assert np.isfinite(g).all(), f"{k}: unwritten or non-finite"
+                assert rel(g, w) < 3e-2 or np.abs(g - w).max() < 3e-2, f"{k}: {rel(g, w):.2e}"
+
+    check()
+
+
 def test_cuda_graph_matches_eager_launches():
     rng = np.random.default_rng()
     cfg = DecoderConfig.from_hf(TINY)
@@ -152,7 +194,32 @@ def test_gpu_sampling_respects_top_k_and_seed():
     assert len(set(seqs[0])) > 1
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"])
+REAL_SHAPES = {"smollm2-135m": {}, "llama-3.2-1b": {}, "llama-3.1-8b": {},
+               # the other architectures at their real layer shapes, 4 layers deep
+               "mistral-7b": {"num_hidden_layers": 4}, "qwen2.5-7b": {"num_hidden_layers": 4},
+               "qwen3-8b": {"num_hidden_layers": 4}, "gemma-2-9b": {"num_hidden_layers": 4},
+               "mixtral-8x7b": {"num_hidden_layers": 4}}
+
+
+def _hub_names(sd: dict, inter: int, moe: bool) -> dict:
+    """transformers 5 keeps Mixtral's experts fused (mlp.experts.gate_up_proj = w1 then w3,
+    mlp.experts.down_proj = w2); fuselm reads the Hub's names, stacked over experts under '*'."""
+    if not moe:
+        return sd
+    out = {}
+    for k, v in sd.items():
+        p = k.replace(".mlp.", ".block_sparse_moe.")
+        if k.endswith("experts.gate_up_proj"):
+            base = p[:-len("gate_up_proj")] + "*."
+            out[base + "w1.weight"], out[base + "w3.weight"] = v[:, :inter], v[:, inter:]
+        elif k.endswith("experts.down_proj"):
+            out[p[:-len("down_proj")] + "*.w2.weight"] = v
+        else:
+            out[p] = v
+    return out
+
+
+@pytest.mark.parametrize("name", list(REAL_SHAPES))
 def test_real_shapes_match_transformers(name):
     """Random weights of real shapes, shared with transformers on the GPU through DLPack.
 
@@ -163,13 +230,17 @@ def test_real_shapes_match_transformers(name):
     import cupy as cp
     import torch
     import transformers
-    conf = transformers.AutoConfig.for_model("llama", **{k: v for k, v in PRESETS[name].items() if k != "architectures"})
+    spec = {**PRESETS[name], **REAL_SHAPES[name]}
+    arch = spec["architectures"][0]
+    conf = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
+        **{k: v for k, v in spec.items() if k != "architectures"}, attn_implementation="eager")
+    conf._experts_implementation = "eager"
     torch.manual_seed(int(np.random.default_rng().integers(1 << 30)))
     with torch.device("cuda"):
-        hf = transformers.LlamaForCausalLM(conf).to(torch.bfloat16).eval()
-    cfg = DecoderConfig.from_hf(PRESETS[name])
+        hf = getattr(transformers, arch)(conf).to(torch.bfloat16).eval()
+    cfg = DecoderConfig.from_hf(spec)
     graph = build_graph(cfg)
-    sd = hf.state_dict()
+    sd = _hub_names(hf.state_dict(), cfg.intermediate_size, moe=arch == "MixtralForCausalLM")
     weights = {n.name: cp.from_dlpack(sd[n.name].contiguous().view(torch.int16)).view(cp.uint16)
                for n in graph.sources("weight")}
     eng = engine_for(graph, weights, ctx=128)
@@ -179,8 +250,8 @@ def test_real_shapes_match_transformers(name):
                           return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
         seq = gen.sequences
         with torch.device("cuda"):
-            hf32 = transformers.LlamaForCausalLM(conf).float().eval()
-        hf32.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
+            hf32 = getattr(transformers, arch)(conf).float().eval()
+        hf32.load_state_dict({k: v.float() for k, v in hf.state_dict().items()}, strict=False)
         ref_all = hf32(seq[:, :-1]).logits[0, 15:].float().cpu().numpy()     # [32, vocab]
         del hf32
     hf_tokens = seq[0, 16:].tolist()
