@@ -120,12 +120,24 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
 
     from .cuda_engine import CudaEngine
     from .random_weights import random_gpu_weights
-    cfg = preset(name)
+    ckpt = None
+    if Path(name).exists():              # a checkpoint: its own weights, loaded as bf16
+        from .checkpoint import open_checkpoint
+        ckpt = open_checkpoint(name)
+        cfg = ckpt.config
+    else:
+        cfg = preset(name)
     graph = build_graph(cfg)
     arch = f"sm_{cp.cuda.Device().compute_capability}"
     cold, warm = compile_times(graph, ctx, arch)
     t0 = time.perf_counter()
-    weights = random_gpu_weights(graph)
+    if ckpt is not None:
+        import ml_dtypes
+
+        from .checkpoint import load_weights
+        weights = load_weights(ckpt, graph, dtype=ml_dtypes.bfloat16)
+    else:
+        weights = random_gpu_weights(graph)
     cp.cuda.Device().synchronize()
     load = time.perf_counter() - t0
     engine = CudaEngine(graph, weights, ctx=ctx, fuse=fuse)
@@ -146,7 +158,7 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
         tok = engine.decode(tok, GREEDY)
     tok_s_4k = tokens / (time.perf_counter() - t1)
     bytes_per_token = step_bytes(engine.kernels, engine.states, context=32 + tokens / 2)
-    res = {"model": name, "dtype": "bf16", "fused": fuse, "decode_tok_s": round(tok_s, 1),
+    res = {"model": name, "dtype": "bf16", "weights": "checkpoint" if ckpt is not None else "random", "fused": fuse, "decode_tok_s": round(tok_s, 1),
            "ms_per_token": round(1e3 / tok_s, 3), "bytes_per_token": int(bytes_per_token),
            "achieved_GBps": round(bytes_per_token * tok_s / 1e9, 1),
            "ttft_32_ms": round(ttft32 * 1e3, 1), "ttft_512_ms": round(ttft512 * 1e3, 1),
@@ -226,7 +238,8 @@ def _row(r: dict) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("models", nargs="*", default=["llama-3.2-1b", "llama-3.1-8b"],
-                   help=f"presets: {', '.join(PRESETS)}")
+                   help=f"presets (random weights of real shapes): {', '.join(PRESETS)}; "
+                        "or checkpoint paths (HF folder or .gguf)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--profile", action="store_true", help="time per kernel family")
