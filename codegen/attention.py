@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import networkx as nx
 
+from ..errors import FuselmError
 from . import cexpr
 from .params import Params
 
@@ -16,6 +17,11 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
     q, kc, vc, pos = d["inputs"]
     a = d["attrs"]
     nchunk = -(-rows // CHUNK)
+    group, hd = a["n_heads"] // a["n_kv_heads"], a["head_dim"]
+    smem = 4 * (group * hd + group * CHUNK + 4 * group * hd)          # qs, score, partial (attention.cuh)
+    if smem > 48 * 1024:
+        raise FuselmError(f"{n}: {group} query heads per KV head of {hd} need {smem} bytes of shared "
+                          f"memory in the attention kernel; at most {48 * 1024} are supported")
     return {"H": a["n_heads"], "KV": a["n_kv_heads"], "HD": a["head_dim"], "chunk": CHUNK,
             "nchunk": nchunk, "window": int(a.get("window") or 0), "scale": cexpr.float_literal(a["scale"]),
             "softcap": cexpr.float_literal(a.get("softcap") or 0.0), "threads": THREADS,

@@ -12,6 +12,8 @@ from ..dsl import get
 def float_literal(x: float) -> str:
     """A C float literal that survives any Python float (30 -> 30.0f, 1e-5 -> 1e-05f)."""
     x = float(x)
+    if math.isnan(x):
+        return "__int_as_float(0x7fc00000)"
     if math.isinf(x):
         return "__int_as_float(0x7f800000)" if x > 0 else "__int_as_float(0xff800000)"
     r = repr(x)

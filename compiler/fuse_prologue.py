@@ -4,8 +4,8 @@ Before: a NORM node whose every reader is a LINEAR node, in a kernel of its own.
 After: the NORM runs inside the gemv kernel of its readers: each block recomputes the row's
 statistics (cheap: the vector comes from L2) and scales the vector as it streams the weights, so
 the normalized vector never goes through memory. When the readers sit in several gemv kernels,
-the norm is cloned, one copy per kernel. Norms read by anything else, or that are graph outputs,
-stay where they are.
+the norm is cloned, one copy per kernel. Norms read by anything else, that are graph outputs,
+or that normalise groups of a row separately, stay where they are.
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def fuse_prologue(G: nx.DiGraph) -> nx.DiGraph:
     for norm in [n for n, d in G.nodes(data=True) if d["kind"] is Kind.NORM]:
         readers = list(G.successors(norm))
         if not readers or any(G.nodes[r]["kind"] is not Kind.LINEAR for r in readers) \
-                or norm in G.graph["outputs"].values():   # an output must be written: no prologue
-            continue
+                or norm in G.graph["outputs"].values() or not _whole_row(G, norm):
+            continue   # an output must be written; per-group norms need a whole row first
         by_kernel: dict[str, list[str]] = defaultdict(list)
         for r in readers:
             by_kernel[G.nodes[r]["kernel"]].append(r)
@@ -39,6 +39,12 @@ def fuse_prologue(G: nx.DiGraph) -> nx.DiGraph:
         if merge(G, [first, own], into=first):
             groups[first] += groups.pop(own)
     return G
+
+
+def _whole_row(G: nx.DiGraph, norm: str) -> bool:
+    """Whether the norm takes one statistic over the whole row (not one per group, say per head)."""
+    group = G.nodes[norm]["attrs"].get("group")
+    return group in (None, G.nodes[norm]["shape"][-1])
 
 
 def _clone(G: nx.DiGraph, norm: str, name: str, readers: list[str]) -> str:

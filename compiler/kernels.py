@@ -105,6 +105,8 @@ def check_gemv(G: nx.DiGraph, nodes: list[str]) -> None:
         raise ValueError(f"GEMVs {linears} read different vectors {sorted(inputs)}")
     if prologue is not None and G.nodes[prologue]["kind"] is not Kind.NORM:
         raise ValueError(f"prologue {prologue} is not a normalization")
+    if prologue is not None and G.nodes[prologue]["attrs"].get("group") not in (None, G.nodes[prologue]["shape"][-1]):
+        raise ValueError(f"prologue {prologue} normalises groups of the row: one statistic per row only")
     for n in epilogue:
         if G.nodes[n]["kind"] not in EPILOGUE_KINDS:
             raise ValueError(f"{n} ({G.nodes[n]['op']}) cannot run in a GEMV epilogue")

@@ -29,7 +29,10 @@ def schedule(G: nx.DiGraph) -> nx.DiGraph:
         nodes = groups[k]
         inside = set(nodes)
         reads = list(dict.fromkeys(i for n in nodes for i in G.nodes[n]["inputs"] if i not in inside))
-        writes = [n for n in nodes if n in outputs or any(s not in inside for s in G.successors(n))]
+        # Written: what other kernels read, the graph's outputs, and values nothing reads (a
+        # kernel's last value must land somewhere; kv_write's lands in its cache).
+        writes = [n for n in nodes if n in outputs or any(s not in inside for s in G.successors(n))
+                  or not any(True for _ in G.successors(n))]
         scratch = [n for n in materialized(G, nodes) if n not in writes]
         launches.append({"kernel": k, "family": family(G, nodes), "nodes": nodes, "reads": reads,
                          "writes": writes, "scratch": scratch, "layer": _layer(G, nodes + reads)})

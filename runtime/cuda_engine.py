@@ -171,7 +171,8 @@ class CudaEngine:
     def reset(self) -> None:
         """Position back to 0, no tokens seen, the sampler's random stream restarted."""
         self.position = 0
-        self.seen.fill(0)
+        with self.stream:   # on the engine's stream, so it cannot race the next prefill's marks
+            self.seen.fill(0)
         self._sampling = None
 
     def feed(self, token: int) -> None:
@@ -193,13 +194,19 @@ class CudaEngine:
     def prefill(self, ids: Sequence[int], sampling: SamplingParams) -> int:
         if self.position + len(ids) > self.max_context:
             raise FuselmError(f"prompt of {len(ids)} tokens does not fit the context of {self.max_context}")
+        if not len(ids):
+            raise FuselmError("empty prompt: nothing to feed")
         self._set_sampling(sampling)
-        seen = np.zeros(self.seen.shape[0], np.uint8)
+        # Every step ends in the sampler, which marks its pick as seen (for the repetition
+        # penalty); the picks after prompt tokens other than the last are thrown away, so the
+        # marks are set again, to what was seen before plus the prompt, before the last step.
+        seen = self.seen.get(stream=self.stream)
+        self.stream.synchronize()
         seen[np.asarray(ids, np.int64)] = 1
-        with self.stream:
-            self.seen |= self.cp.asarray(seen)
-        for t in ids:
+        for t in ids[:-1]:
             self.feed(int(t))
+        self.seen.set(seen, stream=self.stream)
+        self.feed(int(ids[-1]))
         return self.next_token()
 
     def decode(self, token: int, sampling: SamplingParams) -> int:
@@ -209,7 +216,7 @@ class CudaEngine:
 
     def logits(self) -> np.ndarray:
         """The last step's logits [vocab] (for tests and tools)."""
-        return self.output("logits")[0]
+        return self.output("logits").reshape(-1)
 
     # ---- any graph: set inputs and state, run one step, read outputs (tests and tools) ----
     def set_input(self, name: str, value) -> None:
@@ -218,14 +225,19 @@ class CudaEngine:
         buf.set(np.asarray(value, buf.dtype).reshape(buf.shape), stream=self.stream)
 
     def set_state(self, name: str, value) -> None:
-        """Replace persistent buffer `name` (a KV cache, [rows, width]) by `value`, stored as bf16."""
+        """Fill persistent buffer `name` (a KV cache, [ctx, width]) with `value`'s rows, as bf16;
+        rows past `value` become zero."""
+        rows = np.asarray(value, np.float32)
         with self.stream:
-            self.states[name][...] = self.cp.asarray(to_bf16_bits(np.asarray(value, np.float32)))
+            self.states[name].fill(0)
+            self.states[name][: rows.shape[0]] = self.cp.asarray(to_bf16_bits(rows))
 
     def output(self, name: str) -> np.ndarray:
         """The last step's value of graph output `name`."""
         self.stream.synchronize()
-        return self.cp.asnumpy(self.buffer(self.G.graph["outputs"][name]))
+        value = self.G.graph["outputs"][name]
+        shape = [1 if d == "T" else d for d in self.G.nodes[value]["shape"]]     # one token
+        return self.cp.asnumpy(self.buffer(value)).reshape(shape)
 
 
 def _load_cubin(cupy, cubin: bytes):

@@ -5,7 +5,8 @@ values (so values get several consumers, some of them in later kernels), random 
 right shapes, feeds for T = 1..4 tokens at a random position, and initial state (KV caches filled
 with random rows, so that a cache row written to the wrong place shows). The blocks:
 
-- linears: 1-3 linears on one value (horizontal fusion), optionally behind an rmsnorm that feeds
+- linears: 1-3 linears on one value (horizontal fusion), optionally behind an rmsnorm (of the
+  whole row or of groups of it) that feeds
   them (prologue fusion), optionally with a bias weight [N] broadcast over tokens;
 - unary elementwise ops (silu, gelu_tanh, scale, softcap) and binary ones (add, mul) on two values
   of one width, or a value and a [N] weight;
@@ -83,7 +84,10 @@ class _Builder:
     def linears(self) -> None:
         x = self.pick()
         if self.draw(st.booleans()):
-            x = self.g.op("rmsnorm", x, self.weight((x.shape[-1],)), eps=1e-5)
+            width = x.shape[-1]
+            groups = [d for d in range(1, width) if width % d == 0 and d > 1]
+            group = self.draw(st.sampled_from([None] + groups)) if groups else None   # per-head norms too
+            x = self.g.op("rmsnorm", x, self.weight((group or width,)), eps=1e-5, group=group)
             if self.draw(st.booleans()):
                 self.pool.append(x)          # the norm may get other readers too
         n = self.draw(st.integers(1, 3))

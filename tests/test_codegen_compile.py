@@ -130,3 +130,22 @@ def test_random_graphs_compile_for_sm90():
             assert cubin[:4] == b"\x7fELF"
 
     check()
+
+
+def test_float_literals_are_valid_c_for_any_float():
+    from fuselm.codegen.cexpr import float_literal
+    assert float_literal(30) == "30.0f" and float_literal(1e-5) == "1e-05f"
+    assert float_literal(float("nan")) == "__int_as_float(0x7fc00000)"
+    assert float_literal(float("-inf")) == "__int_as_float(0xff800000)"
+
+
+def test_attention_too_wide_for_shared_memory_is_a_clear_error():
+    """24 query heads of 128 per KV head need more shared memory than the kernel gets: refused
+    with one line naming the node, not an NVRTC failure."""
+    from fuselm.errors import FuselmError
+    cfg = DecoderConfig.from_hf(dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=3072,
+                                     intermediate_size=64, num_hidden_layers=1, num_attention_heads=24,
+                                     num_key_value_heads=1, head_dim=128))
+    G = compile_graph(build_graph(cfg))
+    with pytest.raises(FuselmError, match=r"attention_\d+: 24 query heads per KV head of 128 need \d+ bytes"):
+        generate(G, rows=64)

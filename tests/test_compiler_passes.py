@@ -447,3 +447,15 @@ def test_epilogue_cycle_graph_compiles_without_epilogue_fusion(h):
     g = epilogue_cycle_graph()
     G = compile_graph(g, tokens=1, pass_list=[q for q in passes(True, 1) if q is not fuse_epilogue])
     assert run_both(h, g, G, tokens=1, rows=1) < 1e-5
+
+
+def test_grouped_norm_is_not_a_gemv_prologue():
+    """A norm with one statistic per group (per head) needs its whole row first: the GEMV prologue
+    takes one statistic per row, so such a norm stays a row-wise kernel, its output written."""
+    g = Graph("grouped")
+    n = g.op("rmsnorm", g.input("x", ("T", 8)), g.weight("nw", (4,)), eps=1e-6, group=4)
+    y = g.op("linear", n, g.weight("w", (3, 8)))
+    g.output(y=y)
+    G = compile_graph(g)
+    launch = next(l for l in G.graph["schedule"] if n.name in l["nodes"])
+    assert launch["family"] == "rowwise" and n.name in launch["writes"]

@@ -56,7 +56,7 @@ def compare_steps(graph, weights, tokens, ctx=64, fuse=True, tol=2e-2):
         eng.arena.view(cp.float32).fill(cp.nan)            # poison
         eng.workspace.fill(cp.nan)
         eng.feed(int(t))
-        got = eng.logits()
+        got = eng.output(next(iter(graph.outputs)))[0]
         ref = run_graph(graph, weights, {"ids": np.array([t], np.int32), "pos": np.array([p], np.int32)},
                         state)[next(iter(graph.outputs))][0]
         assert np.isfinite(got).all(), f"step {p}: unwritten or non-finite logits"
@@ -217,6 +217,39 @@ def _hub_names(sd: dict, inter: int, moe: bool) -> dict:
         else:
             out[p] = v
     return out
+
+
+@pytest.mark.parametrize("variant", [{}, {"architectures": ["MistralForCausalLM"], "sliding_window": 70},
+                                     {"architectures": ["Gemma2ForCausalLM"], **ARCH_TINY["Gemma2ForCausalLM"],
+                                      "sliding_window": 70}])
+def test_long_context_spans_attention_chunks(variant):
+    """150 steps in a 192-row cache: attention splits over three chunks, windows start mid-chunk."""
+    rng = np.random.default_rng()
+    cfg = DecoderConfig.from_hf({**TINY, **variant})
+    graph = build_graph(cfg)
+    worst = compare_steps(graph, random_weights(graph, rng), rng.integers(0, cfg.vocab_size, 150), ctx=192)
+    print(f"long context {variant.get('architectures', ['Llama'])[0]}: worst rel logit error {worst:.2e}")
+
+
+def test_gpu_sampling_filters_and_penalty_match_the_cpu_sampler():
+    """Every GPU draw with top-k + top-p + min-p lies in the set the CPU sampler keeps; greedy with
+    a repetition penalty after a prompt picks what the CPU sampler picks from the same logits."""
+    from fuselm.runtime.sampling import Sampler, filtered_probs
+    rng = np.random.default_rng()
+    cfg = DecoderConfig.from_hf(TINY)
+    graph = build_graph(cfg)
+    eng = engine_for(graph, random_weights(graph, rng, std=0.3), ctx=128)
+    prompt = rng.integers(0, cfg.vocab_size, 12).tolist()
+    penal = SamplingParams(repetition_penalty=1.8)
+    tok = eng.prefill(prompt, penal)
+    assert tok == Sampler(penal)(eng.logits(), history=prompt)
+    params = SamplingParams(temperature=1.0, top_k=20, top_p=0.6, min_p=0.05, seed=7)
+    eng.reset()
+    tok = eng.prefill(prompt, params)
+    for _ in range(30):
+        kept = np.flatnonzero(filtered_probs(eng.logits(), top_k=20, top_p=0.6, min_p=0.05) > 0)
+        assert tok in kept
+        tok = eng.decode(tok, params)
 
 
 @pytest.mark.parametrize("name", list(REAL_SHAPES))

@@ -3,7 +3,7 @@
 #pragma once
 #include "rowwise.cuh"
 
-struct SamplingArgs {      // mirrors runtime/cuda_sampler.py
+struct SamplingArgs {      // mirrors SAMPLING_ARGS in runtime/cuda_engine.py
     float temperature, top_p, min_p, repetition_penalty;
     int top_k, seed, step, pad;
 };
@@ -35,6 +35,23 @@ __device__ __forceinline__ void mass_above(const float* logits, const unsigned c
     mass = block_sum(s);
 }
 
+// The highest logit threshold in [lo, m] at which keep(count, mass) still holds; it holds at lo,
+// and both count and mass shrink as the threshold rises, so bisection finds it.
+template <int V, class Keep>
+__device__ float highest_threshold(const float* logits, const unsigned char* seen, const SamplingArgs& a,
+                                   float m, float lo, Keep keep) {
+    float hi = m;
+    for (int it = 0; it < 40; it++) {
+        const float mid = 0.5f * (lo + hi);
+        float c, s;
+        mass_above<V>(logits, seen, a, m, mid, c, s);
+        if (keep(c, s)) lo = mid; else hi = mid;
+    }
+    float c, s;
+    mass_above<V>(logits, seen, a, m, hi, c, s);      // `hi` itself may already be enough
+    return keep(c, s) ? hi : lo;
+}
+
 template <int V>
 __device__ int sample_token(const float* logits, const unsigned char* seen, const SamplingArgs& a) {
     __shared__ float scan[1024];
@@ -46,25 +63,17 @@ __device__ int sample_token(const float* logits, const unsigned char* seen, cons
     }
     m = block_max(m);
     lo = -block_max(-lo);
-    float total_c, total;
-    mass_above<V>(logits, seen, a, m, lo, total_c, total);
+    // The cuts in Hugging Face's order: top-k, then top-p measured within what top-k kept, then
+    // min-p (relative to the best token, so independent of what the others removed).
     float thr = lo;
-    if (a.min_p > 0.0f) thr = fmaxf(thr, m + __logf(a.min_p));
-    // Bisection for the highest threshold that still keeps >= top_k tokens and >= top_p of the mass.
-    if (a.top_k > 0 || a.top_p < 1.0f) {
-        float keep = thr, drop = m;              // `keep` satisfies both cuts; `drop` need not
-        for (int it = 0; it < 40; it++) {
-            const float mid = 0.5f * (keep + drop);
-            float c, s;
-            mass_above<V>(logits, seen, a, m, mid, c, s);
-            const bool ok = (a.top_k <= 0 || c >= a.top_k) && (a.top_p >= 1.0f || s >= a.top_p * total);
-            if (ok) keep = mid; else drop = mid;
-        }
-        float c, s;
-        mass_above<V>(logits, seen, a, m, drop, c, s);   // `drop` itself may already be enough
-        const bool ok = (a.top_k <= 0 || c >= a.top_k) && (a.top_p >= 1.0f || s >= a.top_p * total);
-        thr = ok ? drop : keep;
+    if (a.top_k > 0 && a.top_k < V)
+        thr = highest_threshold<V>(logits, seen, a, m, thr, [&](float c, float) { return c >= a.top_k; });
+    if (a.top_p < 1.0f) {
+        float c, kept;
+        mass_above<V>(logits, seen, a, m, thr, c, kept);
+        thr = highest_threshold<V>(logits, seen, a, m, thr, [&](float, float s) { return s >= a.top_p * kept; });
     }
+    if (a.min_p > 0.0f) thr = fmaxf(thr, m + __logf(a.min_p));
     // Inverse CDF over contiguous ranges per thread, in token order.
     constexpr int PER = (V + 1023) / 1024;
     const int begin = threadIdx.x * PER, stop = min(V, begin + PER);
