@@ -41,6 +41,9 @@ def load(path: str | Path | None = None, device: str = "auto", ctx: int | None =
         raise FuselmError(f"no such file or folder: {path}")
     ckpt = open_checkpoint(str(path))
     cfg = ckpt.config
+    if ctx is not None and ctx > cfg.max_position_embeddings:
+        print(f"warning: ctx {ctx} is beyond the {cfg.max_position_embeddings} positions the model "
+              f"was trained for; output past them may degrade", file=log)
     ctx = ctx or min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
     graph = build_graph(cfg)
     engine = _make_engine(device, graph, ckpt, ctx, fuse, progress, log)
