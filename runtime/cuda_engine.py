@@ -41,7 +41,10 @@ def gpu_name() -> str:
 
 def to_bf16_bits(x):
     """float32 array (numpy or cupy) -> uint16 bfloat16 bits, round to nearest even."""
-    xp = type(x).__module__.split(".")[0] == "cupy" and __import__("cupy") or np
+    if type(x).__module__.startswith("cupy"):
+        import cupy as xp
+    else:
+        xp = np
     u = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(xp.uint16)
 

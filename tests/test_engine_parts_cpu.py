@@ -1,0 +1,46 @@
+"""The parts of the CUDA runtime and the benchmark that need no GPU."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from fuselm.codegen import generate
+from fuselm.compiler import compile_graph
+from fuselm.models import DecoderConfig, build_graph
+from fuselm.runtime.bench import step_bytes
+from fuselm.runtime.cuda_engine import to_bf16_bits
+
+
+def test_bf16_bits_round_to_nearest_even_like_ml_dtypes():
+    x = np.concatenate([np.random.default_rng().standard_normal(10000).astype(np.float32) * 100,
+                        np.float32([0.0, -0.0, 1.0, 3.0e38, -1e-40, 1.00390625, 1.01171875])])
+    assert (to_bf16_bits(x) == x.astype(ml_dtypes.bfloat16).view(np.uint16)).all()
+
+
+class _Cache:
+    def __init__(self, width):
+        self.shape = (1, width)
+
+
+def _kernels_and_caches(cfg_dict):
+    graph = build_graph(DecoderConfig.from_hf(cfg_dict))
+    caches = {n.name: _Cache(n.shape[-1]) for n in graph.sources("state")}
+    return generate(compile_graph(graph), rows=64), caches, graph
+
+
+def test_step_bytes_count_one_embedding_row_and_the_chosen_experts_only():
+    base = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    kernels, caches, graph = _kernels_and_caches({**base, "architectures": ["LlamaForCausalLM"]})
+    weights = sum(int(np.prod(n.shape)) * 2 for n in graph.sources("weight"))
+    table = 1000 * 64 * 2
+    got = step_bytes(kernels, caches, context=0)
+    # every weight once, except the embedding table, of which one row; plus small activations
+    assert weights - table + 64 * 2 <= got < weights - table + 64 * 2 + 100_000
+
+    moe = {**base, "architectures": ["MixtralForCausalLM"], "num_local_experts": 8, "num_experts_per_tok": 2}
+    kernels, caches, graph = _kernels_and_caches(moe)
+    experts = sum(int(np.prod(n.shape)) * 2 for n in graph.sources("weight") if "*" in n.name)
+    others = sum(int(np.prod(n.shape)) * 2 for n in graph.sources("weight") if "*" not in n.name)
+    got = step_bytes(kernels, caches, context=0)
+    assert others - table + experts * 2 / 8 <= got < others - table + experts * 2 / 8 + 100_000
