@@ -12,6 +12,7 @@ THREADS = 128
 
 
 def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
+    """Template variables of one attention launch over a cache of `rows` positions."""
     (n,) = launch["nodes"]
     d = G.nodes[n]
     q, kc, vc, pos = d["inputs"]

@@ -21,6 +21,7 @@ FAMILIES = {"gemv": gemv, "rowwise": rowwise, "attention": attention, "moe": moe
 
 @lru_cache(maxsize=1)
 def environment() -> jinja2.Environment:
+    """The Jinja environment over codegen/templates (strict: an undefined variable is an error)."""
     return jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), trim_blocks=True,
                               lstrip_blocks=True, undefined=jinja2.StrictUndefined,
                               keep_trailing_newline=True)

@@ -39,6 +39,7 @@ def _ksplit(sets: list[dict], K: int) -> int:
 
 
 def context(G: nx.DiGraph, launch: dict, params: Params) -> dict:
+    """Template variables of one gemv kernel: prologue, zip sets with their tiles and epilogues."""
     nodes = launch["nodes"]
     prologue, linears, epilogue = gemv_parts(G, nodes)
     x_value = G.nodes[prologue]["inputs"][0] if prologue else G.nodes[linears[0]]["inputs"][0]

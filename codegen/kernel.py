@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Launch:
+    """One kernel launch of the schedule."""
     function: str             # extern "C" entry point in the compiled module
     grid: tuple[int, int]     # ("T" in the schedule becomes the token count at run time)
     block: int
@@ -14,6 +15,7 @@ class Launch:
 
 @dataclass
 class KernelSource:
+    """One generated kernel: its CUDA source, the graph nodes it covers and how it is launched."""
     name: str                 # derived from the family, its shape constants and a hash of its body
     family: str
     source: str               # CUDA C++, identical for every layer that has the same structure

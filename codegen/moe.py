@@ -11,6 +11,7 @@ UNROLL = 4
 
 
 def context(G: nx.DiGraph, launch: dict, params: Params) -> dict:
+    """Template variables of one moe kernel pair."""
     (n,) = launch["nodes"]
     d = G.nodes[n]
     x, logits, w_gate, w_up, w_down = d["inputs"]

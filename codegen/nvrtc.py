@@ -14,10 +14,12 @@ from ..errors import FuselmError
 
 
 def cache_dir() -> Path:
+    """Where compiled cubins are kept: $FUSELM_CACHE/kernels, else ~/.cache/fuselm/kernels."""
     return Path(os.environ.get("FUSELM_CACHE", Path.home() / ".cache" / "fuselm")) / "kernels"
 
 
 def options(arch: str, weight_dtype: str = "bf16", verbose: bool = False) -> list[str]:
+    """NVRTC options for `arch`; verbose adds ptxas's resource report to the log."""
     opts = [f"--gpu-architecture={arch}", "--std=c++17", f"-DFUSELM_WEIGHT_F16={int(weight_dtype == 'f16')}"]
     return opts + (["--ptxas-options=-v"] if verbose else [])
 

@@ -16,6 +16,7 @@ def storage_of(G: nx.DiGraph, value: str) -> str:
 
 
 def c_type(G: nx.DiGraph, value: str, written: bool) -> str:
+    """The C pointer type of a kernel argument holding `value`."""
     d = G.nodes[storage_of(G, value)]
     if d["op"] == "weight":
         return "const weight_t*"

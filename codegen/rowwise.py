@@ -15,6 +15,7 @@ from .params import Params
 
 
 def context(G: nx.DiGraph, launch: dict, params: Params) -> dict:
+    """Template variables of one row-wise kernel: a code phase per stored op."""
     nodes = launch["nodes"]
     stored = set(materialized(G, nodes)) | set(launch["writes"])
     inside = set(nodes)

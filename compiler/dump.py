@@ -9,6 +9,7 @@ from .kernels import members
 
 
 def as_text(G: nx.DiGraph) -> str:
+    """The graph as text: every kernel with its nodes, then the arena sizes if planned."""
     lines = [f"# {G.graph.get('name')}: {len(G)} nodes, {len(members(G))} kernels"]
     for k, nodes in members(G).items():
         lines.append(f"kernel {k}")
@@ -36,6 +37,7 @@ def as_dot(G: nx.DiGraph) -> str:
 
 
 def dump(G: nx.DiGraph, directory: str | Path, index: int, pass_name: str) -> None:
+    """Write NN_<pass>.txt and NN_<pass>.dot into `directory`."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     (d / f"{index:02d}_{pass_name}.txt").write_text(as_text(G))

@@ -13,6 +13,7 @@ from .kernels import family, members, merge
 
 
 def fuse_elementwise(G: nx.DiGraph) -> nx.DiGraph:
+    """Merge producer/consumer row-wise kernels (see the module docstring)."""
     G = G.copy()
     rowwise = {k for k, nodes in members(G).items() if family(G, nodes) == "rowwise"}
     changed = True

@@ -19,6 +19,7 @@ from .kernels import EPILOGUE_KINDS, check_gemv, family, kernel_graph, members
 
 
 def fuse_epilogue(G: nx.DiGraph) -> nx.DiGraph:
+    """Grow every gemv kernel by the epilogue ops that may join it (see the module docstring)."""
     G = G.copy()
     groups = members(G)
     for kernel in list(groups):

@@ -16,6 +16,7 @@ from .kernels import merge
 
 
 def fuse_horizontal(G: nx.DiGraph) -> nx.DiGraph:
+    """Merge the kernels of LINEAR nodes that read one vector (see the module docstring)."""
     G = G.copy()
     readers: dict[str, list[str]] = defaultdict(list)
     for name, data in G.nodes(data=True):

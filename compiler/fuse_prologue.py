@@ -18,6 +18,7 @@ from .kernels import members, merge
 
 
 def fuse_prologue(G: nx.DiGraph) -> nx.DiGraph:
+    """Move each norm that only GEMVs read into their kernels (see the module docstring)."""
     G = G.copy()
     groups = members(G)
     for norm in [n for n, d in G.nodes(data=True) if d["kind"] is Kind.NORM]:

@@ -13,6 +13,7 @@ from ..dsl import Kind, ShapeError, get
 
 
 def infer_shapes(G: nx.DiGraph) -> nx.DiGraph:
+    """Recompute every op's shape and dtype from its operands (see the module docstring)."""
     G = G.copy()
     for name in nx.topological_sort(G):
         data = G.nodes[name]

@@ -67,10 +67,6 @@ def merge(G: nx.DiGraph, kernels: list[str], into: str | None = None) -> bool:
     return True
 
 
-def producer_kernel(G: nx.DiGraph, value: str) -> str | None:
-    return G.nodes[value]["kernel"]
-
-
 def family(G: nx.DiGraph, nodes: list[str]) -> str:
     """The family of a kernel made of `nodes`; raises ValueError when no family can run it."""
     kinds = [G.nodes[n]["kind"] for n in nodes]
@@ -117,6 +113,7 @@ def check_gemv(G: nx.DiGraph, nodes: list[str]) -> None:
 
 
 def tile_width(G: nx.DiGraph, name: str) -> int:
+    """The row width of a value, which is what a GEMV tile spans."""
     return G.nodes[name]["shape"][-1]
 
 

@@ -19,6 +19,7 @@ _LAYER = re.compile(r"(?:layers|cache)\.(\d+)\.")
 
 
 def schedule(G: nx.DiGraph) -> nx.DiGraph:
+    """Order the kernels into the launch list (see the module docstring)."""
     G = G.copy()
     groups = members(G)
     first = {k: G.nodes[nodes[0]]["order"] for k, nodes in groups.items()}

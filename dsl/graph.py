@@ -23,6 +23,7 @@ SOURCE_OPS = ("input", "weight", "constant", "state")
 
 @dataclass
 class Node:
+    """One op (or source) of a graph: its operands by name, attributes, output shape and dtype."""
     name: str
     op: str                      # a registry op name, or one of SOURCE_OPS
     inputs: tuple[str, ...]
@@ -53,6 +54,7 @@ class Value:
 
 @dataclass
 class Graph:
+    """A model step as ops in topological order, with its outputs and constants."""
     name: str
     nodes: dict[str, Node] = field(default_factory=dict)   # in insertion (= topological) order
     outputs: dict[str, str] = field(default_factory=dict)  # output name -> node name

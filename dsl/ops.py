@@ -21,6 +21,7 @@ Shape = tuple  # of int | str
 
 
 class Kind(enum.Enum):
+    """What an op does to its operands, as far as fusion cares: the passes read only this."""
     SOURCE = "source"            # graph inputs, weights, constants, persistent state
     EMBEDDING = "embedding"      # gather rows of a table
     NORM = "norm"                # reduces over (groups of) a row, then scales it: a GEMV prologue
@@ -65,6 +66,7 @@ def register(op: OpDef) -> OpDef:
 
 
 def get(name: str) -> OpDef:
+    """The registered op `name`; an unknown name lists the known ones."""
     try:
         return REGISTRY[name]
     except KeyError:

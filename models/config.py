@@ -15,6 +15,7 @@ class ConfigError(FuselmError, ValueError):
 
 @dataclass(frozen=True)
 class DecoderConfig:
+    """The sizes and switches every decoder architecture is built from."""
     architecture: str
     vocab_size: int
     hidden_size: int

@@ -12,6 +12,7 @@ from .layers import (activation, cached_attention, embed_scale, layer_windows, l
 
 
 def build(cfg: DecoderConfig) -> Graph:
+    """One step of a Gemma 2 decoder."""
     g = Graph(cfg.architecture)
     ids, pos, inv_freq = step_inputs(g, cfg)
     D, hd, eps, bias, ex = cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps, cfg.attention_bias, cfg.extra

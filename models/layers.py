@@ -14,6 +14,7 @@ def linear(g: Graph, x: Value, prefix: str, n: int, bias: bool = False) -> Value
 
 
 def rmsnorm(g: Graph, x: Value, weight: str, eps: float, **attrs) -> Value:
+    """RMSNorm of x with the checkpoint weight `weight` (per group when attrs has group=...)."""
     return g.op("rmsnorm", x, g.weight(weight, (attrs.get("group") or x.shape[-1],)), eps=eps, **attrs)
 
 

@@ -9,6 +9,7 @@ from .layers import cached_attention, layer_windows, linear, lm_head, rmsnorm, s
 
 
 def build(cfg: DecoderConfig, qkv_bias: bool | None = None) -> Graph:
+    """One step of a Llama/Mistral/Qwen2 decoder (qkv_bias: Qwen2's Q/K/V biases)."""
     g = Graph(cfg.architecture)
     ids, pos, inv_freq = step_inputs(g, cfg)
     D, hd, eps = cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps

@@ -10,6 +10,7 @@ from .layers import activation, cached_attention, layer_windows, linear, lm_head
 
 
 def build(cfg: DecoderConfig) -> Graph:
+    """One step of a Mixtral decoder."""
     g = Graph(cfg.architecture)
     ids, pos, inv_freq = step_inputs(g, cfg)
     D, hd, eps, I = cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps, cfg.intermediate_size

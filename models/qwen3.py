@@ -9,6 +9,7 @@ from .layers import cached_attention, layer_windows, linear, lm_head, rmsnorm, s
 
 
 def build(cfg: DecoderConfig) -> Graph:
+    """One step of a Qwen3 decoder."""
     g = Graph(cfg.architecture)
     ids, pos, inv_freq = step_inputs(g, cfg)
     D, hd, eps, bias = cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps, cfg.attention_bias

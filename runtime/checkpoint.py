@@ -23,6 +23,7 @@ __all__ = ["Checkpoint", "TensorStore", "open_checkpoint", "load_weights"]
 
 @dataclass
 class Checkpoint:
+    """An opened model: config, tensors (read on demand), tokenizer and generation defaults."""
     path: Path
     config: DecoderConfig
     tensors: TensorStore
