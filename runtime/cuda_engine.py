@@ -35,6 +35,7 @@ def gpu_available() -> bool:
 
 
 def gpu_name() -> str:
+    """The name of the current CUDA device."""
     import cupy
     return cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
 

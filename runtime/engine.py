@@ -11,6 +11,7 @@ from typing import Protocol, Sequence
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How the next token is picked; validate() checks the ranges."""
     temperature: float = 0.0        # 0 means greedy
     top_k: int = 0                  # 0 means no top-k cut
     top_p: float = 1.0
