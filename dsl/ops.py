@@ -83,7 +83,7 @@ def _same_as_first(shapes, attrs):
     return shapes[0], "f32"
 
 
-def _broadcast(shapes, attrs):
+def elementwise_shape(shapes, attrs):
     """Elementwise: every operand is [T, N], [N] (broadcast over rows) or [] (a scalar)."""
     full = max(shapes, key=len)
     for s in shapes:
@@ -224,7 +224,7 @@ def _gelu_tanh(x):
 
 
 def _elementwise(name, arity, ref, c_expr, **defaults):
-    return OpDef(name, Kind.ELEMENTWISE, arity, _broadcast, ref, c_expr=c_expr, attr_defaults=defaults)
+    return OpDef(name, Kind.ELEMENTWISE, arity, elementwise_shape, ref, c_expr=c_expr, attr_defaults=defaults)
 
 
 for _op in [

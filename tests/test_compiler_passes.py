@@ -28,7 +28,7 @@ from fuselm.compiler.plan_buffers import plan_buffers
 from fuselm.compiler.schedule import schedule
 from fuselm.compiler.validate import InvalidGraph, validate
 from fuselm.dsl import REGISTRY, Graph, Kind, OpDef, register
-from fuselm.dsl.ops import _broadcast
+from fuselm.dsl.ops import elementwise_shape
 from fuselm.models import DecoderConfig, build_graph
 from fuselm.runtime.reference import new_state, run_graph
 from fuselm.runtime.schedule_reference import run_schedule
@@ -307,7 +307,7 @@ def test_the_pipeline_validates_after_every_pass():
 
 @pytest.fixture
 def mytest_op():
-    op = register(OpDef("mytest_op", Kind.ELEMENTWISE, 1, _broadcast,
+    op = register(OpDef("mytest_op", Kind.ELEMENTWISE, 1, elementwise_shape,
                         lambda a: (a * a + np.float32(0.1171875)).astype(np.float32),
                         c_expr="fmaf({a}, {a}, 0.1171875f)"))
     yield op

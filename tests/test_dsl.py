@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from fuselm.dsl import REGISTRY, Graph, Kind, OpDef, ShapeError, get, register
-from fuselm.dsl.ops import _broadcast
+from fuselm.dsl.ops import elementwise_shape
 from fuselm.errors import FuselmError
 from fuselm.runtime.reference import new_state, run_graph
 
@@ -155,16 +155,16 @@ def test_rank_mismatch_is_a_shape_error(case):
 @given(n=st.integers(1, 20), m=st.integers(1, 20))
 def test_broadcast_rule(n, m):
     """[T, N] with [T, N], [N] or []: fine; any other width or row count: ShapeError."""
-    assert _broadcast([("T", n), (n,)], {})[0] == ("T", n)
-    assert _broadcast([(n,), ("T", n)], {})[0] == ("T", n)
-    assert _broadcast([("T", n), ()], {})[0] == ("T", n)
-    assert _broadcast([("T", n), ("T", n)], {})[0] == ("T", n)
+    assert elementwise_shape([("T", n), (n,)], {})[0] == ("T", n)
+    assert elementwise_shape([(n,), ("T", n)], {})[0] == ("T", n)
+    assert elementwise_shape([("T", n), ()], {})[0] == ("T", n)
+    assert elementwise_shape([("T", n), ("T", n)], {})[0] == ("T", n)
     if n != m:
         for shapes in ([("T", n), (m,)], [("T", n), ("T", m)], [(m,), ("T", n)]):
             with pytest.raises(ShapeError):
-                _broadcast(shapes, {})
+                elementwise_shape(shapes, {})
     with pytest.raises(ShapeError):
-        _broadcast([("T", n), ("S", n)], {})
+        elementwise_shape([("T", n), ("S", n)], {})
 
 
 # ---- builder errors ------------------------------------------------------------------------------
