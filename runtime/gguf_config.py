@@ -9,7 +9,10 @@ import gguf
 from ..errors import FuselmError
 from .gguf_store import metadata
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+# llama.cpp's `general.architecture` -> the Hugging Face class fuselm builds. A `llama` GGUF of a
+# Mistral model (llama.cpp converts Mistral as llama) stays LlamaForCausalLM: the same graph.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM"}
 
 
 def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> dict:
@@ -42,11 +45,18 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> dict:
         "max_position_embeddings": key("context_length", 4096),
         # llama.cpp writes `output.weight` only when the LM head is not the embedding matrix
         "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": "blk.0.attn_q.bias" in names,
+        # Llama/Qwen3: a bias on Q, K, V and O; Qwen2's Q/K/V-only bias is built in (models/__init__)
+        "attention_bias": "blk.0.attn_q.bias" in names and arch != "qwen2",
     }
+    # head_dim: key_length when written (Qwen3, Gemma 2, any head_dim != hidden/heads); llama's
+    # rope.dimension_count is the full head dim (no partial rotary in this family)
     head_dim = metadata(reader, f"{arch}.attention.key_length")
+    if head_dim is None and arch == "llama":
+        head_dim = metadata(reader, f"{arch}.rope.dimension_count")
     if head_dim is not None:
         cfg["head_dim"] = head_dim
+    if arch == "gemma2":
+        cfg.update(_gemma2_keys(cfg, key, metadata(reader, f"{arch}.attention.sliding_window")))
     if "rope_freqs.weight" in names:  # llama.cpp keeps Llama 3.1 RoPE scaling as a tensor, not metadata
         warnings.warn(f"{path}: the rope_freqs tensor (Llama 3.1 RoPE scaling) is ignored; "
                       "long-context outputs will differ", stacklevel=2)
@@ -58,6 +68,21 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> dict:
         if value is not None:
             cfg[hf_key] = value
     return cfg
+
+
+def _gemma2_keys(cfg: dict, key, window) -> dict:
+    """Gemma 2's soft-caps, window and query scale. llama.cpp's converter writes both soft-caps and
+    the window; it does not write query_pre_attn_scalar: llama.cpp scales queries by head_dim^-0.5,
+    except for the 27B (46 layers), where it uses (hidden/heads)^-0.5, as its config does."""
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if cfg["num_hidden_layers"] == 46 else hd
+    out = {"attn_logit_softcapping": key("attn_logit_softcapping", 0.0) or None,
+           "final_logit_softcapping": key("final_logit_softcapping", 0.0) or None,
+           "query_pre_attn_scalar": scalar, "hidden_activation": "gelu_pytorch_tanh",
+           "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6)}
+    if window:
+        out["sliding_window"] = int(window)
+    return out
 
 
 def generation_from_gguf(cfg: dict) -> dict:

@@ -1,8 +1,13 @@
 """Tensors of a llama.cpp GGUF file, dequantized on read and renamed to Hugging Face names.
 
-GGUF lists dims innermost-first (the reverse of numpy), and llama.cpp's converter reorders the rows
-of each Q and K head so that RoPE pairs (2i, 2i+1) sit together; we restore the Hugging Face order,
-where the pairs are (i, i + head_dim/2), because that is what our graph's RoPE expects.
+GGUF lists dims innermost-first (the reverse of numpy). What llama.cpp's converter changes, per
+architecture (`general.architecture`), and we undo:
+- llama: the rows of each Q and K head are reordered so that RoPE pairs (2i, 2i+1) sit together; we
+  restore the Hugging Face order, where the pairs are (i, i + head_dim/2), which our RoPE expects.
+  qwen2, qwen3 and gemma2 are converted without that permutation (their converters do not call it).
+- gemma2: every `*norm.weight` is stored with the 1 of Gemma's (1 + w) RMSNorm already added; we
+  subtract it so the graph's (1 + w) norm sees Hugging Face's w. Gemma's `ffn_norm` is the norm
+  before the MLP (pre_feedforward_layernorm), not Llama's post_attention_layernorm.
 """
 from __future__ import annotations
 
@@ -26,13 +31,25 @@ _BLOCK_NAMES = {
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# per-architecture differences from the Llama names (gguf's MODEL_TENSORS / TENSOR_NAMES)
+_ARCH_BLOCK_NAMES = {
+    "llama": _BLOCK_NAMES,
+    "qwen2": _BLOCK_NAMES,
+    "qwen3": {**_BLOCK_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    "gemma2": {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+               "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
+PERMUTED_QK = {"llama"}          # archs whose converter reorders Q/K rows for llama.cpp's RoPE
+NORM_PLUS_ONE = {"gemma2"}       # archs whose converter stores norm weights as 1 + w
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
     """The Hugging Face name of a llama.cpp tensor name; unknown names are kept as they are."""
+    block_names = _ARCH_BLOCK_NAMES.get(arch, _BLOCK_NAMES)
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
-    if m and m[2] in _BLOCK_NAMES:
-        return f"model.layers.{m[1]}.{_BLOCK_NAMES[m[2]]}.{m[3]}"
+    if m and m[2] in block_names:
+        return f"model.layers.{m[1]}.{block_names[m[2]]}.{m[3]}"
     m = re.fullmatch(r"(\w+)\.(weight|bias)", gguf_name)
     if m and m[1] in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[m[1]]}.{m[2]}"
@@ -63,8 +80,10 @@ class GGUFStore(TensorStore):
 
     def __init__(self, reader: gguf.GGUFReader, path: Path, n_heads: int, n_kv_heads: int):
         self.source, self._path = str(path), path
-        self._tensors = {hf_name(t.name): t for t in reader.tensors}
-        self._heads = {"q_proj": n_heads, "k_proj": n_kv_heads}
+        self.arch = metadata(reader, "general.architecture") or "llama"
+        self._tensors = {hf_name(t.name, self.arch): t for t in reader.tensors}
+        self._heads = {"q_proj": n_heads, "k_proj": n_kv_heads} if self.arch in PERMUTED_QK else {}
+        self._norm_offset = 1.0 if self.arch in NORM_PLUS_ONE else 0.0
 
     def names(self) -> list[str]:
         return list(self._tensors)
@@ -86,6 +105,8 @@ class GGUFStore(TensorStore):
         proj = name.split(".")[-2]
         if proj in self._heads and name.startswith("model.layers."):
             w = unpermute_rope_rows(w, self._heads[proj])
+        if self._norm_offset and name.endswith("norm.weight"):
+            w = w - np.float32(self._norm_offset)
         return w.astype(dtype, copy=False)
 
     def _tensor(self, name: str):
