@@ -18,6 +18,8 @@ from fuselm.runtime.reference import new_state, run_graph
 
 sys.path.insert(0, str(Path(__file__).parent))   # graph_strategies, shared with the CPU tests
 
+from hub_names import mixtral_checkpoint_names  # noqa: E402
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU on this machine")]
 
@@ -201,24 +203,6 @@ REAL_SHAPES = {"smollm2-135m": {}, "llama-3.2-1b": {}, "llama-3.1-8b": {},
                "mixtral-8x7b": {"num_hidden_layers": 4}}
 
 
-def _hub_names(sd: dict, inter: int, moe: bool) -> dict:
-    """transformers 5 keeps Mixtral's experts fused (mlp.experts.gate_up_proj = w1 then w3,
-    mlp.experts.down_proj = w2); fuselm reads the Hub's names, stacked over experts under '*'."""
-    if not moe:
-        return sd
-    out = {}
-    for k, v in sd.items():
-        p = k.replace(".mlp.", ".block_sparse_moe.")
-        if k.endswith("experts.gate_up_proj"):
-            base = p[:-len("gate_up_proj")] + "*."
-            out[base + "w1.weight"], out[base + "w3.weight"] = v[:, :inter], v[:, inter:]
-        elif k.endswith("experts.down_proj"):
-            out[p[:-len("down_proj")] + "*.w2.weight"] = v
-        else:
-            out[p] = v
-    return out
-
-
 @pytest.mark.parametrize("variant", [{}, {"architectures": ["MistralForCausalLM"], "sliding_window": 70},
                                      {"architectures": ["Gemma2ForCausalLM"], **ARCH_TINY["Gemma2ForCausalLM"],
                                       "sliding_window": 70}])
@@ -273,7 +257,9 @@ def test_real_shapes_match_transformers(name):
         hf = getattr(transformers, arch)(conf).to(torch.bfloat16).eval()
     cfg = DecoderConfig.from_hf(spec)
     graph = build_graph(cfg)
-    sd = _hub_names(hf.state_dict(), cfg.intermediate_size, moe=arch == "MixtralForCausalLM")
+    sd = hf.state_dict()
+    if arch == "MixtralForCausalLM":
+        sd = mixtral_checkpoint_names(sd, cfg.intermediate_size)
     weights = {n.name: cp.from_dlpack(sd[n.name].contiguous().view(torch.int16)).view(cp.uint16)
                for n in graph.sources("weight")}
     eng = engine_for(graph, weights, ctx=128)
