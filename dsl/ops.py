@@ -173,7 +173,8 @@ def _rope(x, pos, inv_freq, head_dim, interleaved=False):
 
 
 def _kv_write(cache, x, pos):
-    cache = cache.copy()
+    """Rows `pos` of the cache become x, in place: the op is declared so (inplace_of=0), and
+    copying a whole cache every token would dominate a CPU decode step."""
     cache[pos] = x
     return cache
 

@@ -42,7 +42,8 @@ def run_graph(graph: Graph, weights: Mapping[str, np.ndarray], feeds: Mapping[st
             out = opdef.reference(*(values[i] for i in node.inputs), **node.attrs)
             if opdef.inplace_of is not None:  # write through to the persistent buffer
                 target = values[node.inputs[opdef.inplace_of]]
-                target[...] = out
+                if out is not target:
+                    target[...] = out
                 out = target
             values[node.name] = out
     return {k: values[v] for k, v in graph.outputs.items()}

@@ -112,7 +112,8 @@ def run_schedule(G: nx.DiGraph, weights: Mapping[str, np.ndarray], feeds: Mappin
             out = opdef.reference(*args, **d["attrs"])
             st = storage_of(n)
             if st is not None:                    # in place into persistent state
-                state[st][...] = out
+                if out is not state[st]:
+                    state[st][...] = out
                 out = state[st]
             elif n in to_store:
                 view = arena_view(n)
