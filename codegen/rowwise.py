@@ -40,11 +40,11 @@ def context(G: nx.DiGraph, launch: dict, params: Params) -> dict:
         d = G.nodes[n]
         if n not in stored and d["kind"] is Kind.ELEMENTWISE:
             continue
-        emit = PHASES.get(d["op"], _elementwise) if d["kind"] is not Kind.ELEMENTWISE else _elementwise
+        emit = PHASES.get(d["op"], _elementwise)       # elementwise ops have no entry
         phases.append(f"// {d['op']}\n" + emit(G, n, params, at, row))
-    widths = [G.nodes[v]["shape"][-1] for n in nodes for v in (n, *G.nodes[n]["inputs"])
-              if G.nodes[v]["kind"] is not Kind.SOURCE or v in G.nodes[n]["inputs"][:1]]
-    width = max(w for w in widths if isinstance(w, int))   # the widest row this block walks
+    # the widest row this block walks: an op's output or its first operand (argmax outputs [T])
+    width = max(s[-1] for n in nodes for s in (G.nodes[n]["shape"], G.nodes[G.nodes[n]["inputs"][0]]["shape"])
+                if s and isinstance(s[-1], int))
     threads = 1024 if width > 8192 else 256
     return {"phases": phases, "threads": threads, "grid": "T"}
 
