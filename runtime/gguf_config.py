@@ -10,7 +10,8 @@ from ..errors import FuselmError
 from .gguf_store import metadata
 
 # llama.cpp's `general.architecture` -> the Hugging Face class fuselm builds. A `llama` GGUF of a
-# Mistral model (llama.cpp converts Mistral as llama) stays LlamaForCausalLM: the same graph.
+# Mistral model (llama.cpp converts Mistral as llama) stays LlamaForCausalLM: the same graph. One
+# with experts (`llama.expert_count`, or a router tensor `ffn_gate_inp`) is Mixtral's.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "gemma2": "Gemma2ForCausalLM"}
 
@@ -57,6 +58,9 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> dict:
         cfg["head_dim"] = head_dim
     if arch == "gemma2":
         cfg.update(_gemma2_keys(cfg, key, metadata(reader, f"{arch}.attention.sliding_window")))
+    if arch == "llama" and (metadata(reader, "llama.expert_count") or "blk.0.ffn_gate_inp.weight" in names):
+        cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
+                   num_local_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"))
     if "rope_freqs.weight" in names:  # llama.cpp keeps Llama 3.1 RoPE scaling as a tensor, not metadata
         warnings.warn(f"{path}: the rope_freqs tensor (Llama 3.1 RoPE scaling) is ignored; "
                       "long-context outputs will differ", stacklevel=2)

@@ -8,6 +8,11 @@ architecture (`general.architecture`), and we undo:
 - gemma2: every `*norm.weight` is stored with the 1 of Gemma's (1 + w) RMSNorm already added; we
   subtract it so the graph's (1 + w) norm sees Hugging Face's w. Gemma's `ffn_norm` is the norm
   before the MLP (pre_feedforward_layernorm), not Llama's post_attention_layernorm.
+- llama with `llama.expert_count` (Mixtral): the router `ffn_gate_inp` is block_sparse_moe.gate;
+  the experts are either one tensor each (`blk.N.ffn_gate.E.weight`, older files) or one 3-D stack
+  per projection (`blk.N.ffn_gate_exps.weight`, numpy shape [E, rows, cols]). A stack is listed
+  here as E per-expert Hugging Face names (`...experts.E.w1.weight`; gate w1, up w3, down w2),
+  each read as its own slice of the stack, so both layouts look like the Hub's safetensors.
 """
 from __future__ import annotations
 
@@ -31,9 +36,10 @@ _BLOCK_NAMES = {
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+_EXPERT_NAMES = {"ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}   # Mixtral: llama.cpp -> Hub
 # per-architecture differences from the Llama names (gguf's MODEL_TENSORS / TENSOR_NAMES)
 _ARCH_BLOCK_NAMES = {
-    "llama": _BLOCK_NAMES,
+    "llama": {**_BLOCK_NAMES, "ffn_gate_inp": "block_sparse_moe.gate"},
     "qwen2": _BLOCK_NAMES,
     "qwen3": {**_BLOCK_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
     "gemma2": {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
@@ -45,8 +51,12 @@ NORM_PLUS_ONE = {"gemma2"}       # archs whose converter stores norm weights as 
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str:
-    """The Hugging Face name of a llama.cpp tensor name; unknown names are kept as they are."""
+    """The Hugging Face name of a llama.cpp tensor name; unknown names are kept as they are.
+    A stack of experts (`ffn_*_exps`) gets the Hub's expert name with "*" for the expert index."""
     block_names = _ARCH_BLOCK_NAMES.get(arch, _BLOCK_NAMES)
+    m = re.fullmatch(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)(?:\.(\d+)|_exps)\.weight", gguf_name)
+    if m:
+        return f"model.layers.{m[1]}.block_sparse_moe.experts.{m[3] or '*'}.{_EXPERT_NAMES[m[2]]}.weight"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if m and m[2] in block_names:
         return f"model.layers.{m[1]}.{block_names[m[2]]}.{m[3]}"
@@ -81,7 +91,19 @@ class GGUFStore(TensorStore):
     def __init__(self, reader: gguf.GGUFReader, path: Path, n_heads: int, n_kv_heads: int):
         self.source, self._path = str(path), path
         self.arch = metadata(reader, "general.architecture") or "llama"
-        self._tensors = {hf_name(t.name, self.arch): t for t in reader.tensors}
+        self._n_experts = int(metadata(reader, f"{self.arch}.expert_count", 0) or 0)
+        self._tensors = {}   # Hugging Face name -> (GGUF tensor, index in its expert stack or None)
+        for t in reader.tensors:
+            name = hf_name(t.name, self.arch)
+            if "*" not in name:
+                self._tensors[name] = (t, None)
+                continue
+            if len(t.shape) != 3 or int(t.shape[-1]) != self._n_experts:
+                raise FuselmError(f"{path}: expert stack '{t.name}' has shape {self._shape(t)}, not "
+                                  f"[{self.arch}.expert_count = {self._n_experts}, rows, cols]")
+            self._tensors.update({name.replace("*", str(e)): (t, e) for e in range(self._n_experts)})
+        if self._n_experts:
+            self._check_experts(int(metadata(reader, f"{self.arch}.block_count", 0) or 0))
         self._heads = {"q_proj": n_heads, "k_proj": n_kv_heads} if self.arch in PERMUTED_QK else {}
         self._norm_offset = 1.0 if self.arch in NORM_PLUS_ONE else 0.0
 
@@ -89,19 +111,26 @@ class GGUFStore(TensorStore):
         return list(self._tensors)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(d) for d in reversed(self._tensor(name).shape))
+        t, expert = self._tensor(name)
+        return self._shape(t) if expert is None else self._shape(t)[1:]
+
+    @staticmethod
+    def _shape(t) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(t.shape))
 
     def get(self, name: str, dtype=np.float32) -> np.ndarray:
-        t = self._tensor(name)
+        t, expert = self._tensor(name)
         kind = Q(t.tensor_type)
         if kind not in SUPPORTED:
             raise FuselmError(f"{self._path}: tensor '{t.name}' has type {kind.name}, which fuselm cannot "
                               f"dequantize (supported: {', '.join(sorted(q.name for q in SUPPORTED))})")
         shape = self.shape(name)
+        # the reader's view has the numpy dims, bytes innermost: [e] is one expert's rows of a stack
+        data = t.data if expert is None else t.data[expert]
         if kind in (Q.F32, Q.F16):
-            w = np.asarray(t.data).reshape(shape)
+            w = np.asarray(data).reshape(shape)
         else:  # BF16 arrives as raw bytes, the quantized types as blocks: dequantize gives float32
-            w = gguf.quants.dequantize(t.data, kind).reshape(shape)
+            w = gguf.quants.dequantize(data, kind).reshape(shape)
         proj = name.split(".")[-2]
         if proj in self._heads and name.startswith("model.layers."):
             w = unpermute_rope_rows(w, self._heads[proj])
@@ -115,6 +144,21 @@ class GGUFStore(TensorStore):
         except KeyError:
             raise FuselmError(f"{self._path}: tensor '{name}' not found "
                               f"(the file has {len(self._tensors)} tensors)") from None
+
+    def _check_experts(self, n_layers: int) -> None:
+        """Every layer has experts 0 .. E-1 of each projection, stacked or one tensor each, and no more."""
+        for t, _ in self._tensors.values():
+            m = re.fullmatch(r"blk\.\d+\.ffn_\w+\.(\d+)\.weight", t.name)
+            if m and int(m[1]) >= self._n_experts:
+                raise FuselmError(f"{self._path}: tensor '{t.name}' is expert {m[1]} but "
+                                  f"{self.arch}.expert_count is {self._n_experts}")
+        for i in range(n_layers):
+            for short, w in _EXPERT_NAMES.items():
+                for e in range(self._n_experts):
+                    if f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight" not in self._tensors:
+                        raise FuselmError(f"{self._path}: missing expert tensor 'blk.{i}.{short}.{e}.weight' "
+                                          f"(nor a stack 'blk.{i}.{short}_exps.weight'; "
+                                          f"{self.arch}.expert_count is {self._n_experts})")
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
