@@ -57,13 +57,23 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2) -> list[KernelSour
     return out
 
 
+SAMPLER_BLOCKS = 32   # blocks sharing the argmax over the vocabulary (one block took 26 us/token)
+
+
 def sampler(vocab: int) -> KernelSource:
-    """The sampling kernel that ends every decode step (see templates/sample.cu.j2)."""
-    body = environment().get_template("sample.cu.j2").render(name="KERNEL", V=vocab)
+    """The sampling kernel that ends every decode step (see templates/sample.cu.j2). Its launch
+    reads a runtime buffer "sampler_scratch" of sampler_scratch_words(vocab) zeroed uint32."""
+    body = environment().get_template("sample.cu.j2").render(name="KERNEL", V=vocab, blocks=SAMPLER_BLOCKS)
     name = f"sample_v{vocab}"
     return KernelSource(name, "sample", body.replace("KERNEL", name), ["logits"],
-                        [Launch(name, (1, 1), 1024, ["logits", "seen", "sampling_args", "ids", "pos"])],
+                        [Launch(name, (SAMPLER_BLOCKS, 1), 1024,
+                                ["logits", "seen", "sampling_args", "ids", "pos", "sampler_scratch"])],
                         None, vocab * 4, 8)
+
+
+def sampler_scratch_words() -> int:
+    """uint32 words of the sampler's scratch: a value and an index per block, and a counter."""
+    return 2 * SAMPLER_BLOCKS + 1
 
 
 def _name(family: str, ctx: dict, body: str) -> str:

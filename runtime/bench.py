@@ -90,14 +90,13 @@ def profile(engine, reps: int = 20) -> dict[str, dict]:
     calls = iter(engine.calls)
     for k in engine.kernels:
         for _ in k.launches:
-            fn, grid, block, args = next(calls)
+            call = next(calls)
             e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-            with engine.stream:
-                fn(grid, block, args)
-                e0.record(engine.stream)
-                for _ in range(reps):
-                    fn(grid, block, args)
-                e1.record(engine.stream)
+            call(engine.stream)
+            e0.record(engine.stream)
+            for _ in range(reps):
+                call(engine.stream)
+            e1.record(engine.stream)
             e1.synchronize()
             fam = per[k.family]
             fam["us"] += cp.cuda.get_elapsed_time(e0, e1) * 1e3 / reps
@@ -115,7 +114,10 @@ def step_bytes(kernels, states, context: float) -> float:
 
 
 def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do_profile: bool = False,
-                peers: tuple[str, ...] = (), copy_Bps: float | None = None, fuse: bool = True) -> dict:
+                peers: tuple[str, ...] = (), copy_Bps: float | None = None, fuse: bool = True,
+                decode_only: bool = False) -> dict:
+    """Measure one preset or checkpoint (see the module docstring); `decode_only` skips the compile,
+    long-prompt and 4k-context measurements (for quick A/B runs)."""
     import cupy as cp
 
     from .cuda_engine import CudaEngine
@@ -129,7 +131,7 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
         cfg = preset(name)
     graph = build_graph(cfg)
     arch = f"sm_{cp.cuda.Device().compute_capability}"
-    cold, warm = compile_times(graph, ctx, arch)
+    cold, warm = compile_times(graph, ctx, arch) if not decode_only else (None, None)
     t0 = time.perf_counter()
     if ckpt is not None:
         import ml_dtypes
@@ -149,23 +151,25 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
     results = [_decode_rate(engine, prompt32, tokens) for _ in range(runs)]
     ttft32 = statistics.median(r[0] for r in results)
     tok_s = statistics.median(r[1] for r in results)
-    ttft512, _ = _decode_rate(engine, prompt512, 1)
-    engine.reset()                                                 # 4k context: jump the position
-    engine.position = 4096
-    tok = engine.prefill(prompt32[:1], GREEDY)
-    t1 = time.perf_counter()
-    for _ in range(tokens):
-        tok = engine.decode(tok, GREEDY)
-    tok_s_4k = tokens / (time.perf_counter() - t1)
+    ttft512 = tok_s_4k = None
+    if not decode_only:
+        ttft512, _ = _decode_rate(engine, prompt512, 1)
+        engine.reset()                                             # 4k context: jump the position
+        engine.position = 4096
+        tok = engine.prefill(prompt32[:1], GREEDY)
+        t1 = time.perf_counter()
+        for _ in range(tokens):
+            tok = engine.decode(tok, GREEDY)
+        tok_s_4k = tokens / (time.perf_counter() - t1)
     bytes_per_token = step_bytes(engine.kernels, engine.states, context=32 + tokens / 2)
     res = {"model": name, "dtype": "bf16", "weights": "checkpoint" if ckpt is not None else "random", "fused": fuse, "decode_tok_s": round(tok_s, 1),
            "ms_per_token": round(1e3 / tok_s, 3), "bytes_per_token": int(bytes_per_token),
            "achieved_GBps": round(bytes_per_token * tok_s / 1e9, 1),
-           "ttft_32_ms": round(ttft32 * 1e3, 1), "ttft_512_ms": round(ttft512 * 1e3, 1),
-           "decode_tok_s_at_4k": round(tok_s_4k, 1), "ratio_4k": round(tok_s_4k / tok_s, 3),
-           "compile_cold_s": round(cold, 2), "compile_warm_s": round(warm, 2),
+           "ttft_32_ms": round(ttft32 * 1e3, 1), "ttft_512_ms": _round(ttft512, 1e3, 1),
+           "decode_tok_s_at_4k": _round(tok_s_4k, 1, 1), "ratio_4k": _round(tok_s_4k, 1 / tok_s, 3),
+           "compile_cold_s": _round(cold, 1, 2), "compile_warm_s": _round(warm, 1, 2),
            "load_s": round(load, 2), "peak_gpu_GiB": round(cp.get_default_memory_pool().total_bytes() / 2**30, 2),
-           "launches_per_token": len(engine.calls)}
+           "launches_per_token": len(engine.calls), "pdl": engine.pdl}
     if copy_Bps:
         res["bandwidth_fraction"] = round(bytes_per_token * tok_s / copy_Bps, 3)
         res["bandwidth_limit_tok_s"] = round(copy_Bps / bytes_per_token, 1)
@@ -177,6 +181,10 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
         res["hf_eager_tok_s"] = hf_decode_rate(cfg, tokens)
         res["vs_hf"] = round(tok_s / res["hf_eager_tok_s"], 2)
     return res
+
+
+def _round(x: float | None, scale: float, digits: int) -> float | None:
+    return None if x is None else round(x * scale, digits)
 
 
 def hf_decode_rate(cfg, tokens: int) -> float:
@@ -245,12 +253,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true", help="time per kernel family")
     p.add_argument("--peers", default="", help="comma list; 'hf' = Hugging Face transformers eager")
     p.add_argument("--no-fuse", action="store_true")
+    p.add_argument("--decode-only", action="store_true",
+                   help="only decode speed (no compile, 512-token prompt or 4k-context runs)")
     p.add_argument("--json", dest="out", help="write the JSON record here")
 
 
 def main(args: argparse.Namespace) -> int:
     run(args.models, out=args.out, runs=args.runs, tokens=args.tokens, do_profile=args.profile,
-        peers=tuple(p for p in args.peers.split(",") if p), fuse=not args.no_fuse)
+        peers=tuple(p for p in args.peers.split(",") if p), fuse=not args.no_fuse,
+        decode_only=args.decode_only)
     return 0
 
 

@@ -13,12 +13,14 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ..codegen import generate, headers, module_source, sampler
+from ..codegen.emit import sampler_scratch_words
 from ..codegen.nvrtc import cache_dir, compile_cubin, options
 from ..codegen.params import storage_of
 from ..compiler import compile_graph
 from ..dsl import Graph
 from ..errors import FuselmError
 from .engine import SamplingParams
+from .launch import PdlLaunch, pdl_wanted
 
 SAMPLING_ARGS = np.dtype([("temperature", "f4"), ("top_p", "f4"), ("min_p", "f4"),
                           ("repetition_penalty", "f4"), ("top_k", "i4"), ("seed", "i4"),
@@ -55,13 +57,14 @@ class CudaEngine:
     device = "cuda"
 
     def __init__(self, graph: Graph, weights: Mapping[str, object], ctx: int = 4096, fuse: bool = True,
-                 use_graph: bool = True, arch: str | None = None):
+                 use_graph: bool = True, arch: str | None = None, pass_list=None):
         import cupy
         self.cp, self.graph, self.max_context, self.use_graph = cupy, graph, ctx, use_graph
         self.position = 0
         self.arch = arch or f"sm_{cupy.cuda.Device().compute_capability}"
+        self.pdl = pdl_wanted(cupy.cuda.Device().compute_capability)
         t0 = time.perf_counter()
-        self.G = compile_graph(graph, fuse=fuse, tokens=1)
+        self.G = compile_graph(graph, fuse=fuse, tokens=1, pass_list=pass_list)   # pass_list: tests
         self.kernels = generate(self.G, rows=ctx)
         # A language model's step ends in the sampler; other graphs (tests, tools) just stop.
         self.logits_value = self.G.graph["outputs"].get("logits")
@@ -76,6 +79,7 @@ class CudaEngine:
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._graph_exec = None
         self._sampling: SamplingParams | None = None
+        self._device_token: int | None = None   # the id the sampler left in `ids` (pos in step)
 
     @classmethod
     def from_checkpoint(cls, ckpt, graph: Graph, ctx: int = 4096, fuse: bool = True) -> "CudaEngine":
@@ -108,14 +112,15 @@ class CudaEngine:
         self.pos = self.inputs.get("pos", cp.zeros(1, cp.int32))
         self.seen = cp.zeros(vocab, cp.uint8)
         self.sampling_args = cp.zeros(SAMPLING_ARGS.itemsize, cp.uint8)
+        self.sampler_scratch = cp.zeros(sampler_scratch_words(), cp.uint32)
         ws = max([k.workspace_floats for k in self.kernels] + [1])
         self.workspace = cp.empty(ws, cp.float32)
 
     def buffer(self, value: str):
         """The device array holding graph value `value` (arena slices for activations)."""
         cp, G = self.cp, self.G
-        special = {"workspace": self.workspace, "seen": self.seen, "ids": self.ids,
-                   "pos": self.pos, "sampling_args": self.sampling_args}
+        special = {"workspace": self.workspace, "seen": self.seen, "ids": self.ids, "pos": self.pos,
+                   "sampling_args": self.sampling_args, "sampler_scratch": self.sampler_scratch}
         if value == "logits":
             value = self.logits_value
         if value in special:
@@ -135,18 +140,24 @@ class CudaEngine:
         return view.view(cp.int32 if G.nodes[store]["dtype"] == "i32" else cp.float32)
 
     def _bind(self) -> None:
-        """Resolve every launch's arguments once: the schedule is then a flat list of calls."""
+        """Resolve every launch's arguments once: the schedule is then a flat list of calls, each
+        taking the stream (launched with PDL where the GPU has it, see runtime/launch.py)."""
         self.calls = []
         for k in self.kernels:
             for launch in k.launches:
                 fn = self.module.get_function(launch.function)
                 grid = tuple(1 if g == "T" else g for g in launch.grid)
-                self.calls.append((fn, grid, (launch.block,), tuple(self.buffer(a) for a in launch.args)))
+                args = tuple(self.buffer(a) for a in launch.args)
+                if self.pdl:
+                    self.calls.append(PdlLaunch(fn, grid, launch.block, args))
+                else:
+                    self.calls.append(lambda stream, fn=fn, grid=grid, block=(launch.block,), args=args:
+                                      fn(grid, block, args, stream=stream))
 
     # ---- execution ----
     def _run_schedule(self) -> None:
-        for fn, grid, block, args in self.calls:
-            fn(grid, block, args)
+        for call in self.calls:
+            call(self.stream)
 
     def step(self) -> None:
         """One decode step on the stream: the whole schedule, as a CUDA graph when enabled."""
@@ -175,6 +186,7 @@ class CudaEngine:
     def reset(self) -> None:
         """Position back to 0, no tokens seen, the sampler's random stream restarted."""
         self.position = 0
+        self._device_token = None
         with self.stream:   # on the engine's stream, so it cannot race the next prefill's marks
             self.seen.fill(0)
         self._sampling = None
@@ -183,16 +195,21 @@ class CudaEngine:
         """Queue one step with `token` at the current position (no host synchronisation)."""
         if self.position >= self.max_context:
             raise FuselmError(f"the conversation reached the context of {self.max_context} tokens")
-        with self.stream:
-            self.ids.set(np.array([token], np.int32), stream=self.stream)
-            self.pos.set(np.array([self.position], np.int32), stream=self.stream)
+        if token != self._device_token:   # else the sampler already left token and position there
+            with self.stream:
+                self.ids.set(np.array([token], np.int32), stream=self.stream)
+                self.pos.set(np.array([self.position], np.int32), stream=self.stream)
+        self._device_token = None
         self.step()
         self.position += 1
 
     def next_token(self) -> int:
+        """The id the last step's sampler picked (waits for the step)."""
         out = np.empty(1, np.int32)
         self.ids.get(stream=self.stream, out=out)
         self.stream.synchronize()
+        if self.logits_value:             # the sampler also advanced `pos` to self.position
+            self._device_token = int(out[0])
         return int(out[0])
 
     def prefill(self, ids: Sequence[int], sampling: SamplingParams) -> int:
@@ -227,6 +244,7 @@ class CudaEngine:
         """Upload one step's value of graph input `name` (shape [1, ...])."""
         buf = self.inputs[name]
         buf.set(np.asarray(value, buf.dtype).reshape(buf.shape), stream=self.stream)
+        self._device_token = None
 
     def set_state(self, name: str, value) -> None:
         """Fill persistent buffer `name` (a KV cache, [ctx, width]) with `value`'s rows, as bf16;

@@ -44,3 +44,14 @@ def test_step_bytes_count_one_embedding_row_and_the_chosen_experts_only():
     others = sum(int(np.prod(n.shape)) * 2 for n in graph.sources("weight") if "*" not in n.name)
     got = step_bytes(kernels, caches, context=0)
     assert others - table + experts * 2 / 8 <= got < others - table + experts * 2 / 8 + 100_000
+
+
+def test_pdl_launch_structs_match_the_driver_abi():
+    """cuLaunchKernelEx reads these through a pointer: sizes and offsets as in cuda.h (64-bit)."""
+    import ctypes
+
+    from fuselm.runtime.launch import LaunchAttribute, LaunchConfig, pdl_wanted
+    assert ctypes.sizeof(LaunchAttribute) == 72 and LaunchAttribute.value.offset == 8
+    assert LaunchConfig.hStream.offset == 32 and LaunchConfig.attrs.offset == 40
+    assert ctypes.sizeof(LaunchConfig) == 56
+    assert pdl_wanted("90") and not pdl_wanted("80")

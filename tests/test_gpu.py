@@ -122,6 +122,33 @@ def test_epilogue_bias_interleaved_rope_softcap():
     print(f"custom epilogue graph: worst rel error {worst:.2e}")
 
 
+def test_router_and_experts_at_mixtral_shapes():
+    """The router GEMV (8 outputs: split-K) and the moe kernels at Mixtral-8x7B's sizes (D 4096,
+    I 14336, 8 experts, top 2) against the float64 reference, on fresh random inputs."""
+    import cupy as cp
+    E, D, I = 8, 4096, 14336
+    g = Graph("moe")
+    x = g.input("x", ("T", D))
+    logits = g.op("linear", x, g.weight("router", (E, D)))
+    w1, w3, w2 = g.weight("w1", (E, I, D)), g.weight("w3", (E, I, D)), g.weight("w2", (E, D, I))
+    g.output(y=g.op("moe_ffn", x, logits, w1, w3, w2, top_k=2, act="silu"), logits=logits)
+    rng = np.random.default_rng()
+    weights = {n.name: bf16_round(rng.standard_normal(n.shape, dtype=np.float32) * np.float32(0.02))
+               for n in g.sources("weight")}
+    eng = engine_for(g, weights, ctx=8)
+    xs = rng.standard_normal((4, D)).astype(np.float32)
+    want = run_graph(g, weights, {"x": xs}, {})
+    for t in range(len(xs)):
+        eng.arena.view(cp.float32).fill(cp.nan)            # poison
+        eng.workspace.fill(cp.nan)
+        eng.set_input("x", xs[t:t + 1])
+        eng.step()
+        for k in ("logits", "y"):
+            err = rel(eng.output(k)[0], want[k][t])
+            print(f"mixtral-shape {k} token {t}: rel error {err:.2e}")
+            assert err < 1e-4 if k == "logits" else err < 1e-3, f"{k} token {t}: {err:.2e}"
+
+
 @pytest.mark.parametrize("fuse", [True, False])
 def test_random_graphs_match_reference(fuse):
     """Hypothesis-drawn DSL graphs (tests/graph_strategies.py: GEMVs with norms, biases, RoPE,

@@ -119,3 +119,16 @@ __device__ __forceinline__ int slot_row(int tile, int s, int& pair) {
         return INTERLEAVED ? head * HD + 2 * pair + (s & 1) : head * HD + pair + (s & 1) * HALF;
     }
 }
+
+// Before the wait for the previous kernel: ask L2 for this block's rows of W, so that the weight
+// stream is under way by the time the input vector can be read.
+template <int R, int N, int HD, bool INTERLEAVED, int K>
+__device__ __forceinline__ void prefetch_tile_rows(int tile, const weight_t* W) {
+    if constexpr (K % 8 == 0) {                      // whole 16-byte pieces only
+        if (threadIdx.x < R) {
+            int pair;
+            const int row = slot_row<R, N, HD, INTERLEAVED>(tile, threadIdx.x, pair);
+            if (row >= 0) prefetch_l2(W + (size_t)row * K, K * sizeof(weight_t));
+        }
+    }
+}

@@ -107,3 +107,52 @@ __device__ int sample_token(const float* logits, const unsigned char* seen, cons
     __syncthreads();
     return chosen >= 0 ? chosen : block_argmax(logits, V);
 }
+
+// Grid-wide argmax of the penalized logits, step one: this block's best of [begin, end) goes to
+// scratch (values as float bits at [0, G), indices at [G, 2G), a finished-block counter at 2G);
+// returns true in the one block that finishes last, which then sees every block's result.
+__device__ bool last_block_of_argmax(const float* logits, const unsigned char* seen, float rp,
+                                     int begin, int end, unsigned* scratch) {
+    float m = NEG_INF;
+    int idx = end;
+    for (int i = begin + threadIdx.x; i < end; i += blockDim.x) {
+        const float l = penalized(logits, seen, i, rp);
+        if (l > m) { m = l; idx = i; }
+    }
+    const float bm = block_max(m);
+    __shared__ int first;
+    __shared__ bool last;
+    if (threadIdx.x == 0) first = end;
+    __syncthreads();
+    if (m == bm) atomicMin(&first, idx);
+    __syncthreads();
+    const unsigned G = gridDim.x;
+    if (threadIdx.x == 0) {
+        scratch[blockIdx.x] = __float_as_uint(bm);
+        scratch[G + blockIdx.x] = (unsigned)first;
+        __threadfence();                          // results visible before the count says so
+        last = atomicAdd(&scratch[2 * G], 1u) == G - 1;
+    }
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
+// Step two, in the last block: the best of the blocks' results (lowest index on ties).
+__device__ int reduce_block_argmaxes(unsigned* scratch, unsigned G) {
+    const volatile unsigned* v = scratch;
+    float m = NEG_INF;
+    int idx = 0x7fffffff;
+    for (unsigned b = threadIdx.x; b < G; b += blockDim.x) {
+        const float l = __uint_as_float(v[b]);
+        const int i = (int)v[G + b];
+        if (l > m || (l == m && i < idx)) { m = l; idx = i; }
+    }
+    const float bm = block_max(m);
+    __shared__ int first;
+    if (threadIdx.x == 0) first = 0x7fffffff;
+    __syncthreads();
+    if (m == bm) atomicMin(&first, idx);
+    __syncthreads();
+    return first;
+}

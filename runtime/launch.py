@@ -1,0 +1,64 @@
+"""Kernel launches that may overlap their predecessor: programmatic dependent launch (PDL).
+
+CuPy launches through cuLaunchKernel, where a kernel starts only once the previous one on the
+stream has finished: the GPU drains, then ramps up again, at every one of the ~100-200 kernel
+boundaries of a decode step. cuLaunchKernelEx with the programmatic-stream-serialization
+attribute lets the next kernel's blocks be scheduled early; the generated kernels prefetch their
+weights and then wait (`grid_wait_then_release` in common.cuh) until the previous grid's writes
+are visible. Stream capture records such launches as programmatic edges of the CUDA graph.
+
+The driver entry point is called through ctypes (CuPy does not wrap it), from Hopper (sm_90) on;
+`FUSELM_PDL=0` turns it off.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig."""
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+def pdl_wanted(compute_capability: str) -> bool:
+    """Whether to launch with PDL on a device of this compute capability ("90" for sm_90)."""
+    return int(compute_capability) >= 90 and os.environ.get("FUSELM_PDL", "1") != "0"
+
+
+class PdlLaunch:
+    """One kernel launch, its arguments (device pointers) resolved once, replayable on a stream."""
+
+    _driver = None
+
+    def __init__(self, function, grid: tuple[int, int], block: int, args: tuple):
+        if PdlLaunch._driver is None:
+            lib = ctypes.CDLL("libcuda.so.1")
+            lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p,
+                                             ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+            lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+            PdlLaunch._driver = lib
+        self.function = ctypes.c_void_p(function.ptr)
+        self.attr = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+        self.attr.value[0] = 1
+        self.config = LaunchConfig(grid[0], grid[1], 1, block, 1, 1, 0, None, ctypes.pointer(self.attr), 1)
+        self.values = [ctypes.c_void_p(a.data.ptr) for a in args]     # every argument is a buffer
+        self.params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(v) for v in self.values])
+
+    def __call__(self, stream) -> None:
+        self.config.hStream = stream.ptr
+        err = self._driver.cuLaunchKernelEx(ctypes.byref(self.config), self.function, self.params, None)
+        if err:
+            name = ctypes.c_char_p()
+            self._driver.cuGetErrorName(err, ctypes.byref(name))
+            raise RuntimeError(f"cuLaunchKernelEx failed: {(name.value or b'?').decode()} ({err})")
