@@ -10,13 +10,10 @@ from ..dsl import Kind, get
 from . import cexpr
 from .params import Params
 
-WARPS = 8          # per block
+WARPS = int(os.environ.get("FUSELM_GEMV_WARPS", 8))   # per block
 ROWS_PER_WARP = int(os.environ.get("FUSELM_GEMV_ROWS", 2))  # rows a warp streams at once, sharing each load of the vector
 MIN_WARPS = 132 * 32   # enough streaming warps for every SM (132 on the H200) to keep HBM busy
 UNROLL = int(os.environ.get("FUSELM_GEMV_UNROLL", 4))      # 16-byte loads in flight per lane and row
-# Prefetch each block's weight rows into L2 before waiting for the previous kernel (pays only
-# with programmatic dependent launch, when the block can start before its input is ready).
-L2_PREFETCH = os.environ.get("FUSELM_L2_PREFETCH", "1") != "0"
 
 
 def _slots(ksplit: int, members: int, pairs: bool) -> int:
@@ -68,7 +65,7 @@ def context(G: nx.DiGraph, launch: dict, params: Params) -> dict:
         start += tiles
         max_tile = max(max_tile, R * len(z["linears"]))
     return {"K": K, "x": x, "prologue": pro, "zips": zips, "threads": WARPS * 32, "unroll": UNROLL, "ksplit": ksplit,
-            "rows_per_warp": ROWS_PER_WARP, "prefetch": L2_PREFETCH,
+            "rows_per_warp": ROWS_PER_WARP,
             "max_tile": max_tile, "grid": start}
 
 

@@ -3,9 +3,9 @@
 CuPy launches through cuLaunchKernel, where a kernel starts only once the previous one on the
 stream has finished: the GPU drains, then ramps up again, at every one of the ~100-200 kernel
 boundaries of a decode step. cuLaunchKernelEx with the programmatic-stream-serialization
-attribute lets the next kernel's blocks be scheduled early; the generated kernels prefetch their
-weights and then wait (`grid_wait_then_release` in common.cuh) until the previous grid's writes
-are visible. Stream capture records such launches as programmatic edges of the CUDA graph.
+attribute lets the next kernel's blocks be scheduled early; a generated GEMV issues its first
+weight loads and only then waits (`grid_wait_then_release` in common.cuh) until the previous
+grid's writes are visible, so the weight stream does not stop at the kernel boundary. Stream capture records such launches as programmatic edges of the CUDA graph.
 
 The driver entry point is called through ctypes (CuPy does not wrap it), from Hopper (sm_90) on;
 `FUSELM_PDL=0` turns it off.
@@ -48,7 +48,7 @@ class PdlLaunch:
                                              ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
             lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
             PdlLaunch._driver = lib
-        self.function = ctypes.c_void_p(function.ptr)
+        self.function = ctypes.c_void_p(getattr(function, "kernel", function).ptr)   # RawKernel or Function
         self.attr = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
         self.attr.value[0] = 1
         self.config = LaunchConfig(grid[0], grid[1], 1, block, 1, 1, 0, None, ctypes.pointer(self.attr), 1)

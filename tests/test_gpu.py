@@ -3,7 +3,9 @@ against Hugging Face transformers. Every check draws fresh random inputs and poi
 activation arena with NaN first, so an element no kernel wrote shows up as NaN."""
 from __future__ import annotations
 
+import dataclasses
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -48,8 +50,22 @@ def engine_for(graph, weights, ctx=64, **kw):
     return CudaEngine(graph, weights, ctx=ctx, **kw)
 
 
-def compare_steps(graph, weights, tokens, ctx=64, fuse=True, tol=2e-2):
-    """Feed `tokens` one by one to the GPU and to the reference; worst relative logit error."""
+@contextmanager
+def bf16_kv_cache():
+    """The reference's kv_write rounds its rows to bf16, as the GPU's KV cache stores them: the
+    two sides then differ only by float32 arithmetic, and a tight tolerance means something."""
+    from fuselm.dsl import ops
+    plain = ops.REGISTRY["kv_write"]
+    ops.REGISTRY["kv_write"] = dataclasses.replace(plain, reference=lambda c, x, p: plain.reference(c, bf16_round(x), p))
+    try:
+        yield
+    finally:
+        ops.REGISTRY["kv_write"] = plain
+
+
+def compare_steps(graph, weights, tokens, ctx=64, fuse=True, tol=5e-3):
+    """Feed `tokens` one by one to the GPU and to the reference (bf16 KV cache on both sides);
+    worst relative logit error."""
     import cupy as cp
     eng = engine_for(graph, weights, ctx=ctx, fuse=fuse)
     state = new_state(graph, ctx)
@@ -59,8 +75,9 @@ def compare_steps(graph, weights, tokens, ctx=64, fuse=True, tol=2e-2):
         eng.workspace.fill(cp.nan)
         eng.feed(int(t))
         got = eng.output(next(iter(graph.outputs)))[0]
-        ref = run_graph(graph, weights, {"ids": np.array([t], np.int32), "pos": np.array([p], np.int32)},
-                        state)[next(iter(graph.outputs))][0]
+        with bf16_kv_cache():
+            ref = run_graph(graph, weights, {"ids": np.array([t], np.int32), "pos": np.array([p], np.int32)},
+                            state)[next(iter(graph.outputs))][0]
         assert np.isfinite(got).all(), f"step {p}: unwritten or non-finite logits"
         worst = max(worst, rel(got, ref))
     assert worst < tol, f"relative logit error {worst:.2e}"
@@ -286,6 +303,12 @@ def test_real_shapes_match_transformers(name):
     graph = build_graph(cfg)
     sd = hf.state_dict()
     if arch == "MixtralForCausalLM":
+        # Random routers put the 2nd and 3rd expert close enough that bf16 noise flips choices
+        # (test_router_and_experts_at_mixtral_shapes checks the routing itself): widen the margins.
+        with torch.no_grad():
+            for k, v in sd.items():
+                if k.endswith("mlp.gate.weight"):
+                    v.mul_(8)
         sd = mixtral_checkpoint_names(sd, cfg.intermediate_size)
     weights = {n.name: cp.from_dlpack(sd[n.name].contiguous().view(torch.int16)).view(cp.uint16)
                for n in graph.sources("weight")}

@@ -83,19 +83,13 @@ __device__ __forceinline__ float rms_scale(float sum_sq, int n, float eps) { ret
 
 // Programmatic dependent launch (Hopper and later; no-ops before sm_90 and when the launch did
 // not ask for it). A kernel launched that way may start while the previous one still runs: it
-// may touch only data no earlier kernel writes (weights) before grid_wait(), which returns once
+// may touch only data no earlier kernel writes (weights) before this wait, which returns once
 // the previous grid has finished and its writes are visible. Each kernel lets its successor be
-// scheduled right after its own wait, so at most one kernel runs ahead, prefetching.
+// scheduled right after its own wait, so at most one kernel runs ahead (GEMVs: with their first
+// weight loads in flight, see warp_dot_rows).
 __device__ __forceinline__ void grid_wait_then_release() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" :::);
-#endif
-}
-
-// Ask L2 to fetch [p, p + bytes) (16-byte aligned, a multiple of 16) without waiting for it.
-__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
 #endif
 }

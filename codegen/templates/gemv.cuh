@@ -44,15 +44,21 @@ __device__ __forceinline__ float block_rms_scale(const float* x, float eps) {
 
 // acc[r] = dot(W[rows[r], 0:K], v) for NR rows at once, by the calling warp; every lane gets the
 // results. Each lane keeps UNROLL x NR independent 16-byte loads in flight, and each chunk of the
-// vector it loads serves all NR rows (fewer L1 reads per weight byte).
+// vector it loads serves all NR rows (fewer L1 reads per weight byte). While `pending`, the
+// previous kernel may still be running: the first weight loads are issued, then the thread waits
+// for it (grid_wait_then_release) before the vector, its output, is read.
 template <int K, int UNROLL, int NR, class Vector>
-__device__ __forceinline__ void warp_dot_rows(const weight_t* const (&rows)[NR], const Vector& v, float (&acc)[NR]) {
+__device__ __forceinline__ void warp_dot_rows(const weight_t* const (&rows)[NR], const Vector& v, float (&acc)[NR],
+                                              bool& pending) {
     constexpr int CHUNK = 8;                         // weights per 16-byte load
     constexpr int STEP = 32 * CHUNK;                 // weights per warp-wide load
     constexpr int FULL = K % CHUNK ? 0 : K / (STEP * UNROLL) * (STEP * UNROLL);
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int r = 0; r < NR; r++) acc[r] = 0.0f;
+    if constexpr (K % CHUNK != 0 || FULL == 0) {
+        if (pending) { grid_wait_then_release(); pending = false; }
+    }
     if constexpr (K % CHUNK != 0) {                  // rows are not 16-byte aligned: scalar loads
         for (int k = lane; k < K; k += 32) {
             const float xk = v.at(k);
@@ -67,6 +73,7 @@ __device__ __forceinline__ void warp_dot_rows(const weight_t* const (&rows)[NR],
 #pragma unroll
                 for (int r = 0; r < NR; r++)
                     q[u][r] = __ldcs(reinterpret_cast<const uint4*>(rows[r] + base + u * STEP + lane * CHUNK));
+            if (pending) { grid_wait_then_release(); pending = false; }   // weights in flight meanwhile
 #pragma unroll
             for (int u = 0; u < UNROLL; u++) {
                 float xv[8];
@@ -120,15 +127,3 @@ __device__ __forceinline__ int slot_row(int tile, int s, int& pair) {
     }
 }
 
-// Before the wait for the previous kernel: ask L2 for this block's rows of W, so that the weight
-// stream is under way by the time the input vector can be read.
-template <int R, int N, int HD, bool INTERLEAVED, int K>
-__device__ __forceinline__ void prefetch_tile_rows(int tile, const weight_t* W) {
-    if constexpr (K % 8 == 0) {                      // whole 16-byte pieces only
-        if (threadIdx.x < R) {
-            int pair;
-            const int row = slot_row<R, N, HD, INTERLEAVED>(tile, threadIdx.x, pair);
-            if (row >= 0) prefetch_l2(W + (size_t)row * K, K * sizeof(weight_t));
-        }
-    }
-}
