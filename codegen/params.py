@@ -38,12 +38,16 @@ class Params:
         store = storage_of(self.G, value)
         if store not in self.values:
             self.values.append(store)
-            self.decls.append(f"{c_type(self.G, value, written)} __restrict__ p{len(self.values) - 1}")
+            # __restrict__ (read-only, non-coherent loads) for weights alone: activations and caches
+            # are written by the previous kernel, which may still run (programmatic dependent
+            # launch), and loads the compiler thinks invariant could be hoisted above the wait.
+            restrict = " __restrict__" if self.G.nodes[store]["op"] == "weight" else ""
+            self.decls.append(f"{c_type(self.G, value, written)}{restrict} p{len(self.values) - 1}")
         return f"p{self.values.index(store)}"
 
     def extra(self, decl: str, key: str) -> str:
         """A pointer that is not a graph value (the workspace shared by attention and MoE kernels,
         which never need it at the same time): `key` names it for the runtime."""
         self.values.append(key)
-        self.decls.append(f"{decl} __restrict__ p{len(self.values) - 1}")
+        self.decls.append(f"{decl} p{len(self.values) - 1}")
         return f"p{len(self.values) - 1}"

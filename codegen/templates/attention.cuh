@@ -33,7 +33,7 @@ __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc
         if constexpr (HD % 8 == 0) {
 #pragma unroll 4
             for (int d = 0; d < HD; d += 8) {
-                const uint4 raw = __ldg(reinterpret_cast<const uint4*>(k + d));
+                const uint4 raw = *reinterpret_cast<const uint4*>(k + d);
                 const bf16_t* kv = reinterpret_cast<const bf16_t*>(&raw);
 #pragma unroll
                 for (int i = 0; i < 8; i++) {
@@ -79,7 +79,7 @@ __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc
         const int sub = lane / LPP, d0 = (lane % LPP) * 8;
 #pragma unroll 2
         for (int p = start + warp * PPW + sub; p < end; p += warps * PPW) {
-            const uint4 raw = __ldg(reinterpret_cast<const uint4*>(vc + (size_t)p * W + kvh * HD + d0));
+            const uint4 raw = *reinterpret_cast<const uint4*>(vc + (size_t)p * W + kvh * HD + d0);
             const bf16_t* v = reinterpret_cast<const bf16_t*>(&raw);
 #pragma unroll
             for (int g = 0; g < G; g++) {

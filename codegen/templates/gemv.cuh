@@ -1,6 +1,8 @@
 // GEMV building blocks: one warp computes one output row, streaming the weight row with 16-byte
 // loads that bypass L1 (__ldcs: each weight byte is read once per token) while the input vector
-// comes through L1 (__ldg), since every warp of the block re-reads it.
+// comes through L1, since every warp of the block re-reads it. The vector is read with plain
+// loads, never __ldg: it is the previous kernel's output, and a load marked invariant may be
+// hoisted above the wait for that kernel (see grid_wait_then_release).
 #pragma once
 #include "common.cuh"
 
@@ -9,8 +11,8 @@ struct PlainVector {
     const float* x;
     __device__ __forceinline__ PlainVector from(int k0) const { return {x + k0}; }
     __device__ __forceinline__ void load8(int k, float (&v)[8]) const {
-        float4 a = __ldg(reinterpret_cast<const float4*>(x + k));
-        float4 b = __ldg(reinterpret_cast<const float4*>(x + k + 4));
+        const float4 a = *reinterpret_cast<const float4*>(x + k);
+        const float4 b = *reinterpret_cast<const float4*>(x + k + 4);
         v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
     }
     __device__ __forceinline__ float at(int k) const { return x[k]; }
