@@ -300,3 +300,39 @@ def test_ctx_beyond_the_trained_positions_warns(capsys):
     log = io.StringIO()
     fuselm.load(path, device="cpu", ctx=8200, progress=False, log=log)
     assert "warning: ctx 8200 is beyond the 8192 positions" in log.getvalue()
+
+
+ARCH_CONFIGS = {   # tiny configs that switch on each architecture's own features
+    "MistralForCausalLM": dict(sliding_window=4),
+    "Qwen2ForCausalLM": dict(),
+    "Qwen3ForCausalLM": dict(head_dim=16),
+    "Gemma2ForCausalLM": dict(head_dim=8, query_pre_attn_scalar=8, sliding_window=4,
+                              final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
+    "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
+def test_run_each_architecture_like_transformers(capsys, tmp_path, arch):
+    """`fuselm run` on a tiny checkpoint that transformers saved: the same greedy text."""
+    import torch
+    import transformers
+
+    from fuselm.runtime.checkpoint import open_checkpoint
+    torch.manual_seed(0)
+    conf = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, eos_token_id=2, bos_token_id=1,
+        **ARCH_CONFIGS[arch])
+    model = getattr(transformers, arch)(conf).eval()
+    with torch.no_grad():               # larger weights than the default init: a less flat greedy path
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    model.save_pretrained(tmp_path)
+    write_tokenizer(tmp_path, 64)
+    tok = open_checkpoint(tmp_path).tokenizer
+    rc, out, err = run_main(capsys, "run", str(tmp_path), "-p", "the cat sat on", "-n", "10", "--device", "cpu")
+    assert rc == 0, err
+    expected = hf_greedy_text(tmp_path, model, tok.encode("the cat sat on"), 10, tok.stop_ids)
+    assert out.strip() == expected.strip() and expected.strip()
