@@ -45,7 +45,9 @@ def context(G: nx.DiGraph, launch: dict, params: Params) -> dict:
     # the widest row this block walks: an op's output or its first operand (argmax outputs [T])
     width = max(s[-1] for n in nodes for s in (G.nodes[n]["shape"], G.nodes[G.nodes[n]["inputs"][0]]["shape"])
                 if s and isinstance(s[-1], int))
-    threads = 1024 if width > 8192 else 256
+    # One block per token row: at decode time a single block, so its latency is the kernel's;
+    # more threads mean shorter chains of dependent loads per thread.
+    threads = min(1024, max(256, width // 4 // 32 * 32))
     return {"phases": phases, "threads": threads, "grid": "T"}
 
 

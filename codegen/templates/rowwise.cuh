@@ -35,9 +35,21 @@ __device__ __forceinline__ int block_argmax(const float* x, int n) {
     return best_i[0];
 }
 
-// RMSNorm of x[0:n] in groups of `group` (group == n: the whole row), weight w[group].
+// RMSNorm of x[0:n] in groups of `group` (group == n: the whole row), weight w[group]. Groups
+// (per-head norms) go one per warp, all at once: a block-wide reduction per group would run them
+// one after another.
 __device__ __forceinline__ void rmsnorm_row(const float* x, const weight_t* w, float* out, int n, int group,
                                             float eps, float offset) {
+    if (group < n) {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+        for (int g0 = warp * group; g0 < n; g0 += warps * group) {
+            float ss = 0.0f;
+            for (int i = lane; i < group; i += 32) ss += x[g0 + i] * x[g0 + i];
+            const float scale = rms_scale(warp_sum(ss), group, eps);
+            for (int i = lane; i < group; i += 32) out[g0 + i] = x[g0 + i] * scale * (w2f(w[i]) + offset);
+        }
+        return;
+    }
     for (int g0 = 0; g0 < n; g0 += group) {
         float ss = 0.0f;
         for (int i = threadIdx.x; i < group; i += blockDim.x) ss += x[g0 + i] * x[g0 + i];
