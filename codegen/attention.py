@@ -1,5 +1,4 @@
-"""The attention family: flash-decoding over the KV cache in one launch (the last block of each
-KV head merges the chunks, counted in a runtime buffer "attention_counters" of KV zeroed words)."""
+"""The attention family: flash-decoding over the KV cache, a split launch and a combine launch."""
 from __future__ import annotations
 
 import networkx as nx
@@ -30,5 +29,4 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
             "q": params.ref(q), "kc": params.ref(kc), "vc": params.ref(vc), "pos": params.ref(pos),
             "out": params.ref(n, written=True),
             "ws": params.extra("float*", "workspace"),
-            "counters": params.extra("unsigned*", "attention_counters"),
-            "workspace_floats": a["n_heads"] * nchunk * (a["head_dim"] + 2), "counter_words": a["n_kv_heads"]}
+            "workspace_floats": a["n_heads"] * nchunk * (a["head_dim"] + 2)}

@@ -11,7 +11,7 @@ with a KV cache of --ctx rows, exactly what the CUDA runtime replays per token, 
 
 Bytes per launch come from the code generator (KernelSource.bytes_read / bytes_written, weights
 at 2 bytes, activations at 4, the KV cache at --ctx rows). A kernel with several launches (the
-MoE gate/up + down) has its inputs on the first launch, its outputs on the last, and its
+attention split + combine) has its inputs on the first launch, its outputs on the last, and its
 workspace (workspace_floats) written by the one and read by the other.
 """
 from __future__ import annotations
@@ -127,7 +127,7 @@ def table(rows: list[Row]) -> str:
 
 
 def _launch_label(function: str, kernel_name: str) -> str:
-    """'moe down' for the extra launch `<kernel name>_down` of a moe kernel."""
+    """'attention combine' for the extra launch `<kernel name>_combine` of an attention kernel."""
     suffix = function[len(kernel_name):].lstrip("_") if function.startswith(kernel_name) else ""
     return f"{kernel_name.split('_')[0]} {suffix}" if suffix else function
 

@@ -25,7 +25,6 @@ class KernelSource:
     bytes_read: int = 0       # per token, weights + activations (+ KV cache at the planned context)
     bytes_written: int = 0
     workspace_floats: int = 0
-    counter_words: int = 0    # zeroed uint32 counters it needs (and leaves zeroed) in "attention_counters"
     notes: dict = field(default_factory=dict)
 
     def annotated(self) -> str:

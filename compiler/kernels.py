@@ -4,7 +4,7 @@ Families (each one a CUDA template in codegen/):
 - "gemv":      one or more LINEAR nodes reading the same vector, optionally a NORM prologue that
                produces that vector, and an epilogue of ELEMENTWISE / ROW_LOCAL / CACHE_WRITE nodes
                computed on the tile of output rows each block owns;
-- "attention": one ATTENTION node (split over the context, chunks merged by the last block);
+- "attention": one ATTENTION node (split over the context, then combined);
 - "moe":       one MOE node (gate/up of the routed experts, then their weighted down projection);
 - "rowwise":   any other ops (EMBEDDING, NORM, ELEMENTWISE, ROW_LOCAL, CACHE_WRITE, REDUCTION),
                one block per token row, op after op.

@@ -113,7 +113,6 @@ class CudaEngine:
         self.seen = cp.zeros(vocab, cp.uint8)
         self.sampling_args = cp.zeros(SAMPLING_ARGS.itemsize, cp.uint8)
         self.sampler_scratch = cp.zeros(sampler_scratch_words(), cp.uint32)
-        self.attention_counters = cp.zeros(max([k.counter_words for k in self.kernels] + [1]), cp.uint32)
         ws = max([k.workspace_floats for k in self.kernels] + [1])
         self.workspace = cp.empty(ws, cp.float32)
 
@@ -121,8 +120,7 @@ class CudaEngine:
         """The device array holding graph value `value` (arena slices for activations)."""
         cp, G = self.cp, self.G
         special = {"workspace": self.workspace, "seen": self.seen, "ids": self.ids, "pos": self.pos,
-                   "sampling_args": self.sampling_args, "sampler_scratch": self.sampler_scratch,
-                   "attention_counters": self.attention_counters}
+                   "sampling_args": self.sampling_args, "sampler_scratch": self.sampler_scratch}
         if value == "logits":
             value = self.logits_value
         if value in special:

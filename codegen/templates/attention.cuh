@@ -1,7 +1,6 @@
 // Decode attention over a bf16 KV cache, split over the context (flash-decoding): each block
 // scores one chunk of positions for the query heads of one KV head and leaves (max, sum,
-// weighted values) in a workspace; the last block of each KV head to finish merges the chunks
-// of its query heads, so attention is one launch.
+// weighted values) in a workspace; a combine kernel merges the chunks of every head.
 #pragma once
 #include "common.cuh"
 
@@ -16,7 +15,10 @@ __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const int lo = window > 0 ? max(0, pos - window + 1) : 0;
     const int start = max(c * CHUNK, lo), end = min(c * CHUNK + CHUNK, pos + 1);
-    if (start >= end) return;                   // nothing to attend in this chunk (combine skips it)
+    if (start >= end) {                         // nothing to attend in this chunk
+        if (threadIdx.x < G) ws[((size_t)(kvh * G + threadIdx.x) * NCHUNK + c) * (HD + 2) + 1] = 0.0f;
+        return;
+    }
     __shared__ float qs[G][HD];
     __shared__ float score[G][CHUNK];
     __shared__ float partial[4][G][HD];         // per-warp sums of exp * v
@@ -113,30 +115,14 @@ __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc
     }
 }
 
-// Whether this block is the last of KV head blockIdx.x's NCHUNK blocks to finish (after every
-// block has written its chunk); the last one resets the head's counter for the next step.
-template <int NCHUNK>
-__device__ __forceinline__ bool last_chunk_of_head(unsigned* counters) {
-    __shared__ bool last;
-    __threadfence();                            // this thread's workspace writes are visible ...
-    __syncthreads();                            // ... for every thread of the block ...
-    if (threadIdx.x == 0) {                     // ... before the count says so
-        last = atomicAdd(&counters[blockIdx.x], 1u) == NCHUNK - 1;
-        if (last) counters[blockIdx.x] = 0;
-    }
-    __syncthreads();
-    if (last) __threadfence();
-    return last;
-}
-
-// Merge the chunks of query head h: chunks [c0, c1] are the ones the split blocks filled.
+// Merge the chunks of one query head: chunks [c0, c1] are the ones the split kernel filled.
 // Chunk weights go through shared memory so that the per-dimension sums issue independent loads.
 template <int HD, int CHUNK, int NCHUNK>
-__device__ __forceinline__ void attention_combine(const float* ws, float* o, int h, int pos, int window) {
+__device__ __forceinline__ void attention_combine(const float* ws, float* o, int pos, int window) {
     __shared__ float weight[NCHUNK];
-    __syncthreads();                            // weight[] may still be read for the previous head
+    const int h = blockIdx.x;
     const int c0 = (window > 0 ? max(0, pos - window + 1) : 0) / CHUNK, c1 = pos / CHUNK;
-    const volatile float* part = ws + (size_t)h * NCHUNK * (HD + 2);   // written by other blocks
+    const float* part = ws + (size_t)h * NCHUNK * (HD + 2);
     float m = NEG_INF;
     for (int c = c0 + threadIdx.x; c <= c1; c += blockDim.x) m = fmaxf(m, part[c * (HD + 2)]);
     m = block_max(m);
