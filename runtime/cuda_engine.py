@@ -79,7 +79,7 @@ class CudaEngine:
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._graph_exec = None
         self._sampling: SamplingParams | None = None
-        self._device_token: int | None = None   # the id the sampler left in `ids` (pos in step)
+        self._on_device: tuple[int, int] | None = None   # (id, position) the sampler left in ids, pos
 
     @classmethod
     def from_checkpoint(cls, ckpt, graph: Graph, ctx: int = 4096, fuse: bool = True) -> "CudaEngine":
@@ -186,7 +186,7 @@ class CudaEngine:
     def reset(self) -> None:
         """Position back to 0, no tokens seen, the sampler's random stream restarted."""
         self.position = 0
-        self._device_token = None
+        self._on_device = None
         with self.stream:   # on the engine's stream, so it cannot race the next prefill's marks
             self.seen.fill(0)
         self._sampling = None
@@ -195,11 +195,11 @@ class CudaEngine:
         """Queue one step with `token` at the current position (no host synchronisation)."""
         if self.position >= self.max_context:
             raise FuselmError(f"the conversation reached the context of {self.max_context} tokens")
-        if token != self._device_token:   # else the sampler already left token and position there
+        if (token, self.position) != self._on_device:   # else the sampler left both there already
             with self.stream:
                 self.ids.set(np.array([token], np.int32), stream=self.stream)
                 self.pos.set(np.array([self.position], np.int32), stream=self.stream)
-        self._device_token = None
+        self._on_device = None
         self.step()
         self.position += 1
 
@@ -209,7 +209,7 @@ class CudaEngine:
         self.ids.get(stream=self.stream, out=out)
         self.stream.synchronize()
         if self.logits_value:             # the sampler also advanced `pos` to self.position
-            self._device_token = int(out[0])
+            self._on_device = (int(out[0]), self.position)
         return int(out[0])
 
     def prefill(self, ids: Sequence[int], sampling: SamplingParams) -> int:
@@ -244,7 +244,7 @@ class CudaEngine:
         """Upload one step's value of graph input `name` (shape [1, ...])."""
         buf = self.inputs[name]
         buf.set(np.asarray(value, buf.dtype).reshape(buf.shape), stream=self.stream)
-        self._device_token = None
+        self._on_device = None
 
     def set_state(self, name: str, value) -> None:
         """Fill persistent buffer `name` (a KV cache, [ctx, width]) with `value`'s rows, as bf16;
