@@ -10,10 +10,14 @@ from ..dsl import Kind, get
 from . import cexpr
 from .params import Params
 
-WARPS = int(os.environ.get("FUSELM_GEMV_WARPS", 8))   # per block
+WARPS = int(os.environ.get("FUSELM_GEMV_WARPS", 8))   # per block: 1, 2, 4, 8, 16 or 32
 ROWS_PER_WARP = int(os.environ.get("FUSELM_GEMV_ROWS", 2))  # rows a warp streams at once, sharing each load of the vector
 MIN_WARPS = 132 * 32   # enough streaming warps for every SM (132 on the H200) to keep HBM busy
 UNROLL = int(os.environ.get("FUSELM_GEMV_UNROLL", 4))      # 16-byte loads in flight per lane and row
+
+
+if WARPS not in (1, 2, 4, 8, 16, 32):
+    raise ValueError(f"FUSELM_GEMV_WARPS={WARPS}: warps per GEMV block must be a power of 2 from 1 to 32")
 
 
 def _slots(ksplit: int, members: int, pairs: bool) -> int:
@@ -32,7 +36,7 @@ def _ksplit(sets: list[dict], K: int) -> int:
     flight, so several warps share a row, each streaming a slice of it."""
     rows = sum(z["width"] * len(z["linears"]) for z in sets)
     ksplit = 1
-    while (rows // ROWS_PER_WARP * ksplit < MIN_WARPS and ksplit < 4
+    while (rows // ROWS_PER_WARP * ksplit < MIN_WARPS and ksplit < min(4, WARPS)
            and K % (2 * ksplit * 8) == 0 and K // (2 * ksplit) >= 256):
         ksplit *= 2
     return ksplit

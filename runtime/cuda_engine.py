@@ -76,6 +76,7 @@ class CudaEngine:
         self.module = _load_cubin(cupy, cubin)
         self._allocate(weights, vocab)
         self._bind()
+        cupy.cuda.Device().synchronize()   # zero-filled buffers (counters) ready before any launch
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._graph_exec = None
         self._sampling: SamplingParams | None = None

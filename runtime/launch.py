@@ -20,7 +20,7 @@ CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 class LaunchAttribute(ctypes.Structure):
     """CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union."""
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint64 * 8)]
 
 
 class LaunchConfig(ctypes.Structure):
@@ -32,8 +32,14 @@ class LaunchConfig(ctypes.Structure):
 
 
 def pdl_wanted(compute_capability: str) -> bool:
-    """Whether to launch with PDL on a device of this compute capability ("90" for sm_90)."""
-    return int(compute_capability) >= 90 and os.environ.get("FUSELM_PDL", "1") != "0"
+    """Whether to launch with PDL on a device of this compute capability ("90" for sm_90): from
+    Hopper on, unless FUSELM_PDL=0 or the driver library has no cuLaunchKernelEx."""
+    if int(compute_capability) < 90 or os.environ.get("FUSELM_PDL", "1") == "0":
+        return False
+    try:
+        return hasattr(ctypes.CDLL("libcuda.so.1"), "cuLaunchKernelEx")
+    except OSError:
+        return False
 
 
 class PdlLaunch:
@@ -50,8 +56,9 @@ class PdlLaunch:
             PdlLaunch._driver = lib
         self.function = ctypes.c_void_p(getattr(function, "kernel", function).ptr)   # RawKernel or Function
         self.attr = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
-        self.attr.value[0] = 1
+        self.attr.value[0] = 1                       # programmaticStreamSerializationAllowed (an int at offset 0)
         self.config = LaunchConfig(grid[0], grid[1], 1, block, 1, 1, 0, None, ctypes.pointer(self.attr), 1)
+        self.buffers = args                                           # kept alive with the launch
         self.values = [ctypes.c_void_p(a.data.ptr) for a in args]     # every argument is a buffer
         self.params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(v) for v in self.values])
 

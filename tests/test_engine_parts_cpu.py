@@ -46,12 +46,18 @@ def test_step_bytes_count_one_embedding_row_and_the_chosen_experts_only():
     assert others - table + experts * 2 / 8 <= got < others - table + experts * 2 / 8 + 100_000
 
 
-def test_pdl_launch_structs_match_the_driver_abi():
+def test_pdl_launch_structs_match_the_driver_abi(monkeypatch):
     """cuLaunchKernelEx reads these through a pointer: sizes and offsets as in cuda.h (64-bit)."""
     import ctypes
 
+    from fuselm.runtime import launch
     from fuselm.runtime.launch import LaunchAttribute, LaunchConfig, pdl_wanted
     assert ctypes.sizeof(LaunchAttribute) == 72 and LaunchAttribute.value.offset == 8
+    assert ctypes.alignment(LaunchAttribute) == 8
     assert LaunchConfig.hStream.offset == 32 and LaunchConfig.attrs.offset == 40
     assert ctypes.sizeof(LaunchConfig) == 56
+    monkeypatch.setattr(launch.ctypes, "CDLL", lambda name: type("Lib", (), {"cuLaunchKernelEx": None})())
+    monkeypatch.delenv("FUSELM_PDL", raising=False)
     assert pdl_wanted("90") and not pdl_wanted("80")
+    monkeypatch.setenv("FUSELM_PDL", "0")
+    assert not pdl_wanted("90")

@@ -58,10 +58,8 @@ __device__ __forceinline__ void warp_dot_rows(const weight_t* const (&rows)[NR],
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int r = 0; r < NR; r++) acc[r] = 0.0f;
-    if constexpr (K % CHUNK != 0 || FULL == 0) {
-        if (pending) { grid_wait_then_release(); pending = false; }
-    }
     if constexpr (K % CHUNK != 0) {                  // rows are not 16-byte aligned: scalar loads
+        if (pending) { grid_wait_then_release(); pending = false; }
         for (int k = lane; k < K; k += 32) {
             const float xk = v.at(k);
 #pragma unroll
@@ -89,18 +87,32 @@ __device__ __forceinline__ void warp_dot_rows(const weight_t* const (&rows)[NR],
                 }
             }
         }
+        // The rest (all of it for rows shorter than STEP * UNROLL): every load first, then the
+        // wait (if still pending), then the arithmetic.
+        constexpr int REM = (K - FULL + STEP - 1) / STEP;
+        if constexpr (REM > 0) {
+            uint4 q[REM][NR];
 #pragma unroll
-        for (int base = FULL; base < K; base += STEP) {     // the remaining whole chunks
-            const int k = base + lane * CHUNK;
-            if (k < K) {
-                float xv[8];
-                v.load8(k, xv);
+            for (int j = 0; j < REM; j++) {
+                const int k = FULL + j * STEP + lane * CHUNK;
 #pragma unroll
-                for (int r = 0; r < NR; r++) {
-                    float w[8];
-                    unpack8(__ldcs(reinterpret_cast<const uint4*>(rows[r] + k)), w);
+                for (int r = 0; r < NR; r++)
+                    q[j][r] = k < K ? __ldcs(reinterpret_cast<const uint4*>(rows[r] + k)) : uint4{0u, 0u, 0u, 0u};
+            }
+            if (pending) { grid_wait_then_release(); pending = false; }
 #pragma unroll
-                    for (int i = 0; i < 8; i++) acc[r] = fmaf(w[i], xv[i], acc[r]);
+            for (int j = 0; j < REM; j++) {
+                const int k = FULL + j * STEP + lane * CHUNK;
+                if (k < K) {
+                    float xv[8];
+                    v.load8(k, xv);
+#pragma unroll
+                    for (int r = 0; r < NR; r++) {
+                        float w[8];
+                        unpack8(q[j][r], w);
+#pragma unroll
+                        for (int i = 0; i < 8; i++) acc[r] = fmaf(w[i], xv[i], acc[r]);
+                    }
                 }
             }
         }

@@ -1,5 +1,7 @@
-// Sampling on the GPU with one block: repetition penalty, temperature, then the top-k, top-p and
-// min-p cuts as one logit threshold found by bisection (no sort), then an inverse-CDF draw.
+// Sampling on the GPU. Greedy: an argmax shared by the sampler's blocks (last_block_of_argmax,
+// reduce_block_argmaxes). Otherwise, in one block: repetition penalty, temperature, then the
+// top-k, top-p and min-p cuts as one logit threshold found by bisection (no sort), then an
+// inverse-CDF draw.
 #pragma once
 #include "rowwise.cuh"
 
@@ -114,7 +116,7 @@ __device__ int sample_token(const float* logits, const unsigned char* seen, cons
 __device__ bool last_block_of_argmax(const float* logits, const unsigned char* seen, float rp,
                                      int begin, int end, unsigned* scratch) {
     float m = NEG_INF;
-    int idx = end;
+    int idx = begin;                              // all -inf (or an empty slice): its first index
     for (int i = begin + threadIdx.x; i < end; i += blockDim.x) {
         const float l = penalized(logits, seen, i, rp);
         if (l > m) { m = l; idx = i; }
@@ -122,7 +124,7 @@ __device__ bool last_block_of_argmax(const float* logits, const unsigned char* s
     const float bm = block_max(m);
     __shared__ int first;
     __shared__ bool last;
-    if (threadIdx.x == 0) first = end;
+    if (threadIdx.x == 0) first = 0x7fffffff;
     __syncthreads();
     if (m == bm) atomicMin(&first, idx);
     __syncthreads();
