@@ -36,6 +36,33 @@ def cached_attention(g: Graph, cfg: DecoderConfig, layer: int, q: Value, k: Valu
                 scale=cfg.head_dim ** -0.5 if scale is None else scale, window=window or 0, **attrs)
 
 
+def self_attention(g: Graph, cfg: DecoderConfig, layer: int, h: Value, pos: Value, inv_freq: Value,
+                   qkv_bias: bool = False, o_bias: bool = False, qk_norm_eps: float | None = None,
+                   window: int = 0, **attention_attrs) -> Value:
+    """The attention block of layer `layer` on the normed input h: Q, K, V projections, (Qwen3:
+    an RMSNorm over each head of Q and K when `qk_norm_eps` is given), RoPE, attention over the
+    cache, O projection. The residual add and any norms around it stay with the caller."""
+    p, hd = f"model.layers.{layer}.self_attn", cfg.head_dim
+    q = linear(g, h, f"{p}.q_proj", cfg.num_heads * hd, qkv_bias)
+    k = linear(g, h, f"{p}.k_proj", cfg.num_kv_heads * hd, qkv_bias)
+    v = linear(g, h, f"{p}.v_proj", cfg.num_kv_heads * hd, qkv_bias)
+    if qk_norm_eps is not None:
+        q = rmsnorm(g, q, f"{p}.q_norm.weight", qk_norm_eps, group=hd)
+        k = rmsnorm(g, k, f"{p}.k_norm.weight", qk_norm_eps, group=hd)
+    q = g.op("rope", q, pos, inv_freq, head_dim=hd)
+    k = g.op("rope", k, pos, inv_freq, head_dim=hd)
+    a = cached_attention(g, cfg, layer, q, k, v, pos, window=window, **attention_attrs)
+    return linear(g, a, f"{p}.o_proj", cfg.hidden_size, o_bias)
+
+
+def glu_mlp(g: Graph, cfg: DecoderConfig, layer: int, h: Value, act: str = "silu", bias: bool = False) -> Value:
+    """down(act(gate(h)) * up(h)) of layer `layer` (SwiGLU with act = "silu")."""
+    p, inter = f"model.layers.{layer}.mlp", cfg.intermediate_size
+    gate = linear(g, h, f"{p}.gate_proj", inter, bias)
+    up = linear(g, h, f"{p}.up_proj", inter, bias)
+    return linear(g, g.op(act, gate) * up, f"{p}.down_proj", cfg.hidden_size, bias)
+
+
 def lm_head(g: Graph, cfg: DecoderConfig, x: Value, tied: bool | None = None) -> Value:
     """Logits; `tied` overrides cfg.tie_word_embeddings (for architectures whose default is True)."""
     name = "model.embed_tokens" if (cfg.tie_word_embeddings if tied is None else tied) else "lm_head"

@@ -6,14 +6,14 @@ experts. A weight name with "*" is the stack of the checkpoint tensors with "*" 
 """
 from ..dsl import Graph
 from .config import ConfigError, DecoderConfig
-from .layers import activation, cached_attention, layer_windows, linear, lm_head, rmsnorm, step_inputs
+from .layers import activation, layer_windows, linear, lm_head, rmsnorm, self_attention, step_inputs
 
 
 def build(cfg: DecoderConfig) -> Graph:
     """One step of a Mixtral decoder."""
     g = Graph(cfg.architecture)
     ids, pos, inv_freq = step_inputs(g, cfg)
-    D, hd, eps, I = cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps, cfg.intermediate_size
+    D, eps, I = cfg.hidden_size, cfg.rms_norm_eps, cfg.intermediate_size
     E, top_k = int(cfg.extra.get("num_local_experts", 8)), int(cfg.extra.get("num_experts_per_tok", 2))
     if not 1 <= top_k <= E:
         raise ConfigError(f"num_experts_per_tok {top_k} with {E} experts")
@@ -22,13 +22,7 @@ def build(cfg: DecoderConfig) -> Graph:
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}"
         h = rmsnorm(g, x, f"{p}.input_layernorm.weight", eps)
-        q = linear(g, h, f"{p}.self_attn.q_proj", cfg.num_heads * hd)
-        k = linear(g, h, f"{p}.self_attn.k_proj", cfg.num_kv_heads * hd)
-        v = linear(g, h, f"{p}.self_attn.v_proj", cfg.num_kv_heads * hd)
-        q = g.op("rope", q, pos, inv_freq, head_dim=hd)
-        k = g.op("rope", k, pos, inv_freq, head_dim=hd)
-        a = cached_attention(g, cfg, i, q, k, v, pos, window=windows[i])
-        x = x + linear(g, a, f"{p}.self_attn.o_proj", D)
+        x = x + self_attention(g, cfg, i, h, pos, inv_freq, window=windows[i])
         h = rmsnorm(g, x, f"{p}.post_attention_layernorm.weight", eps)
         moe = f"{p}.block_sparse_moe"
         logits = linear(g, h, f"{moe}.gate", E)
