@@ -12,6 +12,8 @@ gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from gguf_files import V, finish, gguf_writer, llama_cpp_order  # noqa: E402
+
 from fuselm.errors import FuselmError  # noqa: E402
 from fuselm.models import build_graph  # noqa: E402
 from fuselm.runtime.checkpoint import load_weights, open_checkpoint  # noqa: E402
@@ -21,17 +23,6 @@ Q = gguf.GGMLQuantizationType
 PROMPT = [5, 77, 180, 3, 259, 42, 101]   # 7 tokens: longer than the Gemma 2 window of 4 below
 
 
-def _byte_tokens() -> list[str]:
-    """A gpt2-style vocab: GPT-2's printable spelling of the 256 bytes, plus two merges and specials."""
-    printable = {*range(33, 127), *range(161, 173), *range(174, 256)}
-    extra = iter(range(256, 512))
-    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)] + ["\u0120t", "he", "\u0120the",
-                                                                                  "<s>", "</s>"]
-
-
-TOKENS = _byte_tokens()
-MERGES = ["\u0120 t", "h e", "\u0120t he"]
-V = len(TOKENS)
 
 # the tiny models: each arch with the shapes that exercise what it adds
 SPECS = {
@@ -80,25 +71,14 @@ def tiny_model(h, kind: str, seed: int = 0):
     return model
 
 
-def llama_cpp_order(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's Q/K row order for llama-arch files (RoPE pairs side by side)."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def write_gguf(path, model, kind: str, qtype=Q.F32, softcaps=None, name=None):
     """`model` as llama.cpp's converter writes it for `kind`; 2-D matrices stored as `qtype`."""
     cfg, arch = model.config, GGUF_ARCH[kind]
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(name or ("Mistral 7B Instruct v0.3" if kind == "mistral" else f"tiny-{kind}"))
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(5000.0)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(V)
+    w = gguf_writer(path, arch, name or ("Mistral 7B Instruct v0.3" if kind == "mistral" else f"tiny-{kind}"),
+                    block_count=cfg.num_hidden_layers, context_length=cfg.max_position_embeddings,
+                    embedding_length=cfg.hidden_size, feed_forward_length=cfg.intermediate_size,
+                    head_count=cfg.num_attention_heads, head_count_kv=cfg.num_key_value_heads,
+                    rope_freq_base=5000.0, layer_norm_rms_eps=cfg.rms_norm_eps, vocab_size=V)
     if kind in ("qwen3", "gemma2"):
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
@@ -109,13 +89,6 @@ def write_gguf(path, model, kind: str, qtype=Q.F32, softcaps=None, name=None):
         w.add_attn_logit_softcapping(attn_cap)
         w.add_final_logit_softcapping(final_cap)
         w.add_sliding_window(cfg.sliding_window)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(TOKENS)
-    w.add_token_types([1] * (V - 2) + [3, 3])
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(259)
-    w.add_eos_token_id(260)
     for name, t in model.state_dict().items():
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
@@ -128,11 +101,7 @@ def write_gguf(path, model, kind: str, qtype=Q.F32, softcaps=None, name=None):
             w.add_tensor(gguf_name(name, arch), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name(name, arch), a.astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish(w, path)
 
 
 def our_logits(ckpt) -> np.ndarray:

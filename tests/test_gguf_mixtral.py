@@ -22,8 +22,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from hub_names import mixtral_checkpoint_names  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
-from test_gguf_architectures import (MERGES, TOKENS, V, gguf_name, hf_logits,  # noqa: E402
-                                     llama_cpp_order, our_logits)
+from gguf_files import MERGES, TOKENS, V, finish, gguf_writer, llama_cpp_order  # noqa: E402
+from test_gguf_architectures import gguf_name, hf_logits, our_logits  # noqa: E402
 from tokenizers import Tokenizer, models  # noqa: E402
 
 from fuselm.errors import FuselmError  # noqa: E402
@@ -72,21 +72,10 @@ def gguf_tensors(hub: dict, layout: str) -> dict:
 def write_gguf(path, hub: dict, layout: str, qtype=Q.F32, expert_count=E, drop=(), extra=None):
     """A llama-arch GGUF of a Mixtral as llama.cpp's converter writes it; matrices (and stacks) as
     `qtype`; tensors in `drop` left out and `extra` ones added, to make bad files."""
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny-mixtral")
-    for add, value in (("block_count", 2), ("context_length", 64), ("embedding_length", 64),
-                       ("feed_forward_length", INTER), ("head_count", 4), ("head_count_kv", 2),
-                       ("rope_freq_base", 5000.0), ("layer_norm_rms_eps", 1e-5), ("vocab_size", V),
-                       ("rope_dimension_count", 16), ("expert_count", expert_count),
-                       ("expert_used_count", TOP_K)):
-        getattr(w, f"add_{add}")(value)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(TOKENS)
-    w.add_token_types([1] * (V - 2) + [3, 3])
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(259)
-    w.add_eos_token_id(260)
+    w = gguf_writer(path, "llama", "tiny-mixtral", block_count=2, context_length=64, embedding_length=64,
+                    feed_forward_length=INTER, head_count=4, head_count_kv=2, rope_freq_base=5000.0,
+                    layer_norm_rms_eps=1e-5, vocab_size=V, rope_dimension_count=16,
+                    expert_count=expert_count, expert_used_count=TOP_K)
     for name, a in {**gguf_tensors(hub, layout), **(extra or {})}.items():
         if name in drop:
             continue
@@ -94,11 +83,7 @@ def write_gguf(path, hub: dict, layout: str, qtype=Q.F32, expert_count=E, drop=(
             w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, a.astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish(w, path)
 
 
 def write_safetensors_folder(folder, model, hub: dict):

@@ -11,6 +11,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from gguf_files import MERGES, TOKENS, finish, gguf_writer, llama_cpp_order  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 
@@ -24,15 +25,6 @@ PROMPT = [5, 77, 180, 3, 259, 42, 101]
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}{% endfor %}"
 
 
-def byte_alphabet() -> list[str]:
-    """GPT-2's printable spelling of the 256 bytes, in byte order."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    extra = iter(range(256, 512))
-    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
-
-
-TOKENS = byte_alphabet() + ["\u0120t", "he", "\u0120the", "<s>", "</s>"]   # 261 = the tiny vocab
-MERGES = ["\u0120 t", "h e", "\u0120t he"]
 
 
 def tiny_hf_model(h, tie: bool = False, seed: int = 0):
@@ -129,11 +121,6 @@ def test_folder_tokenizer_and_stop_ids(h, tmp_path):
 
 # ---- GGUF files ----------------------------------------------------------------------------------
 
-def llama_cpp_order(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """The row order llama.cpp's converter writes Q and K in (RoPE pairs side by side)."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
               "lm_head.weight": "output.weight"}
 LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -153,23 +140,11 @@ def write_gguf(path, model, qtype=Q.F32, types=None):
     """A GGUF as llama.cpp's converter would write `model`: renamed, Q/K rows reordered, matrices
     stored as `qtype` (norms stay F32); `types` overrides the type per GGUF tensor name."""
     cfg = model.config
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(5000.0)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(TOKENS)
-    w.add_token_types([1] * (len(TOKENS) - 2) + [3, 3])
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(259)
-    w.add_eos_token_id(260)
+    w = gguf_writer(path, "llama", block_count=cfg.num_hidden_layers,
+                    context_length=cfg.max_position_embeddings, embedding_length=cfg.hidden_size,
+                    feed_forward_length=cfg.intermediate_size, head_count=cfg.num_attention_heads,
+                    head_count_kv=cfg.num_key_value_heads, rope_freq_base=5000.0,
+                    layer_norm_rms_eps=cfg.rms_norm_eps, vocab_size=cfg.vocab_size)
     w.add_add_bos_token(True)
     w.add_chat_template(TEMPLATE)
     for name, t in model.state_dict().items():
@@ -185,11 +160,7 @@ def write_gguf(path, model, qtype=Q.F32, types=None):
             w.add_tensor(gguf_name(name), a.astype(np.int32))
         else:
             w.add_tensor(gguf_name(name), gguf.quants.quantize(a, kind), raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish(w, path)
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
