@@ -44,6 +44,18 @@ __device__ __forceinline__ float block_rms_scale(const float* x, float eps) {
     return rms_scale(block_sum(ss), K, eps);
 }
 
+// acc[r] += dot(the 8 weights in q[r], xv) for each of NR rows.
+template <int NR>
+__device__ __forceinline__ void fma8_rows(const uint4 (&q)[NR], const float (&xv)[8], float (&acc)[NR]) {
+#pragma unroll
+    for (int r = 0; r < NR; r++) {
+        float w[8];
+        unpack8(q[r], w);
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc[r] = fmaf(w[i], xv[i], acc[r]);
+    }
+}
+
 // acc[r] = dot(W[rows[r], 0:K], v) for NR rows at once, by the calling warp; every lane gets the
 // results. Each lane keeps UNROLL x NR independent 16-byte loads in flight, and each chunk of the
 // vector it loads serves all NR rows (fewer L1 reads per weight byte). While `pending`, the
@@ -78,13 +90,7 @@ __device__ __forceinline__ void warp_dot_rows(const weight_t* const (&rows)[NR],
             for (int u = 0; u < UNROLL; u++) {
                 float xv[8];
                 v.load8(base + u * STEP + lane * CHUNK, xv);
-#pragma unroll
-                for (int r = 0; r < NR; r++) {
-                    float w[8];
-                    unpack8(q[u][r], w);
-#pragma unroll
-                    for (int i = 0; i < 8; i++) acc[r] = fmaf(w[i], xv[i], acc[r]);
-                }
+                fma8_rows(q[u], xv, acc);
             }
         }
         // The rest (all of it for rows shorter than STEP * UNROLL): every load first, then the
@@ -106,13 +112,7 @@ __device__ __forceinline__ void warp_dot_rows(const weight_t* const (&rows)[NR],
                 if (k < K) {
                     float xv[8];
                     v.load8(k, xv);
-#pragma unroll
-                    for (int r = 0; r < NR; r++) {
-                        float w[8];
-                        unpack8(q[j][r], w);
-#pragma unroll
-                        for (int i = 0; i < 8; i++) acc[r] = fmaf(w[i], xv[i], acc[r]);
-                    }
+                    fma8_rows(q[j], xv, acc);
                 }
             }
         }
