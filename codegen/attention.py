@@ -1,14 +1,32 @@
 """The attention family: flash-decoding over the KV cache, a split launch and a combine launch."""
 from __future__ import annotations
 
+import os
+
 import networkx as nx
 
 from ..errors import FuselmError
 from . import cexpr
 from .params import Params
 
-CHUNK = 64       # cache positions per block: small, so that long contexts give many blocks
-THREADS = 128
+WARPS = int(os.environ.get("FUSELM_ATTN_WARPS", 4))      # per split block
+MAX_ROWS = int(os.environ.get("FUSELM_ATTN_ROWS", 8))    # cache rows per lane, at most
+MAX_SCORES = 32  # cache rows x query heads whose scores one lane keeps in registers
+
+
+def lanes_per_row(head_dim: int) -> int:
+    """Lanes sharing one cache row, 8 dims each, rounded up to a power of two (RowLanes)."""
+    lanes = 1
+    while lanes * 8 < head_dim:
+        lanes *= 2
+    return lanes
+
+
+def chunk_shape(head_dim: int, group: int) -> tuple[int, int]:
+    """(rows per lane J, cache positions per split block). A lane holds J rows of K and V and the
+    J x group scores in registers; the chunk is what the block's lanes cover together."""
+    rows_per_lane = max(1, min(MAX_ROWS, MAX_SCORES // group))
+    return rows_per_lane, WARPS * (32 // lanes_per_row(head_dim)) * rows_per_lane
 
 
 def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
@@ -17,16 +35,19 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
     d = G.nodes[n]
     q, kc, vc, pos = d["inputs"]
     a = d["attrs"]
-    nchunk = -(-rows // CHUNK)
     group, hd = a["n_heads"] // a["n_kv_heads"], a["head_dim"]
-    smem = 4 * (group * hd + group * CHUNK + 4 * group * hd)          # qs, score, partial (attention.cuh)
+    if hd > 256:
+        raise FuselmError(f"{n}: head_dim {hd} > 256 is not supported by the attention kernel")
+    rows_per_lane, chunk = chunk_shape(hd, group)
+    smem = 4 * WARPS * group * (lanes_per_row(hd) * 8 + 2)             # wacc, wm, wl (attention.cuh)
     if smem > 48 * 1024:
         raise FuselmError(f"{n}: {group} query heads per KV head of {hd} need {smem} bytes of shared "
                           f"memory in the attention kernel; at most {48 * 1024} are supported")
-    return {"H": a["n_heads"], "KV": a["n_kv_heads"], "HD": a["head_dim"], "chunk": CHUNK,
+    nchunk = -(-rows // chunk)
+    return {"H": a["n_heads"], "KV": a["n_kv_heads"], "HD": hd, "chunk": chunk, "rows_per_lane": rows_per_lane,
             "nchunk": nchunk, "window": int(a.get("window") or 0), "scale": cexpr.float_literal(a["scale"]),
-            "softcap": cexpr.float_literal(a.get("softcap") or 0.0), "threads": THREADS,
+            "softcap": cexpr.float_literal(a.get("softcap") or 0.0), "threads": WARPS * 32, "warps": WARPS,
             "q": params.ref(q), "kc": params.ref(kc), "vc": params.ref(vc), "pos": params.ref(pos),
             "out": params.ref(n, written=True),
             "ws": params.extra("float*", "workspace"),
-            "workspace_floats": a["n_heads"] * nchunk * (a["head_dim"] + 2)}
+            "workspace_floats": a["n_heads"] * nchunk * (hd + 2)}

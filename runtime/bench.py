@@ -4,8 +4,8 @@ For each model (a preset name with random weights made on the GPU, or a checkpoi
 prints and returns: copy bandwidth, decode tok/s (median of runs of 128 tokens) and ms/token,
 bytes per token and the fraction of the bandwidth achieved, time to first token for 32- and
 512-token prompts, decode tok/s at 4k context, compile time cold and warm, load time, peak GPU
-memory, optionally per-kernel-family time (`--profile`) and Hugging Face transformers on the
-same shapes (`--peers hf`).
+memory, optionally per-kernel-family time and each kernel's marginal time inside the step
+(`--profile`), and Hugging Face transformers on the same shapes (`--peers hf`).
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import json
 import statistics
 import tempfile
 import time
-from collections import defaultdict
 from datetime import date
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from ..compiler import compile_graph
 from ..models import build_graph
 from ..models.presets import PRESETS, preset
 from .engine import SamplingParams
+from .profile import kernel_profile, read_bandwidth, step_ablation
 
 GREEDY = SamplingParams()
 
@@ -83,28 +83,6 @@ def _decode_rate(engine, prompt, n: int) -> tuple[float, float]:
     return ttft, n / (time.perf_counter() - t1)
 
 
-def profile(engine, reps: int = 20) -> dict[str, dict]:
-    """Per kernel family: microseconds per token and GB/s, each launch timed alone with events."""
-    import cupy as cp
-    per = defaultdict(lambda: {"us": 0.0, "bytes": 0, "launches": 0})
-    calls = iter(engine.calls)
-    for k in engine.kernels:
-        for _ in k.launches:
-            call = next(calls)
-            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-            call(engine.stream)
-            e0.record(engine.stream)
-            for _ in range(reps):
-                call(engine.stream)
-            e1.record(engine.stream)
-            e1.synchronize()
-            fam = per[k.family]
-            fam["us"] += cp.cuda.get_elapsed_time(e0, e1) * 1e3 / reps
-            fam["launches"] += 1
-        per[k.family]["bytes"] += k.bytes_read + k.bytes_written
-    return {f: {**v, "GBps": v["bytes"] / v["us"] / 1e3 if v["us"] else 0.0} for f, v in per.items()}
-
-
 def step_bytes(kernels, states, context: float) -> float:
     """Bytes one decode step moves: every kernel's weights and activations as codegen counted them
     (an embedding reads one row, a MoE only its chosen experts), plus the KV cache at `context`."""
@@ -151,6 +129,7 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
     results = [_decode_rate(engine, prompt32, tokens) for _ in range(runs)]
     ttft32 = statistics.median(r[0] for r in results)
     tok_s = statistics.median(r[1] for r in results)
+    ablation = step_ablation(engine) if do_profile else None      # at this short context
     ttft512 = tok_s_4k = None
     if not decode_only:
         ttft512, _ = _decode_rate(engine, prompt512, 1)
@@ -174,7 +153,8 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
         res["bandwidth_fraction"] = round(bytes_per_token * tok_s / copy_Bps, 3)
         res["bandwidth_limit_tok_s"] = round(copy_Bps / bytes_per_token, 1)
     if do_profile:
-        res["profile"] = profile(engine)
+        res["ablation"] = ablation
+        res["profile"] = kernel_profile(engine)
     del engine
     cp.get_default_memory_pool().free_all_blocks()
     if "hf" in peers:
@@ -216,10 +196,10 @@ def run(models: list[str], out: str | None = None, **kw) -> dict:
     import cupy as cp
 
     from .cuda_engine import gpu_name
-    copy = copy_bandwidth()
+    copy, read = copy_bandwidth(), read_bandwidth()
     record = {"gpu": gpu_name(), "date": date.today().isoformat(), "copy_GBps": round(copy / 1e9, 1),
-              "results": []}
-    print(f"{record['gpu']}: device copy {copy / 1e9:.0f} GB/s (read + write)")
+              "read_GBps": round(read / 1e9, 1), "results": []}
+    print(f"{record['gpu']}: device copy {copy / 1e9:.0f} GB/s (read + write), streaming read {read / 1e9:.0f} GB/s")
     for m in models:
         r = bench_model(m, copy_Bps=copy, **kw)
         record["results"].append(r)
@@ -227,6 +207,11 @@ def run(models: list[str], out: str | None = None, **kw) -> dict:
         if r.get("profile"):
             for fam, p in r["profile"].items():
                 print(f"    {fam:10s} {p['launches']:4d} launches {p['us']:9.1f} us/token {p['GBps']:8.1f} GB/s")
+        if r.get("ablation"):
+            a = r["ablation"]
+            print(f"    step without sampler {a['step_us']} us, GEMVs alone {a['gemv_only_us']} us; saved without:")
+            for fn, w in a["without"].items():
+                print(f"      {w['saved_us']:8.1f} us  {w['launches']:3d} x {fn}")
         if out:   # after every model, so a run cut short keeps what it measured
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             Path(out).write_text(json.dumps(record, indent=1) + "\n")
@@ -250,7 +235,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or checkpoint paths (HF folder or .gguf)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--profile", action="store_true", help="time per kernel family")
+    p.add_argument("--profile", action="store_true",
+                   help="time per kernel family, and each kernel's marginal time inside the step")
     p.add_argument("--peers", default="", help="comma list; 'hf' = Hugging Face transformers eager")
     p.add_argument("--no-fuse", action="store_true")
     p.add_argument("--decode-only", action="store_true",

@@ -247,13 +247,18 @@ REAL_SHAPES = {"smollm2-135m": {}, "llama-3.2-1b": {}, "llama-3.1-8b": {},
                "mixtral-8x7b": {"num_hidden_layers": 4}}
 
 
-@pytest.mark.parametrize("variant", [{}, {"architectures": ["MistralForCausalLM"], "sliding_window": 70},
+@pytest.mark.parametrize("variant", [{"head_dim": 64, "num_key_value_heads": 1},
+                                     {"architectures": ["MistralForCausalLM"], "head_dim": 128, "sliding_window": 70},
                                      {"architectures": ["Gemma2ForCausalLM"], **ARCH_TINY["Gemma2ForCausalLM"],
-                                      "sliding_window": 70}])
+                                      "head_dim": 256, "sliding_window": 70}])
 def test_long_context_spans_attention_chunks(variant):
-    """150 steps in a 192-row cache: attention splits over three chunks, windows start mid-chunk."""
+    """150 steps in a 192-row cache: attention splits over two or more chunks (the chunk size
+    depends on the head size), windows start mid-chunk."""
+    from fuselm.codegen.attention import chunk_shape
     rng = np.random.default_rng()
     cfg = DecoderConfig.from_hf({**TINY, **variant})
+    _, chunk = chunk_shape(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
+    assert 150 >= 2 * chunk, f"150 steps fill only one attention chunk of {chunk}"
     graph = build_graph(cfg)
     worst = compare_steps(graph, random_weights(graph, rng), rng.integers(0, cfg.vocab_size, 150), ctx=192)
     print(f"long context {variant.get('architectures', ['Llama'])[0]}: worst rel logit error {worst:.2e}")

@@ -1,142 +1,182 @@
 // Decode attention over a bf16 KV cache, split over the context (flash-decoding): each block
 // scores one chunk of positions for the query heads of one KV head and leaves (max, sum,
 // weighted values) in a workspace; a combine kernel merges the chunks of every head.
+//
+// Decode attention is short: at a few hundred positions its time is latency, not bytes. So each
+// lane issues every load it will need at once (its slices of J cache rows, K and V), before the
+// wait for the previous kernel where it can, and the chunk's softmax is reduced with shuffles.
 #pragma once
 #include "common.cuh"
 
+// LPR lanes share one cache row, each owning 8 consecutive dims (a 16-byte load when rows are
+// 16-byte aligned); a warp covers PPL = 32 / LPR rows per load. LPR is a power of two, so lanes
+// past the head dim (HD not a power of two) own nothing.
+template <int HD>
+struct RowLanes {
+    static_assert(HD <= 256, "head_dim > 256");
+    static constexpr int LPR = HD <= 8 ? 1 : HD <= 16 ? 2 : HD <= 32 ? 4 : HD <= 64 ? 8 : HD <= 128 ? 16 : 32;
+    static constexpr int PPL = 32 / LPR;
+};
+
+// Dims d0 .. d0 + 7 of a bf16 row, as raw bits (zero past HD).
+template <int HD>
+__device__ __forceinline__ uint4 load_dims8(const bf16_t* row, int d0) {
+    if (d0 >= HD) return make_uint4(0u, 0u, 0u, 0u);
+    if constexpr (HD % 8 == 0) {
+        return *reinterpret_cast<const uint4*>(row + d0);
+    } else {
+        unsigned h[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) h[i] = d0 + i < HD ? row[d0 + i] : 0u;
+        return make_uint4(h[0] | h[1] << 16, h[2] | h[3] << 16, h[4] | h[5] << 16, h[6] | h[7] << 16);
+    }
+}
+
+__device__ __forceinline__ void unpack8_bf16(uint4 q, float (&out)[8]) {
+    const bf16_t* h = reinterpret_cast<const bf16_t*>(&q);
+#pragma unroll
+    for (int i = 0; i < 8; i++) out[i] = bf16_to_f32(h[i]);
+}
+
+// Sum (or max) over the lanes whose index differs only in the bits FROM .. 16.
+template <int FROM>
+__device__ __forceinline__ float lanes_sum(float v) {
+#pragma unroll
+    for (int o = FROM; o < 32; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+template <int FROM>
+__device__ __forceinline__ float lanes_max(float v) {
+#pragma unroll
+    for (int o = FROM; o < 32; o <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
 // Workspace per (query head, chunk): [0] = max score, [1] = sum of exp, [2 : 2 + HD] = sum of exp * v.
 // One block per (KV head, chunk) serves all G = H / KV query heads of the group, so each cached
-// K and V row is read once per token, not once per query head.
-template <int H, int KV, int HD, int CHUNK, int NCHUNK>   // blockDim.x == 128
-__device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc, const bf16_t* vc, int pos,
+// K and V row is read once per token. Row r of the chunk goes to warp (r / PPL) % WARPS, step
+// r / (PPL * WARPS) of its J, lane group r % PPL. blockDim.x == 32 * WARPS.
+template <int H, int KV, int HD, int WARPS, int J, int NCHUNK>
+__device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc, const bf16_t* vc, const int* pos_p,
                                                 int window, float scale, float softcap, float* ws) {
-    constexpr int W = KV * HD, G = H / KV;      // floats per cache row; query heads per KV head
+    using L = RowLanes<HD>;
+    constexpr int W = KV * HD, G = H / KV, CHUNK = WARPS * L::PPL * J, HDP = L::LPR * 8;
     const int kvh = blockIdx.x, c = blockIdx.y;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane / L::LPR, d0 = (lane % L::LPR) * 8;
+    // pos is written only by the previous step's sampler, and cache rows before pos by earlier
+    // steps: both may be read before the wait. Row pos is the previous kernel's output.
+    const int pos = *pos_p;
     const int lo = window > 0 ? max(0, pos - window + 1) : 0;
     const int start = max(c * CHUNK, lo), end = min(c * CHUNK + CHUNK, pos + 1);
-    if (start >= end) {                         // nothing to attend in this chunk
-        if (threadIdx.x < G) ws[((size_t)(kvh * G + threadIdx.x) * NCHUNK + c) * (HD + 2) + 1] = 0.0f;
-        return;
+    if (start >= end) return;                   // the combine reads only chunks with positions
+
+    uint4 kr[J], vr[J];
+    bool valid[J];
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        const int p = c * CHUNK + (j * WARPS + warp) * L::PPL + sub;
+        valid[j] = p >= start && p < end;
+        const size_t at = (size_t)p * W + kvh * HD;
+        kr[j] = valid[j] && p != pos ? load_dims8<HD>(kc + at, d0) : make_uint4(0u, 0u, 0u, 0u);
+        vr[j] = valid[j] && p != pos ? load_dims8<HD>(vc + at, d0) : make_uint4(0u, 0u, 0u, 0u);
     }
-    __shared__ float qs[G][HD];
-    __shared__ float score[G][CHUNK];
-    __shared__ float partial[4][G][HD];         // per-warp sums of exp * v
-    for (int i = threadIdx.x; i < G * HD; i += blockDim.x) qs[i / HD][i % HD] = q[kvh * G * HD + i] * scale;
-    __syncthreads();
-    // Scores: one thread per position, the K row in 16-byte loads, every query head of the group.
-    for (int p = start + threadIdx.x; p < end; p += blockDim.x) {
-        const bf16_t* k = kc + (size_t)p * W + kvh * HD;
-        float s[G];
+    grid_wait_then_release();
 #pragma unroll
-        for (int g = 0; g < G; g++) s[g] = 0.0f;
-        if constexpr (HD % 8 == 0) {
-#pragma unroll 4
-            for (int d = 0; d < HD; d += 8) {
-                const uint4 raw = *reinterpret_cast<const uint4*>(k + d);
-                const bf16_t* kv = reinterpret_cast<const bf16_t*>(&raw);
-#pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    const float kf = bf16_to_f32(kv[i]);
-#pragma unroll
-                    for (int g = 0; g < G; g++) s[g] = fmaf(qs[g][d + i], kf, s[g]);
-                }
-            }
-        } else {
-            for (int d = 0; d < HD; d++) {
-                const float kf = bf16_to_f32(k[d]);
-#pragma unroll
-                for (int g = 0; g < G; g++) s[g] = fmaf(qs[g][d], kf, s[g]);
-            }
+    for (int j = 0; j < J; j++) {
+        const int p = c * CHUNK + (j * WARPS + warp) * L::PPL + sub;
+        if (p == pos) {
+            kr[j] = load_dims8<HD>(kc + (size_t)p * W + kvh * HD, d0);
+            vr[j] = load_dims8<HD>(vc + (size_t)p * W + kvh * HD, d0);
         }
-#pragma unroll
-        for (int g = 0; g < G; g++) score[g][p - start] = softcap > 0.0f ? softcap * tanhf(s[g] / softcap) : s[g];
     }
-    __syncthreads();
-    float m[G], l[G];
+    float qv[G][8];
+#pragma unroll
+    for (int g = 0; g < G; g++)
+#pragma unroll
+        for (int i = 0; i < 8; i++) qv[g][i] = d0 + i < HD ? q[(kvh * G + g) * HD + d0 + i] * scale : 0.0f;
+
+    // Scores of this lane group's J rows, summed over the LPR lanes of each row.
+    float s[J][G];
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        float k[8];
+        unpack8_bf16(kr[j], k);
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            float a = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; i++) a = fmaf(qv[g][i], k[i], a);
+#pragma unroll
+            for (int o = 1; o < L::LPR; o <<= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+            s[j][g] = !valid[j] ? NEG_INF : softcap > 0.0f ? softcap * tanhf(a / softcap) : a;
+        }
+    }
+    // Per query head: this warp's max, sum of exp and exp-weighted values (lanes of group 0 hold
+    // dims d0 .. d0 + 7), then the warps meet in shared memory.
+    __shared__ float wm[WARPS][G], wl[WARPS][G], wacc[WARPS][G][HDP];
 #pragma unroll
     for (int g = 0; g < G; g++) {
-        float mg = NEG_INF;
-        for (int i = threadIdx.x; i < end - start; i += blockDim.x) mg = fmaxf(mg, score[g][i]);
-        m[g] = block_max(mg);
-        float lg = 0.0f;
-        for (int i = threadIdx.x; i < end - start; i += blockDim.x) {
-            const float e = __expf(score[g][i] - m[g]);
-            score[g][i] = e;
-            lg += e;
+        float m = NEG_INF;
+#pragma unroll
+        for (int j = 0; j < J; j++) m = fmaxf(m, s[j][g]);
+        m = lanes_max<L::LPR>(m);
+        float l = 0.0f, acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int j = 0; j < J; j++) {
+            const float e = valid[j] ? __expf(s[j][g] - m) : 0.0f;   // m is finite where any row is valid
+            float v[8];
+            unpack8_bf16(vr[j], v);
+            l += e;
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc[i] = fmaf(e, v[i], acc[i]);
         }
-        l[g] = block_sum(lg);                   // its barriers also publish score[g]
-    }
-    // Values: LPP lanes share a position, each owning 8 consecutive dims (one 16-byte load), so a
-    // warp reads 32 / LPP whole value rows per step; partial sums meet through shuffles and smem.
-    if constexpr (HD % 8 == 0 && 32 % (HD / 8) == 0) {
-        constexpr int LPP = HD / 8, PPW = 32 / LPP;
-        float acc[G][8];
+        l = lanes_sum<L::LPR>(l);
 #pragma unroll
-        for (int g = 0; g < G; g++)
+        for (int i = 0; i < 8; i++) acc[i] = lanes_sum<L::LPR>(acc[i]);
+        if (sub == 0) {
 #pragma unroll
-            for (int j = 0; j < 8; j++) acc[g][j] = 0.0f;
-        const int sub = lane / LPP, d0 = (lane % LPP) * 8;
-#pragma unroll 2
-        for (int p = start + warp * PPW + sub; p < end; p += warps * PPW) {
-            const uint4 raw = *reinterpret_cast<const uint4*>(vc + (size_t)p * W + kvh * HD + d0);
-            const bf16_t* v = reinterpret_cast<const bf16_t*>(&raw);
-#pragma unroll
-            for (int g = 0; g < G; g++) {
-                const float e = score[g][p - start];
-#pragma unroll
-                for (int j = 0; j < 8; j++) acc[g][j] = fmaf(e, bf16_to_f32(v[j]), acc[g][j]);
-            }
+            for (int i = 0; i < 8; i++) wacc[warp][g][d0 + i] = acc[i];
+            if (lane == 0) { wm[warp][g] = m; wl[warp][g] = l; }
         }
-#pragma unroll
-        for (int g = 0; g < G; g++)
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                float a = acc[g][j];
-#pragma unroll
-                for (int o = LPP; o < 32; o <<= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-                if (sub == 0) partial[warp][g][d0 + j] = a;
-            }
-    } else {                                     // any head size: one dim per lane, 2-byte loads
-        for (int g = 0; g < G; g++)
-            for (int d = lane; d < HD; d += 32) {
-                float a = 0.0f;
-                for (int p = start + warp; p < end; p += warps)
-                    a = fmaf(score[g][p - start], bf16_to_f32(vc[(size_t)p * W + kvh * HD + d]), a);
-                partial[warp][g][d] = a;
-            }
     }
     __syncthreads();
     for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
         const int g = i / HD, d = i % HD;
+        float m = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) m = fmaxf(m, wm[w][g]);
+        float l = 0.0f, a = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) {
+            const float f = wm[w][g] == NEG_INF ? 0.0f : __expf(wm[w][g] - m);
+            l = fmaf(f, wl[w][g], l);
+            a = fmaf(f, wacc[w][g][d], a);
+        }
         float* out = ws + ((size_t)(kvh * G + g) * NCHUNK + c) * (HD + 2);
-        out[2 + d] = partial[0][g][d] + partial[1][g][d] + partial[2][g][d] + partial[3][g][d];
-        if (d == 0) { out[0] = m[g]; out[1] = l[g]; }
+        out[2 + d] = a;
+        if (d == 0) { out[0] = m; out[1] = l; }
     }
 }
 
-// Merge the chunks of one query head: chunks [c0, c1] are the ones the split kernel filled.
-// Chunk weights go through shared memory so that the per-dimension sums issue independent loads.
+// Merge the chunks c0 .. c1 of query head blockIdx.x (the ones the split kernel filled): a max
+// over the chunks, then the rescaled sums; every load is independent of the arithmetic.
 template <int HD, int CHUNK, int NCHUNK>
 __device__ __forceinline__ void attention_combine(const float* ws, float* o, int pos, int window) {
-    __shared__ float weight[NCHUNK];
     const int h = blockIdx.x;
     const int c0 = (window > 0 ? max(0, pos - window + 1) : 0) / CHUNK, c1 = pos / CHUNK;
     const float* part = ws + (size_t)h * NCHUNK * (HD + 2);
     float m = NEG_INF;
-    for (int c = c0 + threadIdx.x; c <= c1; c += blockDim.x) m = fmaxf(m, part[c * (HD + 2)]);
-    m = block_max(m);
-    float l = 0.0f;
-    for (int c = c0 + threadIdx.x; c <= c1; c += blockDim.x) {
-        const float w = __expf(part[c * (HD + 2)] - m);
-        weight[c] = w;
-        l += w * part[c * (HD + 2) + 1];
-    }
-    l = block_sum(l);                           // its barriers also publish weight[]
-    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-        float acc = 0.0f;
 #pragma unroll 8
-        for (int c = c0; c <= c1; c++) acc = fmaf(weight[c], part[c * (HD + 2) + 2 + d], acc);
+    for (int c = c0; c <= c1; c++) m = fmaxf(m, part[c * (HD + 2)]);
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+        float l = 0.0f, acc = 0.0f;
+#pragma unroll 8
+        for (int c = c0; c <= c1; c++) {
+            const float* pc = part + c * (HD + 2);
+            const float w = __expf(pc[0] - m);
+            l = fmaf(w, pc[1], l);
+            acc = fmaf(w, pc[2 + d], acc);
+        }
         o[h * HD + d] = acc / l;
     }
 }
