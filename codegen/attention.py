@@ -44,10 +44,15 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
         raise FuselmError(f"{n}: {group} query heads per KV head of {hd} need {smem} bytes of shared "
                           f"memory in the attention kernel; at most {48 * 1024} are supported")
     nchunk = -(-rows // chunk)
+    record = (hd + 3) // 4 * 4 + 4                                      # Record<HD>::FLOATS
+    combine_smem = 4 * (nchunk + WARPS * (record - 4))
+    if combine_smem > 48 * 1024:
+        raise FuselmError(f"{n}: a cache of {rows} rows needs {nchunk} attention chunks of {chunk}, more "
+                          f"than the combine kernel's shared memory holds; use a shorter context")
     return {"H": a["n_heads"], "KV": a["n_kv_heads"], "HD": hd, "chunk": chunk, "rows_per_lane": rows_per_lane,
             "nchunk": nchunk, "window": int(a.get("window") or 0), "scale": cexpr.float_literal(a["scale"]),
             "softcap": cexpr.float_literal(a.get("softcap") or 0.0), "threads": WARPS * 32, "warps": WARPS,
             "q": params.ref(q), "kc": params.ref(kc), "vc": params.ref(vc), "pos": params.ref(pos),
             "out": params.ref(n, written=True),
             "ws": params.extra("float*", "workspace"),
-            "workspace_floats": a["n_heads"] * nchunk * (hd + 2)}
+            "workspace_floats": a["n_heads"] * nchunk * record}

@@ -130,7 +130,7 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
     ttft32 = statistics.median(r[0] for r in results)
     tok_s = statistics.median(r[1] for r in results)
     ablation = step_ablation(engine) if do_profile else None      # at this short context
-    ttft512 = tok_s_4k = None
+    ttft512 = tok_s_4k = ablation_4k = None
     if not decode_only:
         ttft512, _ = _decode_rate(engine, prompt512, 1)
         engine.reset()                                             # 4k context: jump the position
@@ -140,6 +140,8 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
         for _ in range(tokens):
             tok = engine.decode(tok, GREEDY)
         tok_s_4k = tokens / (time.perf_counter() - t1)
+        if do_profile:
+            ablation_4k = step_ablation(engine)
     bytes_per_token = step_bytes(engine.kernels, engine.states, context=32 + tokens / 2)
     res = {"model": name, "dtype": "bf16", "weights": "checkpoint" if ckpt is not None else "random", "fused": fuse, "decode_tok_s": round(tok_s, 1),
            "ms_per_token": round(1e3 / tok_s, 3), "bytes_per_token": int(bytes_per_token),
@@ -153,7 +155,7 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
         res["bandwidth_fraction"] = round(bytes_per_token * tok_s / copy_Bps, 3)
         res["bandwidth_limit_tok_s"] = round(copy_Bps / bytes_per_token, 1)
     if do_profile:
-        res["ablation"] = ablation
+        res["ablation"], res["ablation_4k"] = ablation, ablation_4k
         res["profile"] = kernel_profile(engine)
     del engine
     cp.get_default_memory_pool().free_all_blocks()
@@ -207,11 +209,13 @@ def run(models: list[str], out: str | None = None, **kw) -> dict:
         if r.get("profile"):
             for fam, p in r["profile"].items():
                 print(f"    {fam:10s} {p['launches']:4d} launches {p['us']:9.1f} us/token {p['GBps']:8.1f} GB/s")
-        if r.get("ablation"):
-            a = r["ablation"]
-            print(f"    step without sampler {a['step_us']} us, GEMVs alone {a['gemv_only_us']} us; saved without:")
-            for fn, w in a["without"].items():
-                print(f"      {w['saved_us']:8.1f} us  {w['launches']:3d} x {fn}")
+        for key, where in (("ablation", "short context"), ("ablation_4k", "4k context")):
+            if r.get(key):
+                a = r[key]
+                print(f"    {where}: step without sampler {a['step_us']} us, GEMVs alone {a['gemv_only_us']} us; "
+                      "saved without:")
+                for fn, w in a["without"].items():
+                    print(f"      {w['saved_us']:8.1f} us  {w['launches']:3d} x {fn}")
         if out:   # after every model, so a run cut short keeps what it measured
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             Path(out).write_text(json.dumps(record, indent=1) + "\n")

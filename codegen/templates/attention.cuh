@@ -52,7 +52,13 @@ __device__ __forceinline__ float lanes_max(float v) {
     return v;
 }
 
-// Workspace per (query head, chunk): [0] = max score, [1] = sum of exp, [2 : 2 + HD] = sum of exp * v.
+// Workspace record per (query head, chunk), 16-byte aligned: [0 : HD] = sum of exp * v, then at
+// MAX_AT the max score and at SUM_AT the sum of exp.
+template <int HD>
+struct Record {
+    static constexpr int MAX_AT = (HD + 3) / 4 * 4, SUM_AT = MAX_AT + 1, FLOATS = MAX_AT + 4;
+};
+
 // One block per (KV head, chunk) serves all G = H / KV query heads of the group, so each cached
 // K and V row is read once per token. Row r of the chunk goes to warp (r / PPL) % WARPS, step
 // r / (PPL * WARPS) of its J, lane group r % PPL. blockDim.x == 32 * WARPS.
@@ -152,31 +158,55 @@ __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc
             l = fmaf(f, wl[w][g], l);
             a = fmaf(f, wacc[w][g][d], a);
         }
-        float* out = ws + ((size_t)(kvh * G + g) * NCHUNK + c) * (HD + 2);
-        out[2 + d] = a;
-        if (d == 0) { out[0] = m; out[1] = l; }
+        float* out = ws + ((size_t)(kvh * G + g) * NCHUNK + c) * Record<HD>::FLOATS;
+        out[d] = a;
+        if (d == 0) { out[Record<HD>::MAX_AT] = m; out[Record<HD>::SUM_AT] = l; }
     }
 }
 
-// Merge the chunks c0 .. c1 of query head blockIdx.x (the ones the split kernel filled): a max
-// over the chunks, then the rescaled sums; every load is independent of the arithmetic.
-template <int HD, int CHUNK, int NCHUNK>
+// Merge the chunks c0 .. c1 of query head blockIdx.x (the ones the split kernel filled). At long
+// contexts there are dozens of chunks, so no thread walks them all: the threads share the chunks'
+// maxima and weights, then each warp sums the values of every WARPS-th chunk, 4 dims per lane.
+template <int HD, int CHUNK, int NCHUNK, int WARPS>   // blockDim.x == 32 * WARPS
 __device__ __forceinline__ void attention_combine(const float* ws, float* o, int pos, int window) {
-    const int h = blockIdx.x;
+    using R = Record<HD>;
+    __shared__ float weight[NCHUNK];
+    __shared__ float warp_acc[WARPS][R::MAX_AT];
+    const int h = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int c0 = (window > 0 ? max(0, pos - window + 1) : 0) / CHUNK, c1 = pos / CHUNK;
-    const float* part = ws + (size_t)h * NCHUNK * (HD + 2);
+    const float* part = ws + (size_t)h * NCHUNK * R::FLOATS;
     float m = NEG_INF;
-#pragma unroll 8
-    for (int c = c0; c <= c1; c++) m = fmaxf(m, part[c * (HD + 2)]);
-    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-        float l = 0.0f, acc = 0.0f;
-#pragma unroll 8
-        for (int c = c0; c <= c1; c++) {
-            const float* pc = part + c * (HD + 2);
-            const float w = __expf(pc[0] - m);
-            l = fmaf(w, pc[1], l);
-            acc = fmaf(w, pc[2 + d], acc);
+    for (int c = c0 + threadIdx.x; c <= c1; c += blockDim.x) m = fmaxf(m, part[c * R::FLOATS + R::MAX_AT]);
+    m = block_max(m);
+    float l = 0.0f;
+    for (int c = c0 + threadIdx.x; c <= c1; c += blockDim.x) {
+        const float w = __expf(part[c * R::FLOATS + R::MAX_AT] - m);
+        weight[c - c0] = w;
+        l = fmaf(w, part[c * R::FLOATS + R::SUM_AT], l);
+    }
+    l = block_sum(l);                           // its barriers also publish weight[]
+    for (int d = lane * 4; d < HD; d += 128) {
+        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+        for (int c = c0 + warp; c <= c1; c += WARPS) {
+            const float w = weight[c - c0];
+            const float* v = part + c * R::FLOATS + d;
+            if constexpr (HD % 4 == 0) {
+                const float4 v4 = *reinterpret_cast<const float4*>(v);
+                a[0] = fmaf(w, v4.x, a[0]); a[1] = fmaf(w, v4.y, a[1]); a[2] = fmaf(w, v4.z, a[2]); a[3] = fmaf(w, v4.w, a[3]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 4; i++) a[i] = d + i < HD ? fmaf(w, v[i], a[i]) : a[i];
+            }
         }
-        o[h * HD + d] = acc / l;
+#pragma unroll
+        for (int i = 0; i < 4; i++) warp_acc[warp][d + i] = a[i];
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+        float a = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) a += warp_acc[w][d];
+        o[h * HD + d] = a / l;
     }
 }

@@ -8,41 +8,43 @@
 
 // The input vector as the GEMV sees it: x itself ...
 struct PlainVector {
+    static constexpr bool NORMED = false;
     const float* x;
     __device__ __forceinline__ PlainVector from(int k0) const { return {x + k0}; }
-    __device__ __forceinline__ void load8(int k, float (&v)[8]) const {
+    __device__ __forceinline__ void load8(int k, float (&v)[8], float&) const {
         const float4 a = *reinterpret_cast<const float4*>(x + k);
         const float4 b = *reinterpret_cast<const float4*>(x + k + 4);
         v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
     }
-    __device__ __forceinline__ float at(int k) const { return x[k]; }
+    __device__ __forceinline__ float at(int k, float&) const { return x[k]; }
 };
 
 // ... or RMSNorm(x) without its 1/rms factor: the prologue. dot(W, x * s * g) = s * dot(W, x * g),
 // so the block applies s = 1/rms(x) to the finished dot products, and the weight stream starts at
-// once instead of waiting for a block-wide reduction.
+// once instead of waiting for a block-wide reduction. The sum of squares for s is gathered from
+// the very x values the dot products load (into `ss`), not by a second pass over x.
 struct NormedVector {
+    static constexpr bool NORMED = true;
     const float* x;
     const weight_t* w;
     float offset;   // 1 for norms that multiply by (1 + w)
     __device__ __forceinline__ NormedVector from(int k0) const { return {x + k0, w + k0, offset}; }
-    __device__ __forceinline__ void load8(int k, float (&v)[8]) const {
-        PlainVector{x}.load8(k, v);
+    __device__ __forceinline__ void load8(int k, float (&v)[8], float& ss) const {
+        float unused;
+        PlainVector{x}.load8(k, v, unused);
         float g[8];
         unpack8(__ldg(reinterpret_cast<const uint4*>(w + k)), g);
 #pragma unroll
-        for (int i = 0; i < 8; i++) v[i] *= g[i] + offset;
+        for (int i = 0; i < 8; i++) {
+            ss = fmaf(v[i], v[i], ss);
+            v[i] *= g[i] + offset;
+        }
     }
-    __device__ __forceinline__ float at(int k) const { return x[k] * (w2f(w[k]) + offset); }
+    __device__ __forceinline__ float at(int k, float& ss) const {
+        ss = fmaf(x[k], x[k], ss);
+        return x[k] * (w2f(w[k]) + offset);
+    }
 };
-
-// 1/rms of x[0:K], computed by the whole block (x is small and hot in L2).
-template <int K>
-__device__ __forceinline__ float block_rms_scale(const float* x, float eps) {
-    float ss = 0.0f;
-    for (int k = threadIdx.x; k < K; k += blockDim.x) ss += x[k] * x[k];
-    return rms_scale(block_sum(ss), K, eps);
-}
 
 // acc[r] += dot(the 8 weights in q[r], xv) for each of NR rows.
 template <int NR>
@@ -57,23 +59,24 @@ __device__ __forceinline__ void fma8_rows(const uint4 (&q)[NR], const float (&xv
 }
 
 // acc[r] = dot(W[rows[r], 0:K], v) for NR rows at once, by the calling warp; every lane gets the
-// results. Each lane keeps UNROLL x NR independent 16-byte loads in flight, and each chunk of the
+// results, and for a normed vector `sumsq` = the sum of x^2 over its K elements. Each lane keeps UNROLL x NR independent 16-byte loads in flight, and each chunk of the
 // vector it loads serves all NR rows (fewer L1 reads per weight byte). While `pending`, the
 // previous kernel may still be running: the first weight loads are issued, then the thread waits
 // for it (grid_wait_then_release) before the vector, its output, is read.
 template <int K, int UNROLL, int NR, class Vector>
 __device__ __forceinline__ void warp_dot_rows(const weight_t* const (&rows)[NR], const Vector& v, float (&acc)[NR],
-                                              bool& pending) {
+                                              bool& pending, float& sumsq) {
     constexpr int CHUNK = 8;                         // weights per 16-byte load
     constexpr int STEP = 32 * CHUNK;                 // weights per warp-wide load
     constexpr int FULL = K % CHUNK ? 0 : K / (STEP * UNROLL) * (STEP * UNROLL);
     const int lane = threadIdx.x & 31;
+    float ss = 0.0f;
 #pragma unroll
     for (int r = 0; r < NR; r++) acc[r] = 0.0f;
     if constexpr (K % CHUNK != 0) {                  // rows are not 16-byte aligned: scalar loads
         if (pending) { grid_wait_then_release(); pending = false; }
         for (int k = lane; k < K; k += 32) {
-            const float xk = v.at(k);
+            const float xk = v.at(k, ss);
 #pragma unroll
             for (int r = 0; r < NR; r++) acc[r] = fmaf(w2f(rows[r][k]), xk, acc[r]);
         }
@@ -89,7 +92,7 @@ __device__ __forceinline__ void warp_dot_rows(const weight_t* const (&rows)[NR],
 #pragma unroll
             for (int u = 0; u < UNROLL; u++) {
                 float xv[8];
-                v.load8(base + u * STEP + lane * CHUNK, xv);
+                v.load8(base + u * STEP + lane * CHUNK, xv, ss);
                 fma8_rows(q[u], xv, acc);
             }
         }
@@ -111,7 +114,7 @@ __device__ __forceinline__ void warp_dot_rows(const weight_t* const (&rows)[NR],
                 const int k = FULL + j * STEP + lane * CHUNK;
                 if (k < K) {
                     float xv[8];
-                    v.load8(k, xv);
+                    v.load8(k, xv, ss);
                     fma8_rows(q[j], xv, acc);
                 }
             }
@@ -119,6 +122,14 @@ __device__ __forceinline__ void warp_dot_rows(const weight_t* const (&rows)[NR],
     }
 #pragma unroll
     for (int r = 0; r < NR; r++) acc[r] = warp_sum(acc[r]);
+    sumsq = Vector::NORMED ? warp_sum(ss) : 0.0f;
+}
+
+template <int K, int UNROLL, int NR, class Vector>
+__device__ __forceinline__ void warp_dot_rows(const weight_t* const (&rows)[NR], const Vector& v, float (&acc)[NR],
+                                              bool& pending) {
+    float unused;
+    warp_dot_rows<K, UNROLL, NR>(rows, v, acc, pending, unused);
 }
 
 // Which output row slot `s` of tile `tile` computes. Contiguous tiles own rows [tile*R, tile*R+R);
