@@ -12,6 +12,8 @@ from .params import Params
 WARPS = int(os.environ.get("FUSELM_ATTN_WARPS", 4))      # per split block
 MAX_ROWS = int(os.environ.get("FUSELM_ATTN_ROWS", 8))    # cache rows per lane, at most
 MAX_SCORES = 32  # cache rows x query heads whose scores one lane keeps in registers
+SINGLE_WARPS = 8                                          # per block of the one-launch short variant
+SINGLE_PASSES = int(os.environ.get("FUSELM_ATTN_SINGLE_PASSES", 2))   # its longest walk, in passes
 
 
 def lanes_per_row(head_dim: int) -> int:
@@ -29,6 +31,14 @@ def chunk_shape(head_dim: int, group: int) -> tuple[int, int]:
     return rows_per_lane, WARPS * (32 // lanes_per_row(head_dim)) * rows_per_lane
 
 
+def single_until(head_dim: int, group: int) -> int:
+    """Positions below which one block per KV head walking the whole context (attention_single,
+    SINGLE_PASSES passes at most) replaces the split and combine launches: at short contexts the
+    time is latency, and one launch has less of it than two."""
+    rows_per_lane, _ = chunk_shape(head_dim, group)
+    return SINGLE_PASSES * SINGLE_WARPS * (32 // lanes_per_row(head_dim)) * rows_per_lane
+
+
 def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
     """Template variables of one attention launch over a cache of `rows` positions."""
     (n,) = launch["nodes"]
@@ -39,7 +49,7 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
     if hd > 256:
         raise FuselmError(f"{n}: head_dim {hd} > 256 is not supported by the attention kernel")
     rows_per_lane, chunk = chunk_shape(hd, group)
-    smem = 4 * WARPS * group * (lanes_per_row(hd) * 8 + 2)             # wacc, wm, wl (attention.cuh)
+    smem = 4 * max(WARPS, SINGLE_WARPS) * group * (lanes_per_row(hd) * 8 + 2)   # block_softmax's
     if smem > 48 * 1024:
         raise FuselmError(f"{n}: {group} query heads per KV head of {hd} need {smem} bytes of shared "
                           f"memory in the attention kernel; at most {48 * 1024} are supported")
@@ -52,6 +62,8 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
     return {"H": a["n_heads"], "KV": a["n_kv_heads"], "HD": hd, "chunk": chunk, "rows_per_lane": rows_per_lane,
             "nchunk": nchunk, "window": int(a.get("window") or 0), "scale": cexpr.float_literal(a["scale"]),
             "softcap": cexpr.float_literal(a.get("softcap") or 0.0), "threads": WARPS * 32, "warps": WARPS,
+            "single_warps": SINGLE_WARPS, "single_threads": SINGLE_WARPS * 32,
+            "single_until": min(single_until(hd, group), rows),
             "q": params.ref(q), "kc": params.ref(kc), "vc": params.ref(vc), "pos": params.ref(pos),
             "out": params.ref(n, written=True),
             "ws": params.extra("float*", "workspace"),

@@ -52,8 +52,12 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2) -> list[KernelSour
         else:
             launches = [Launch(name, (ctx["grid"], 1), ctx["threads"], params.values)]
         read, written = _traffic(G, launch, rows, weight_bytes)
-        out.append(KernelSource(name, launch["family"], body, launch["nodes"], launches, launch["layer"],
-                                read, written, ctx.get("workspace_floats", 0)))
+        k = KernelSource(name, launch["family"], body, launch["nodes"], launches, launch["layer"],
+                         read, written, ctx.get("workspace_floats", 0))
+        if launch["family"] == "attention" and ctx["single_until"] > 0:
+            k.short_until = ctx["single_until"]
+            k.short_launches = [Launch(f"{name}_single", (ctx["KV"], 1), ctx["single_threads"], params.values)]
+        out.append(k)
     return out
 
 

@@ -155,6 +155,9 @@ def summary(G, kernels, rows: list[Row], ctx: int) -> list[str]:
             n = sum(len(k.launches) for k in ks)
             out.append(f"{what}: {n} launch{'es' if n != 1 else ''}: "
                        + ", ".join(f"{k.name} ({', '.join(k.nodes)})" for k in ks))
+    for until in sorted({k.short_until for k in kernels if k.short_until}):
+        out.append(f"at positions below {until}: attention in one launch per layer (<kernel>_single) "
+                   "instead of split + combine")
     total_r, total_w = sum(r.bytes_read for r in rows), sum(r.bytes_written for r in rows)
     out.append(f"launches per token: {len(rows)} ({len(kernels)} kernels, "
                f"{len({k.name for k in kernels})} distinct)")

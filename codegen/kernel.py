@@ -26,6 +26,14 @@ class KernelSource:
     bytes_written: int = 0
     workspace_floats: int = 0
     notes: dict = field(default_factory=dict)
+    # While the position is below short_until, short_launches replace `launches` (an attention
+    # kernel's one-launch variant for short contexts); the runtime keeps a CUDA graph for each.
+    short_until: int = 0
+    short_launches: list[Launch] = field(default_factory=list)
+
+    def launches_at(self, position: int) -> list[Launch]:
+        """The launches that serve a step at `position`."""
+        return self.short_launches if position < self.short_until else self.launches
 
     def annotated(self) -> str:
         """The source headed by a comment listing the graph nodes it implements (for inspect)."""

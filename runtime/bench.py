@@ -150,7 +150,8 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
            "decode_tok_s_at_4k": _round(tok_s_4k, 1, 1), "ratio_4k": _round(tok_s_4k, 1 / tok_s, 3),
            "compile_cold_s": _round(cold, 1, 2), "compile_warm_s": _round(warm, 1, 2),
            "load_s": round(load, 2), "peak_gpu_GiB": round(cp.get_default_memory_pool().total_bytes() / 2**30, 2),
-           "launches_per_token": len(engine.calls), "pdl": engine.pdl}
+           "launches_per_token": len(engine.schedule_at(32 + tokens // 2)),
+           "launches_per_token_at_4k": len(engine.schedule_at(4096)), "pdl": engine.pdl}
     if copy_Bps:
         res["bandwidth_fraction"] = round(bytes_per_token * tok_s / copy_Bps, 3)
         res["bandwidth_limit_tok_s"] = round(copy_Bps / bytes_per_token, 1)

@@ -57,9 +57,10 @@ class CudaEngine:
     device = "cuda"
 
     def __init__(self, graph: Graph, weights: Mapping[str, object], ctx: int = 4096, fuse: bool = True,
-                 use_graph: bool = True, arch: str | None = None, pass_list=None):
+                 use_graph: bool = True, arch: str | None = None, pass_list=None, short_contexts: bool = True):
         import cupy
         self.cp, self.graph, self.max_context, self.use_graph = cupy, graph, ctx, use_graph
+        self.short_contexts = short_contexts    # False: never the short-context variants (tests)
         self.position = 0
         self.arch = arch or f"sm_{cupy.cuda.Device().compute_capability}"
         self.pdl = pdl_wanted(cupy.cuda.Device().compute_capability)
@@ -78,7 +79,6 @@ class CudaEngine:
         self._bind()
         cupy.cuda.Device().synchronize()   # zero-filled buffers (counters) ready before any launch
         self.stream = cupy.cuda.Stream(non_blocking=True)
-        self._graph_exec = None
         self._sampling: SamplingParams | None = None
         self._on_device: tuple[int, int] | None = None   # (id, position) the sampler left in ids, pos
 
@@ -141,36 +141,48 @@ class CudaEngine:
         return view.view(cp.int32 if G.nodes[store]["dtype"] == "i32" else cp.float32)
 
     def _bind(self) -> None:
-        """Resolve every launch's arguments once: the schedule is then a flat list of calls, each
-        taking the stream (launched with PDL where the GPU has it, see runtime/launch.py)."""
-        self.calls = []
-        for k in self.kernels:
-            for launch in k.launches:
-                fn = self.module.get_function(launch.function)
-                grid = tuple(1 if g == "T" else g for g in launch.grid)
-                args = tuple(self.buffer(a) for a in launch.args)
-                if self.pdl:
-                    self.calls.append(PdlLaunch(fn, grid, launch.block, args))
-                else:
-                    self.calls.append(lambda stream, fn=fn, grid=grid, block=(launch.block,), args=args:
-                                      fn(grid, block, args, stream=stream))
+        """Resolve every launch's arguments once: a schedule is then a flat list of calls, each
+        taking the stream (launched with PDL where the GPU has it, see runtime/launch.py). Kernels
+        with a short-context variant (attention) make one schedule per range of positions."""
+        starts = sorted({0} | {k.short_until for k in self.kernels if k.short_until and self.short_contexts})
+        self._schedules = []            # (first position, [(kernel, launch, call)]), by position
+        for start in starts:
+            at = start if self.short_contexts else self.max_context
+            self._schedules.append((start, [(k, launch, self._call(launch))
+                                            for k in self.kernels for launch in k.launches_at(at)]))
+        self._graph_execs: dict[int, object] = {}   # first position of a schedule -> its CUDA graph
+
+    def _call(self, launch):
+        fn = self.module.get_function(launch.function)
+        grid = tuple(1 if g == "T" else g for g in launch.grid)
+        args = tuple(self.buffer(a) for a in launch.args)
+        if self.pdl:
+            return PdlLaunch(fn, grid, launch.block, args)
+        return lambda stream: fn(grid, (launch.block,), args, stream=stream)
+
+    def _schedule(self, position: int) -> tuple[int, list]:
+        return next((start, calls) for start, calls in reversed(self._schedules) if position >= start)
+
+    def schedule_at(self, position: int) -> list[tuple]:
+        """(KernelSource, Launch, call(stream)) of every launch of a step at `position`, in order."""
+        return self._schedule(position)[1]
 
     # ---- execution ----
-    def _run_schedule(self) -> None:
-        for call in self.calls:
-            call(self.stream)
-
     def step(self) -> None:
-        """One decode step on the stream: the whole schedule, as a CUDA graph when enabled."""
+        """One decode step at the current position on the stream: its schedule, as a CUDA graph
+        when enabled (one graph per schedule, captured on first use)."""
+        start, calls = self._schedule(self.position)
         with self.stream:
             if not self.use_graph:
-                self._run_schedule()
+                for _, _, call in calls:
+                    call(self.stream)
                 return
-            if self._graph_exec is None:
+            if start not in self._graph_execs:
                 self.stream.begin_capture()
-                self._run_schedule()
-                self._graph_exec = self.stream.end_capture()
-            self._graph_exec.launch(self.stream)
+                for _, _, call in calls:
+                    call(self.stream)
+                self._graph_execs[start] = self.stream.end_capture()
+            self._graph_execs[start].launch(self.stream)
 
     def _set_sampling(self, sampling: SamplingParams) -> None:
         if sampling == self._sampling:

@@ -27,46 +27,46 @@ def _elapsed_us(cp, stream, fn, reps: int) -> float:
 
 
 def kernel_profile(engine, reps: int = 20) -> dict[str, dict]:
-    """Per kernel family: microseconds per token and GB/s, each launch timed alone with events."""
+    """Per kernel family: microseconds per token and GB/s, each launch of the schedule at the
+    engine's position timed alone with events."""
     import cupy as cp
     per = defaultdict(lambda: {"us": 0.0, "bytes": 0, "launches": 0})
-    calls = iter(engine.calls)
-    for k in engine.kernels:
-        for _ in k.launches:
-            call = next(calls)
-            per[k.family]["us"] += _elapsed_us(cp, engine.stream, lambda: call(engine.stream), reps)
-            per[k.family]["launches"] += 1
-        per[k.family]["bytes"] += k.bytes_read + k.bytes_written
+    counted = set()
+    for k, _, call in engine.schedule_at(engine.position):
+        per[k.family]["us"] += _elapsed_us(cp, engine.stream, lambda: call(engine.stream), reps)
+        per[k.family]["launches"] += 1
+        if id(k) not in counted:
+            counted.add(id(k))
+            per[k.family]["bytes"] += k.bytes_read + k.bytes_written
     return {f: {**v, "GBps": v["bytes"] / v["us"] / 1e3 if v["us"] else 0.0} for f, v in per.items()}
 
 
 def step_ablation(engine, reps: int = 30) -> dict:
-    """The step (without its sampler, which advances the position) replayed as a CUDA graph, whole
-    and then without all launches of one kernel function at a time. Returns the step's
-    microseconds, a GEMVs-only step's, and per function its family, launches and the
-    microseconds the step saves without it. Leaves the KV caches' row at the current position
-    rewritten (harmless: the next step writes it again)."""
+    """The step at the engine's position (without its sampler, which advances the position)
+    replayed as a CUDA graph, whole and then without all launches of one kernel function at a
+    time. Returns the step's microseconds, a GEMVs-only step's, and per function its family,
+    launches and the microseconds the step saves without it. Leaves the KV caches' row at the
+    current position rewritten (harmless: the next step writes it again)."""
     import cupy as cp
-    labels = [(k.family, launch.function) for k in engine.kernels for launch in k.launches]
-    keep = [i for i, (family, _) in enumerate(labels) if family != "sample"]
+    schedule = [(k.family, launch.function, call) for k, launch, call in engine.schedule_at(engine.position)
+                if k.family != "sample"]
 
-    def graph_us(indices) -> float:
+    def graph_us(keep) -> float:
         s = engine.stream
         s.begin_capture()
-        for i in indices:
-            engine.calls[i](s)
+        for family, function, call in schedule:
+            if keep(family, function):
+                call(s)
         g = s.end_capture()
         return _elapsed_us(cp, s, lambda: g.launch(s), reps)
 
-    whole = graph_us(keep)
-    functions = dict.fromkeys(labels[i][1] for i in keep)            # in step order
+    whole = graph_us(lambda family, function: True)
     without = {}
-    for f in functions:
-        family = next(fam for fam, fn in labels if fn == f)
-        rest = [i for i in keep if labels[i][1] != f]
-        without[f] = {"family": family, "launches": len(keep) - len(rest),
-                      "saved_us": round(whole - graph_us(rest), 1)}
-    gemv_only = graph_us([i for i in keep if labels[i][0] == "gemv"])
+    for f in dict.fromkeys(function for _, function, _ in schedule):       # in step order
+        family = next(fam for fam, fn, _ in schedule if fn == f)
+        without[f] = {"family": family, "launches": sum(fn == f for _, fn, _ in schedule),
+                      "saved_us": round(whole - graph_us(lambda _, function: function != f), 1)}
+    gemv_only = graph_us(lambda family, _: family == "gemv")
     return {"step_us": round(whole, 1), "gemv_only_us": round(gemv_only, 1), "without": without}
 
 

@@ -91,14 +91,14 @@ def test_module_compiles_and_gemv_and_attention_kernels_do_not_spill(kernels_of,
                                        use_cache=False)
     assert not cached
     assert cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
-    functions = {launch.function for k in ks for launch in k.launches}
+    functions = {launch.function for k in ks for launch in k.launches + k.short_launches}
     for f in functions:
         assert f.encode() in cubin, f"{f} is launched but not in the cubin"
     report = spills(log)
     missing = functions - set(report)
     assert not missing, f"no ptxas resource report for {sorted(missing)}; log:\n{log[:2000]}"
     assert f"for '{arch}'" in log
-    gemv = {launch.function for k in ks if k.family in ("gemv", "attention") for launch in k.launches}
+    gemv = {launch.function for k in ks if k.family in ("gemv", "attention") for launch in k.launches + k.short_launches}
     assert gemv, "no gemv kernel generated"
     spilling = {f: report[f] for f in sorted(gemv) if report[f]}
     if arch == "sm_80" and spilling and max(spilling.values()) <= SM80_TOLERATED_SPILL_BYTES:

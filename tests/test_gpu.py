@@ -63,11 +63,11 @@ def bf16_kv_cache():
         ops.REGISTRY["kv_write"] = plain
 
 
-def compare_steps(graph, weights, tokens, ctx=64, fuse=True, tol=5e-3):
+def compare_steps(graph, weights, tokens, ctx=64, fuse=True, tol=5e-3, short_contexts=True):
     """Feed `tokens` one by one to the GPU and to the reference (bf16 KV cache on both sides);
-    worst relative logit error."""
+    worst relative logit error. short_contexts=False: attention always split + combine."""
     import cupy as cp
-    eng = engine_for(graph, weights, ctx=ctx, fuse=fuse)
+    eng = engine_for(graph, weights, ctx=ctx, fuse=fuse, short_contexts=short_contexts)
     state = new_state(graph, ctx)
     worst = 0.0
     for p, t in enumerate(tokens):
@@ -252,24 +252,28 @@ REAL_SHAPES = {"smollm2-135m": {}, "llama-3.2-1b": {}, "llama-3.1-8b": {},
                                      {"architectures": ["Gemma2ForCausalLM"], **ARCH_TINY["Gemma2ForCausalLM"],
                                       "head_dim": 256, "sliding_window": 70}])
 def test_long_context_spans_attention_chunks(variant):
-    """150 steps in a 192-row cache: attention splits over two or more chunks (the chunk size
-    depends on the head size), windows start mid-chunk."""
+    """150 steps in a 192-row cache, by both attention variants: one launch walking every position,
+    and split + combine over two or more chunks (the chunk size depends on the head size);
+    windows start mid-chunk."""
     from fuselm.codegen.attention import chunk_shape
     rng = np.random.default_rng()
     cfg = DecoderConfig.from_hf({**TINY, **variant})
     _, chunk = chunk_shape(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
     assert 150 >= 2 * chunk, f"150 steps fill only one attention chunk of {chunk}"
     graph = build_graph(cfg)
-    worst = compare_steps(graph, random_weights(graph, rng), rng.integers(0, cfg.vocab_size, 150), ctx=192)
-    print(f"long context {variant.get('architectures', ['Llama'])[0]}: worst rel logit error {worst:.2e}")
+    weights, tokens = random_weights(graph, rng), rng.integers(0, cfg.vocab_size, 150)
+    for short in (True, False):
+        worst = compare_steps(graph, weights, tokens, ctx=192, short_contexts=short)
+        print(f"long context {variant.get('architectures', ['Llama'])[0]}, "
+              f"{'one launch' if short else 'split + combine'}: worst rel logit error {worst:.2e}")
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,window", [(32, 8, 128, 0), (9, 3, 64, 0), (28, 4, 128, 0),
                                                             (16, 8, 256, 1000), (4, 2, 6, 0)])
 def test_attention_at_long_context(heads, kv_heads, head_dim, window):
-    """One step at position 3000 of caches filled with random bf16 rows: dozens of chunks (a
-    thousand-row window: starting mid-chunk), merged by the combine kernel; against the float64
-    reference of the same graph."""
+    """One step at position 3000 of caches filled with random bf16 rows, by both attention
+    variants: one block per KV head walking every position, and dozens of chunks merged by the
+    combine kernel (a thousand-row window: starting mid-chunk); against the float64 reference."""
     import cupy as cp
 
     from fuselm.runtime.cuda_engine import CudaEngine
@@ -290,15 +294,18 @@ def test_attention_at_long_context(heads, kv_heads, head_dim, window):
         eng.set_state(name, rows_)
     for name, value in feeds.items():
         eng.set_input(name, value)
-    eng.arena.view(cp.float32).fill(cp.nan)
-    eng.workspace.fill(cp.nan)
-    eng.step()
-    got = eng.output("out")
     ref = run_graph(g, {}, feeds, {n: x.astype(np.float64) for n, x in state.items()})["out"]
-    assert np.isfinite(got).all(), "unwritten or non-finite attention output"
-    err = rel(got, ref)
-    print(f"attention h{heads} kv{kv_heads} d{head_dim} window {window} at {at}: rel error {err:.2e}")
-    assert err < 1e-4, f"relative error {err:.2e}"
+    # The engine picks the one-launch variant or split + combine by its host-side position.
+    for variant, position in (("one launch", 0), ("split + combine", rows)):
+        eng.position = position
+        eng.arena.view(cp.float32).fill(cp.nan)
+        eng.workspace.fill(cp.nan)
+        eng.step()
+        got = eng.output("out")
+        assert np.isfinite(got).all(), f"{variant}: unwritten or non-finite attention output"
+        err = rel(got, ref)
+        print(f"attention h{heads} kv{kv_heads} d{head_dim} window {window} at {at}, {variant}: rel error {err:.2e}")
+        assert err < 1e-4, f"{variant}: relative error {err:.2e}"
 
 
 def test_gpu_sampling_filters_and_penalty_match_the_cpu_sampler():

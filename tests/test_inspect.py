@@ -215,7 +215,7 @@ def test_compile_reports_time_and_spills_per_function(capsys, tiny_folder):
     rc, out, err = run_main(capsys, "inspect", str(tiny_folder), "--compile", "--arch", "sm_80")
     assert rc == 0, err
     _, kernels = expected(str(tiny_folder))
-    functions = {launch.function for _, launch in launches_of(kernels)}
+    functions = {launch.function for k in kernels for launch in k.launches + k.short_launches}
     m = re.search(r"NVRTC sm_80: (\d+) functions compiled in ([\d.]+) s", out)
     assert m and int(m.group(1)) == len(functions)
     for f in functions:

@@ -59,54 +59,81 @@ struct Record {
     static constexpr int MAX_AT = (HD + 3) / 4 * 4, SUM_AT = MAX_AT + 1, FLOATS = MAX_AT + 4;
 };
 
-// One block per (KV head, chunk) serves all G = H / KV query heads of the group, so each cached
-// K and V row is read once per token. Row r of the chunk goes to warp (r / PPL) % WARPS, step
-// r / (PPL * WARPS) of its J, lane group r % PPL. blockDim.x == 32 * WARPS.
-template <int H, int KV, int HD, int WARPS, int J, int NCHUNK>
-__device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc, const bf16_t* vc, const int* pos_p,
-                                                int window, float scale, float softcap, float* ws) {
+// One pass of a block over cache rows [base, base + CHUNK) for KV head blockIdx.x and its G = H / KV
+// query heads (each cached K and V row is read once per token, not once per query head). Row r
+// goes to warp (r / PPL) % WARPS, step r / (PPL * WARPS) of its J, lane group r % PPL; rows
+// outside [start, end) are masked. blockDim.x == 32 * WARPS.
+template <int KV, int HD, int WARPS, int J>
+struct Pass {
     using L = RowLanes<HD>;
-    constexpr int W = KV * HD, G = H / KV, CHUNK = WARPS * L::PPL * J, HDP = L::LPR * 8;
-    const int kvh = blockIdx.x, c = blockIdx.y;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane / L::LPR, d0 = (lane % L::LPR) * 8;
-    // pos is written only by the previous step's sampler, and cache rows before pos by earlier
-    // steps: both may be read before the wait. Row pos is the previous kernel's output.
-    const int pos = *pos_p;
-    const int lo = window > 0 ? max(0, pos - window + 1) : 0;
-    const int start = max(c * CHUNK, lo), end = min(c * CHUNK + CHUNK, pos + 1);
-    if (start >= end) return;                   // the combine reads only chunks with positions
-
-    uint4 kr[J], vr[J];
+    static constexpr int CHUNK = WARPS * L::PPL * J, W = KV * HD;
+    uint4 k[J], v[J];
     bool valid[J];
-#pragma unroll
-    for (int j = 0; j < J; j++) {
-        const int p = c * CHUNK + (j * WARPS + warp) * L::PPL + sub;
-        valid[j] = p >= start && p < end;
-        const size_t at = (size_t)p * W + kvh * HD;
-        kr[j] = valid[j] && p != pos ? load_dims8<HD>(kc + at, d0) : make_uint4(0u, 0u, 0u, 0u);
-        vr[j] = valid[j] && p != pos ? load_dims8<HD>(vc + at, d0) : make_uint4(0u, 0u, 0u, 0u);
+
+    __device__ __forceinline__ static int row(int base, int j) {
+        return base + (j * WARPS + (threadIdx.x >> 5)) * L::PPL + (threadIdx.x & 31) / L::LPR;
     }
-    grid_wait_then_release();
+    __device__ __forceinline__ static const bf16_t* at(const bf16_t* cache, int p) {
+        return cache + (size_t)p * W + blockIdx.x * HD;
+    }
+    // Issue every load of this lane's rows, but row `skip` (the previous kernel may still write it).
+    __device__ __forceinline__ void load(const bf16_t* kc, const bf16_t* vc, int base, int start, int end, int skip) {
+        const int d0 = (threadIdx.x & 31) % L::LPR * 8;
 #pragma unroll
-    for (int j = 0; j < J; j++) {
-        const int p = c * CHUNK + (j * WARPS + warp) * L::PPL + sub;
-        if (p == pos) {
-            kr[j] = load_dims8<HD>(kc + (size_t)p * W + kvh * HD, d0);
-            vr[j] = load_dims8<HD>(vc + (size_t)p * W + kvh * HD, d0);
+        for (int j = 0; j < J; j++) {
+            const int p = row(base, j);
+            valid[j] = p >= start && p < end;
+            const bool now = valid[j] && p != skip;
+            k[j] = now ? load_dims8<HD>(at(kc, p), d0) : make_uint4(0u, 0u, 0u, 0u);
+            v[j] = now ? load_dims8<HD>(at(vc, p), d0) : make_uint4(0u, 0u, 0u, 0u);
         }
     }
-    float qv[G][8];
+    // The row skipped by load(), once the previous kernel has finished.
+    __device__ __forceinline__ void load_row(const bf16_t* kc, const bf16_t* vc, int base, int p) {
+        const int d0 = (threadIdx.x & 31) % L::LPR * 8;
+#pragma unroll
+        for (int j = 0; j < J; j++)
+            if (row(base, j) == p) { k[j] = load_dims8<HD>(at(kc, p), d0); v[j] = load_dims8<HD>(at(vc, p), d0); }
+    }
+};
+
+// The G query heads of KV head blockIdx.x, times `scale`: dims d0 .. d0 + 7 of each, for this lane.
+template <int G, int HD>
+__device__ __forceinline__ void load_queries(const float* q, float scale, float (&qv)[G][8]) {
+    const int d0 = (threadIdx.x & 31) % RowLanes<HD>::LPR * 8;
 #pragma unroll
     for (int g = 0; g < G; g++)
 #pragma unroll
-        for (int i = 0; i < 8; i++) qv[g][i] = d0 + i < HD ? q[(kvh * G + g) * HD + d0 + i] * scale : 0.0f;
+        for (int i = 0; i < 8; i++) qv[g][i] = d0 + i < HD ? q[(blockIdx.x * G + g) * HD + d0 + i] * scale : 0.0f;
+}
 
-    // Scores of this lane group's J rows, summed over the LPR lanes of each row.
-    float s[J][G];
+// Softmax state of one query head over the rows seen so far: max score, sum of exp(score - m),
+// and this lane's 8 dims of the exp-weighted sum of values.
+struct Softmax {
+    float m = NEG_INF, l = 0.0f, acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+
+    // Fold in another state (rescaling whichever has the smaller max).
+    __device__ __forceinline__ void merge(const Softmax& o) {
+        const float mx = fmaxf(m, o.m);
+        if (mx == NEG_INF) return;
+        const float a = __expf(m - mx), b = __expf(o.m - mx);   // exp(-inf) = 0
+        l = l * a + o.l * b;
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc[i] = acc[i] * a + o.acc[i] * b;
+        m = mx;
+    }
+};
+
+// The warp's softmax state of each query head over one pass's rows.
+template <int G, int KV, int HD, int WARPS, int J>
+__device__ __forceinline__ void pass_softmax(const Pass<KV, HD, WARPS, J>& pass, const float (&qv)[G][8],
+                                             float softcap, Softmax (&out)[G]) {
+    using L = RowLanes<HD>;
+    float s[J][G];                               // scores, summed over the LPR lanes of each row
 #pragma unroll
     for (int j = 0; j < J; j++) {
         float k[8];
-        unpack8_bf16(kr[j], k);
+        unpack8_bf16(pass.k[j], k);
 #pragma unroll
         for (int g = 0; g < G; g++) {
             float a = 0.0f;
@@ -114,35 +141,44 @@ __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc
             for (int i = 0; i < 8; i++) a = fmaf(qv[g][i], k[i], a);
 #pragma unroll
             for (int o = 1; o < L::LPR; o <<= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-            s[j][g] = !valid[j] ? NEG_INF : softcap > 0.0f ? softcap * tanhf(a / softcap) : a;
+            s[j][g] = !pass.valid[j] ? NEG_INF : softcap > 0.0f ? softcap * tanhf(a / softcap) : a;
         }
     }
-    // Per query head: this warp's max, sum of exp and exp-weighted values (lanes of group 0 hold
-    // dims d0 .. d0 + 7), then the warps meet in shared memory.
-    __shared__ float wm[WARPS][G], wl[WARPS][G], wacc[WARPS][G][HDP];
 #pragma unroll
     for (int g = 0; g < G; g++) {
-        float m = NEG_INF;
+        Softmax& o = out[g];
+        o = Softmax{};
 #pragma unroll
-        for (int j = 0; j < J; j++) m = fmaxf(m, s[j][g]);
-        m = lanes_max<L::LPR>(m);
-        float l = 0.0f, acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (int j = 0; j < J; j++) o.m = fmaxf(o.m, s[j][g]);
+        o.m = lanes_max<L::LPR>(o.m);
 #pragma unroll
         for (int j = 0; j < J; j++) {
-            const float e = valid[j] ? __expf(s[j][g] - m) : 0.0f;   // m is finite where any row is valid
+            const float e = pass.valid[j] ? __expf(s[j][g] - o.m) : 0.0f;   // o.m is finite where any row is valid
             float v[8];
-            unpack8_bf16(vr[j], v);
-            l += e;
+            unpack8_bf16(pass.v[j], v);
+            o.l += e;
 #pragma unroll
-            for (int i = 0; i < 8; i++) acc[i] = fmaf(e, v[i], acc[i]);
+            for (int i = 0; i < 8; i++) o.acc[i] = fmaf(e, v[i], o.acc[i]);
         }
-        l = lanes_sum<L::LPR>(l);
+        o.l = lanes_sum<L::LPR>(o.l);
 #pragma unroll
-        for (int i = 0; i < 8; i++) acc[i] = lanes_sum<L::LPR>(acc[i]);
-        if (sub == 0) {
+        for (int i = 0; i < 8; i++) o.acc[i] = lanes_sum<L::LPR>(o.acc[i]);
+    }
+}
+
+// The warps' states meet in shared memory; emit(g, d, max, sum, weighted value) is called once per
+// query head g and dim d with the block's result.
+template <int G, int HD, int WARPS, class Emit>
+__device__ __forceinline__ void block_softmax(const Softmax (&st)[G], Emit emit) {
+    constexpr int HDP = RowLanes<HD>::LPR * 8;
+    __shared__ float wm[WARPS][G], wl[WARPS][G], wacc[WARPS][G][HDP];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane < RowLanes<HD>::LPR) {              // lane group 0 holds the warp's sums
 #pragma unroll
-            for (int i = 0; i < 8; i++) wacc[warp][g][d0 + i] = acc[i];
-            if (lane == 0) { wm[warp][g] = m; wl[warp][g] = l; }
+        for (int g = 0; g < G; g++) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) wacc[warp][g][lane * 8 + i] = st[g].acc[i];
+            if (lane == 0) { wm[warp][g] = st[g].m; wl[warp][g] = st[g].l; }
         }
     }
     __syncthreads();
@@ -158,10 +194,66 @@ __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc
             l = fmaf(f, wl[w][g], l);
             a = fmaf(f, wacc[w][g][d], a);
         }
-        float* out = ws + ((size_t)(kvh * G + g) * NCHUNK + c) * Record<HD>::FLOATS;
+        emit(g, d, m, l, a);
+    }
+}
+
+// Flash-decoding split: block (KV head, chunk blockIdx.y) leaves its chunk's softmax state of each
+// query head in the workspace for attention_combine.
+template <int H, int KV, int HD, int WARPS, int J, int NCHUNK>
+__device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc, const bf16_t* vc, const int* pos_p,
+                                                int window, float scale, float softcap, float* ws) {
+    constexpr int G = H / KV;
+    using P = Pass<KV, HD, WARPS, J>;
+    const int c = blockIdx.y;
+    // pos is written only by the previous step's sampler, and cache rows before pos by earlier
+    // steps: both may be read before the wait. Row pos is the previous kernel's output.
+    const int pos = *pos_p;
+    const int lo = window > 0 ? max(0, pos - window + 1) : 0;
+    const int start = max(c * P::CHUNK, lo), end = min(c * P::CHUNK + P::CHUNK, pos + 1);
+    if (start >= end) return;                   // the combine reads only chunks with positions
+    P pass;
+    pass.load(kc, vc, c * P::CHUNK, start, end, pos);
+    grid_wait_then_release();
+    pass.load_row(kc, vc, c * P::CHUNK, pos);
+    float qv[G][8];
+    load_queries<G, HD>(q, scale, qv);
+    Softmax st[G];
+    pass_softmax<G>(pass, qv, softcap, st);
+    block_softmax<G, HD, WARPS>(st, [&](int g, int d, float m, float l, float a) {
+        float* out = ws + ((size_t)(blockIdx.x * G + g) * NCHUNK + c) * Record<HD>::FLOATS;
         out[d] = a;
         if (d == 0) { out[Record<HD>::MAX_AT] = m; out[Record<HD>::SUM_AT] = l; }
+    });
+}
+
+// Short contexts: one block per KV head walks every position in passes and writes the attention
+// output itself; no workspace, no combine launch. The first pass's loads go out before the wait.
+template <int H, int KV, int HD, int WARPS, int J>
+__device__ __forceinline__ void attention_single(const float* q, const bf16_t* kc, const bf16_t* vc, const int* pos_p,
+                                                 int window, float scale, float softcap, float* o) {
+    constexpr int G = H / KV;
+    using P = Pass<KV, HD, WARPS, J>;
+    const int pos = *pos_p;                      // see attention_chunk
+    const int lo = window > 0 ? max(0, pos - window + 1) : 0;
+    int base = lo / P::CHUNK * P::CHUNK;
+    P pass;
+    pass.load(kc, vc, base, lo, min(base + P::CHUNK, pos + 1), pos);
+    grid_wait_then_release();
+    pass.load_row(kc, vc, base, pos);
+    float qv[G][8];
+    load_queries<G, HD>(q, scale, qv);
+    Softmax st[G], part[G];
+    pass_softmax<G>(pass, qv, softcap, st);
+    for (base += P::CHUNK; base <= pos; base += P::CHUNK) {
+        pass.load(kc, vc, base, base, min(base + P::CHUNK, pos + 1), -1);
+        pass_softmax<G>(pass, qv, softcap, part);
+#pragma unroll
+        for (int g = 0; g < G; g++) st[g].merge(part[g]);
     }
+    block_softmax<G, HD, WARPS>(st, [&](int g, int d, float, float l, float a) {
+        o[(blockIdx.x * G + g) * HD + d] = a / l;
+    });
 }
 
 // Merge the chunks c0 .. c1 of query head blockIdx.x (the ones the split kernel filled). At long
