@@ -12,6 +12,7 @@ from .params import Params
 WARPS = int(os.environ.get("FUSELM_ATTN_WARPS", 4))      # per split block
 MAX_ROWS = int(os.environ.get("FUSELM_ATTN_ROWS", 8))    # cache rows per lane, at most
 MAX_SCORES = 32  # cache rows x query heads whose scores one lane keeps in registers
+COMBINE_WARPS = 8                                         # per combine block
 SINGLE_WARPS = 8                                          # per block of the one-launch short variant
 SINGLE_PASSES = int(os.environ.get("FUSELM_ATTN_SINGLE_PASSES", 2))   # its longest walk, in passes
 
@@ -55,14 +56,10 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
                           f"memory in the attention kernel; at most {48 * 1024} are supported")
     nchunk = -(-rows // chunk)
     record = (hd + 3) // 4 * 4 + 4                                      # Record<HD>::FLOATS
-    combine_smem = 4 * (nchunk + WARPS * (record - 4))
-    if combine_smem > 48 * 1024:
-        raise FuselmError(f"{n}: a cache of {rows} rows needs {nchunk} attention chunks of {chunk}, more "
-                          f"than the combine kernel's shared memory holds; use a shorter context")
     return {"H": a["n_heads"], "KV": a["n_kv_heads"], "HD": hd, "chunk": chunk, "rows_per_lane": rows_per_lane,
             "nchunk": nchunk, "window": int(a.get("window") or 0), "scale": cexpr.float_literal(a["scale"]),
             "softcap": cexpr.float_literal(a.get("softcap") or 0.0), "threads": WARPS * 32, "warps": WARPS,
-            "single_warps": SINGLE_WARPS, "single_threads": SINGLE_WARPS * 32,
+            "combine_warps": COMBINE_WARPS, "combine_threads": COMBINE_WARPS * 32, "single_warps": SINGLE_WARPS, "single_threads": SINGLE_WARPS * 32,
             "single_until": min(single_until(hd, group), rows),
             "q": params.ref(q), "kc": params.ref(kc), "vc": params.ref(vc), "pos": params.ref(pos),
             "out": params.ref(n, written=True),

@@ -45,7 +45,7 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2) -> list[KernelSour
         body = body.replace("KERNEL", name)
         if launch["family"] == "attention":
             launches = [Launch(f"{name}_split", (ctx["KV"], ctx["nchunk"]), ctx["threads"], params.values),
-                        Launch(f"{name}_combine", (ctx["H"], 1), ctx["threads"], params.values)]
+                        Launch(f"{name}_combine", (ctx["H"], 1), ctx["combine_threads"], params.values)]
         elif launch["family"] == "moe":
             launches = [Launch(f"{name}_up", (ctx["grid_up"], 1), ctx["threads"], params.values),
                         Launch(f"{name}_down", (ctx["grid_down"], 1), ctx["threads"], params.values)]

@@ -257,48 +257,72 @@ __device__ __forceinline__ void attention_single(const float* q, const bf16_t* k
 }
 
 // Merge the chunks c0 .. c1 of query head blockIdx.x (the ones the split kernel filled). At long
-// contexts there are dozens of chunks, so no thread walks them all: the threads share the chunks'
-// maxima and weights, then each warp sums the values of every WARPS-th chunk, 4 dims per lane.
+// contexts there are dozens of chunks, so each warp takes every WARPS-th chunk, GROUP at a time
+// with all their loads issued together (4 dims per lane), keeps a running softmax state, and
+// the warps' states meet once in shared memory.
 template <int HD, int CHUNK, int NCHUNK, int WARPS>   // blockDim.x == 32 * WARPS
 __device__ __forceinline__ void attention_combine(const float* ws, float* o, int pos, int window) {
     using R = Record<HD>;
-    __shared__ float weight[NCHUNK];
-    __shared__ float warp_acc[WARPS][R::MAX_AT];
+    constexpr int GROUP = 8, DSTEPS = (HD + 127) / 128;     // chunks per warp per round; float4s per lane
+    __shared__ float wm[WARPS], wl[WARPS], wacc[WARPS][R::MAX_AT];
     const int h = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int c0 = (window > 0 ? max(0, pos - window + 1) : 0) / CHUNK, c1 = pos / CHUNK;
     const float* part = ws + (size_t)h * NCHUNK * R::FLOATS;
-    float m = NEG_INF;
-    for (int c = c0 + threadIdx.x; c <= c1; c += blockDim.x) m = fmaxf(m, part[c * R::FLOATS + R::MAX_AT]);
-    m = block_max(m);
-    float l = 0.0f;
-    for (int c = c0 + threadIdx.x; c <= c1; c += blockDim.x) {
-        const float w = __expf(part[c * R::FLOATS + R::MAX_AT] - m);
-        weight[c - c0] = w;
-        l = fmaf(w, part[c * R::FLOATS + R::SUM_AT], l);
-    }
-    l = block_sum(l);                           // its barriers also publish weight[]
-    for (int d = lane * 4; d < HD; d += 128) {
-        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll 4
-        for (int c = c0 + warp; c <= c1; c += WARPS) {
-            const float w = weight[c - c0];
-            const float* v = part + c * R::FLOATS + d;
-            if constexpr (HD % 4 == 0) {
-                const float4 v4 = *reinterpret_cast<const float4*>(v);
-                a[0] = fmaf(w, v4.x, a[0]); a[1] = fmaf(w, v4.y, a[1]); a[2] = fmaf(w, v4.z, a[2]); a[3] = fmaf(w, v4.w, a[3]);
-            } else {
+    float m = NEG_INF, l = 0.0f, acc[DSTEPS][4] = {};
+    for (int c = c0 + warp; c <= c1; c += WARPS * GROUP) {
+        float mc[GROUP], lc[GROUP], v[GROUP][DSTEPS][4];
 #pragma unroll
-                for (int i = 0; i < 4; i++) a[i] = d + i < HD ? fmaf(w, v[i], a[i]) : a[i];
+        for (int g = 0; g < GROUP; g++) {
+            const int cc = c + g * WARPS;
+            const float* rec = part + (size_t)cc * R::FLOATS;
+            mc[g] = cc <= c1 ? rec[R::MAX_AT] : NEG_INF;
+            lc[g] = cc <= c1 ? rec[R::SUM_AT] : 0.0f;
+#pragma unroll
+            for (int t = 0; t < DSTEPS; t++) {
+                const int d = t * 128 + lane * 4;
+                if constexpr (HD % 4 == 0) {
+                    const float4 x = cc <= c1 && d < HD ? *reinterpret_cast<const float4*>(rec + d)
+                                                        : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    v[g][t][0] = x.x; v[g][t][1] = x.y; v[g][t][2] = x.z; v[g][t][3] = x.w;
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 4; i++) v[g][t][i] = cc <= c1 && d + i < HD ? rec[d + i] : 0.0f;
+                }
             }
         }
+        float mx = m;
 #pragma unroll
-        for (int i = 0; i < 4; i++) warp_acc[warp][d + i] = a[i];
+        for (int g = 0; g < GROUP; g++) mx = fmaxf(mx, mc[g]);
+        const float rescale = __expf(m - mx);                 // 0 on the first round (m = -inf)
+        l *= rescale;
+#pragma unroll
+        for (int g = 0; g < GROUP; g++) {
+            const float e = __expf(mc[g] - mx);               // 0 for chunks past c1
+            l = fmaf(e, lc[g], l);
+#pragma unroll
+            for (int t = 0; t < DSTEPS; t++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[t][i] = fmaf(e, v[g][t][i], g == 0 ? acc[t][i] * rescale : acc[t][i]);
+        }
+        m = mx;
     }
-    __syncthreads();
-    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-        float a = 0.0f;
+    if (lane == 0) { wm[warp] = m; wl[warp] = l; }
 #pragma unroll
-        for (int w = 0; w < WARPS; w++) a += warp_acc[w][d];
-        o[h * HD + d] = a / l;
+    for (int t = 0; t < DSTEPS; t++)
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            if (t * 128 + lane * 4 + i < R::MAX_AT) wacc[warp][t * 128 + lane * 4 + i] = acc[t][i];
+    __syncthreads();
+    float mx = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, wm[w]);
+    float den = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; w++) den = fmaf(wm[w] == NEG_INF ? 0.0f : __expf(wm[w] - mx), wl[w], den);
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+        float num = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) num = fmaf(wm[w] == NEG_INF ? 0.0f : __expf(wm[w] - mx), wacc[w][d], num);
+        o[h * HD + d] = num / den;
     }
 }
