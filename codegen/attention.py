@@ -1,4 +1,5 @@
-"""The attention family: flash-decoding over the KV cache, a split launch and a combine launch."""
+"""The attention family: flash-decoding over the KV cache (a split launch and a combine launch), and
+a one-launch variant for short contexts."""
 from __future__ import annotations
 
 import os
@@ -7,7 +8,7 @@ import networkx as nx
 
 from ..errors import FuselmError
 from . import cexpr
-from .params import Params
+from .params import Params, storage_of
 
 WARPS = int(os.environ.get("FUSELM_ATTN_WARPS", 4))      # per split block
 MAX_ROWS = int(os.environ.get("FUSELM_ATTN_ROWS", 8))    # cache rows per lane, at most
@@ -32,12 +33,25 @@ def chunk_shape(head_dim: int, group: int) -> tuple[int, int]:
     return rows_per_lane, WARPS * (32 // lanes_per_row(head_dim)) * rows_per_lane
 
 
+SMEM = 48 * 1024   # static shared memory a kernel may use
+
+
+def _softmax_smem(warps: int, head_dim: int, group: int) -> int:
+    return 4 * warps * group * (lanes_per_row(head_dim) * 8 + 2)        # block_softmax's wacc, wm, wl
+
+
+def single_warps(head_dim: int, group: int) -> int:
+    """Warps per block of the one-launch variant: SINGLE_WARPS where their softmax states fit in
+    shared memory (block_softmax), else WARPS."""
+    return SINGLE_WARPS if _softmax_smem(SINGLE_WARPS, head_dim, group) <= SMEM else WARPS
+
+
 def single_until(head_dim: int, group: int) -> int:
     """Positions below which one block per KV head walking the whole context (attention_single,
     SINGLE_PASSES passes at most) replaces the split and combine launches: at short contexts the
     time is latency, and one launch has less of it than two."""
     rows_per_lane, _ = chunk_shape(head_dim, group)
-    return SINGLE_PASSES * SINGLE_WARPS * (32 // lanes_per_row(head_dim)) * rows_per_lane
+    return SINGLE_PASSES * single_warps(head_dim, group) * (32 // lanes_per_row(head_dim)) * rows_per_lane
 
 
 def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
@@ -49,17 +63,20 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
     group, hd = a["n_heads"] // a["n_kv_heads"], a["head_dim"]
     if hd > 256:
         raise FuselmError(f"{n}: head_dim {hd} > 256 is not supported by the attention kernel")
+    if G.nodes[storage_of(G, pos)]["op"] != "input":
+        raise FuselmError(f"{n}: the position must be a graph input (the attention kernel reads it before "
+                          f"waiting for the previous kernel), not a computed value")
     rows_per_lane, chunk = chunk_shape(hd, group)
-    smem = 4 * max(WARPS, SINGLE_WARPS) * group * (lanes_per_row(hd) * 8 + 2)   # block_softmax's
-    if smem > 48 * 1024:
-        raise FuselmError(f"{n}: {group} query heads per KV head of {hd} need {smem} bytes of shared "
-                          f"memory in the attention kernel; at most {48 * 1024} are supported")
+    if _softmax_smem(WARPS, hd, group) > SMEM:
+        raise FuselmError(f"{n}: {group} query heads per KV head of {hd} need {_softmax_smem(WARPS, hd, group)} "
+                          f"bytes of shared memory in the attention kernel; at most {SMEM} are supported")
     nchunk = -(-rows // chunk)
     record = (hd + 3) // 4 * 4 + 4                                      # Record<HD>::FLOATS
     return {"H": a["n_heads"], "KV": a["n_kv_heads"], "HD": hd, "chunk": chunk, "rows_per_lane": rows_per_lane,
             "nchunk": nchunk, "window": int(a.get("window") or 0), "scale": cexpr.float_literal(a["scale"]),
             "softcap": cexpr.float_literal(a.get("softcap") or 0.0), "threads": WARPS * 32, "warps": WARPS,
-            "combine_warps": COMBINE_WARPS, "combine_threads": COMBINE_WARPS * 32, "single_warps": SINGLE_WARPS, "single_threads": SINGLE_WARPS * 32,
+            "combine_warps": COMBINE_WARPS, "combine_threads": COMBINE_WARPS * 32,
+            "single_warps": single_warps(hd, group), "single_threads": single_warps(hd, group) * 32,
             "single_until": min(single_until(hd, group), rows),
             "q": params.ref(q), "kc": params.ref(kc), "vc": params.ref(vc), "pos": params.ref(pos),
             "out": params.ref(n, written=True),

@@ -42,9 +42,10 @@ def context(G: nx.DiGraph, launch: dict, params: Params) -> dict:
             continue
         emit = PHASES.get(d["op"], _elementwise)       # elementwise ops have no entry
         phases.append(f"// {d['op']}\n" + emit(G, n, params, at, row))
-    # the widest row this block walks: an op's output or its first operand (argmax outputs [T])
-    width = max(s[-1] for n in nodes for s in (G.nodes[n]["shape"], G.nodes[G.nodes[n]["inputs"][0]]["shape"])
-                if s and isinstance(s[-1], int))
+    # the widest row this block walks: an op's output or its first operand (argmax outputs [T];
+    # ops on per-token scalars [T] walk one element)
+    width = max((s[-1] for n in nodes for s in (G.nodes[n]["shape"], G.nodes[G.nodes[n]["inputs"][0]]["shape"])
+                 if s and isinstance(s[-1], int)), default=1)
     # One block per token row: at decode time a single block, so its latency is the kernel's;
     # more threads mean shorter chains of dependent loads per thread.
     threads = min(1024, max(256, width // 4 // 32 * 32))

@@ -168,6 +168,22 @@ class CudaEngine:
         return self._schedule(position)[1]
 
     # ---- execution ----
+    def capture_graphs(self) -> None:
+        """Capture the CUDA graph of every schedule now (step() otherwise captures each on first
+        use, which a timed run should not include)."""
+        if not self.use_graph:
+            return
+        with self.stream:
+            for start, calls in self._schedules:
+                if start not in self._graph_execs:
+                    self._graph_execs[start] = self._capture(calls)
+
+    def _capture(self, calls):
+        self.stream.begin_capture()
+        for _, _, call in calls:
+            call(self.stream)
+        return self.stream.end_capture()
+
     def step(self) -> None:
         """One decode step at the current position on the stream: its schedule, as a CUDA graph
         when enabled (one graph per schedule, captured on first use)."""
@@ -178,10 +194,7 @@ class CudaEngine:
                     call(self.stream)
                 return
             if start not in self._graph_execs:
-                self.stream.begin_capture()
-                for _, _, call in calls:
-                    call(self.stream)
-                self._graph_execs[start] = self.stream.end_capture()
+                self._graph_execs[start] = self._capture(calls)
             self._graph_execs[start].launch(self.stream)
 
     def _set_sampling(self, sampling: SamplingParams) -> None:

@@ -32,12 +32,17 @@ def kernel_profile(engine, reps: int = 20) -> dict[str, dict]:
     import cupy as cp
     per = defaultdict(lambda: {"us": 0.0, "bytes": 0, "launches": 0})
     counted = set()
+    with engine.stream:     # the sampler, timed too, advances the position: put its state back after
+        saved = [(buf, buf.copy()) for buf in (engine.ids, engine.pos, engine.seen, engine.sampler_scratch)]
     for k, _, call in engine.schedule_at(engine.position):
         per[k.family]["us"] += _elapsed_us(cp, engine.stream, lambda: call(engine.stream), reps)
         per[k.family]["launches"] += 1
         if id(k) not in counted:
             counted.add(id(k))
             per[k.family]["bytes"] += k.bytes_read + k.bytes_written
+    with engine.stream:
+        for buf, copy in saved:
+            buf[...] = copy
     return {f: {**v, "GBps": v["bytes"] / v["us"] / 1e3 if v["us"] else 0.0} for f, v in per.items()}
 
 

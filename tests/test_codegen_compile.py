@@ -143,3 +143,43 @@ def test_attention_too_wide_for_shared_memory_is_a_clear_error():
     G = compile_graph(build_graph(cfg))
     with pytest.raises(FuselmError, match=r"attention_\d+: 24 query heads per KV head of 128 need \d+ bytes"):
         generate(G, rows=64)
+
+
+def test_attention_head_dim_over_256_is_a_clear_error():
+    from fuselm.errors import FuselmError
+    cfg = DecoderConfig.from_hf(dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=512,
+                                     intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
+                                     num_key_value_heads=1, head_dim=512))
+    with pytest.raises(FuselmError, match=r"attention_\d+: head_dim 512 > 256 is not supported"):
+        generate(compile_graph(build_graph(cfg)), rows=64)
+
+
+def test_attention_position_must_be_a_graph_input():
+    """The attention kernel reads the position before waiting for the previous kernel, so a
+    position computed inside the step is refused."""
+    from fuselm.dsl import Graph
+    from fuselm.errors import FuselmError
+    g = Graph("computed_pos")
+    pos = g.input("pos", ("T",), "i32")
+    q, k, v = (g.input(n, ("T", 16)) for n in "qkv")
+    shifted = g.op("add", pos, pos)
+    kc = g.op("kv_write", g.state("kc", ("S", 16)), k, pos)
+    vc = g.op("kv_write", g.state("vc", ("S", 16)), v, pos)
+    g.output(out=g.op("attention", q, kc, vc, shifted, n_heads=1, n_kv_heads=1, head_dim=16, scale=0.25))
+    with pytest.raises(FuselmError, match=r"attention_\d+: the position must be a graph input"):
+        generate(compile_graph(g, tokens=1), rows=16)
+
+
+def test_one_launch_attention_falls_back_to_fewer_warps_where_shared_memory_is_short():
+    """Eight query heads of 256 per KV head: the one-launch variant's eight warps would need
+    more than 48 kB of shared memory, so it runs four, and the module still compiles."""
+    from fuselm.codegen.attention import SINGLE_WARPS, WARPS, single_warps
+    assert single_warps(128, 4) == SINGLE_WARPS and single_warps(256, 8) == WARPS
+    cfg = DecoderConfig.from_hf(dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=256,
+                                     intermediate_size=64, num_hidden_layers=1, num_attention_heads=8,
+                                     num_key_value_heads=1, head_dim=256))
+    ks = generate(compile_graph(build_graph(cfg)), rows=512)
+    (att,) = [k for k in ks if k.family == "attention"]
+    assert att.short_launches[0].block == 32 * WARPS and att.short_until > 0
+    cubin, _, _ = compile_cubin(module_source(ks), headers(), options("sm_90"), use_cache=False)
+    assert att.short_launches[0].function.encode() in cubin

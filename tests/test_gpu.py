@@ -71,8 +71,9 @@ def compare_steps(graph, weights, tokens, ctx=64, fuse=True, tol=5e-3, short_con
     state = new_state(graph, ctx)
     worst = 0.0
     for p, t in enumerate(tokens):
-        eng.arena.view(cp.float32).fill(cp.nan)            # poison
-        eng.workspace.fill(cp.nan)
+        with eng.stream:                                   # poison, ordered before the step
+            eng.arena.view(cp.float32).fill(cp.nan)
+            eng.workspace.fill(cp.nan)
         eng.feed(int(t))
         got = eng.output(next(iter(graph.outputs)))[0]
         with bf16_kv_cache():
@@ -156,8 +157,9 @@ def test_router_and_experts_at_mixtral_shapes():
     xs = rng.standard_normal((4, D)).astype(np.float32)
     want = run_graph(g, weights, {"x": xs}, {})
     for t in range(len(xs)):
-        eng.arena.view(cp.float32).fill(cp.nan)            # poison
-        eng.workspace.fill(cp.nan)
+        with eng.stream:                                   # poison, ordered before the step
+            eng.arena.view(cp.float32).fill(cp.nan)
+            eng.workspace.fill(cp.nan)
         eng.set_input("x", xs[t:t + 1])
         eng.step()
         for k in ("logits", "y"):
@@ -188,7 +190,8 @@ def test_random_graphs_match_reference(fuse):
             eng.set_state(name, value)
         got = {k: [] for k in case.graph.outputs}
         for t in range(case.tokens):
-            eng.arena.view(cp.float32).fill(cp.nan)           # poison
+            with eng.stream:                               # poison, ordered before the step
+                eng.arena.view(cp.float32).fill(cp.nan)
             for name, value in case.feeds.items():
                 eng.set_input(name, value[t:t + 1])
             eng.step()
@@ -271,14 +274,14 @@ def test_long_context_spans_attention_chunks(variant):
 @pytest.mark.parametrize("heads,kv_heads,head_dim,window", [(32, 8, 128, 0), (9, 3, 64, 0), (28, 4, 128, 0),
                                                             (16, 8, 256, 1000), (4, 2, 6, 0)])
 def test_attention_at_long_context(heads, kv_heads, head_dim, window):
-    """One step at position 3000 of caches filled with random bf16 rows, by both attention
+    """One step at position 3001 of caches filled with random bf16 rows, by both attention
     variants: one block per KV head walking every position, and dozens of chunks merged by the
     combine kernel (a thousand-row window: starting mid-chunk); against the float64 reference."""
     import cupy as cp
 
     from fuselm.runtime.cuda_engine import CudaEngine
     rng = np.random.default_rng()
-    rows, at = 3072, 3000
+    rows, at = 3072, 3001   # row `at` of the head-size-6 caches starts mid-sector
     g = Graph("attention")
     pos = g.input("pos", ("T",), "i32")
     q, k, v = (g.input(n, ("T", h * head_dim)) for n, h in (("q", heads), ("k", kv_heads), ("v", kv_heads)))
@@ -298,8 +301,9 @@ def test_attention_at_long_context(heads, kv_heads, head_dim, window):
     # The engine picks the one-launch variant or split + combine by its host-side position.
     for variant, position in (("one launch", 0), ("split + combine", rows)):
         eng.position = position
-        eng.arena.view(cp.float32).fill(cp.nan)
-        eng.workspace.fill(cp.nan)
+        with eng.stream:                                   # poison, ordered before the step
+            eng.arena.view(cp.float32).fill(cp.nan)
+            eng.workspace.fill(cp.nan)
         eng.step()
         got = eng.output("out")
         assert np.isfinite(got).all(), f"{variant}: unwritten or non-finite attention output"

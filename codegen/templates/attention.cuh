@@ -76,6 +76,19 @@ struct Pass {
     __device__ __forceinline__ static const bf16_t* at(const bf16_t* cache, int p) {
         return cache + (size_t)p * W + blockIdx.x * HD;
     }
+    // Rows before pos were written by earlier steps, so their loads may go out before the wait for
+    // the previous kernel, which writes row pos. Only where row slices are whole 32-byte sectors:
+    // otherwise a sector read early could hold part of row pos and be served stale from L1.
+    static constexpr bool EARLY = HD % 16 == 0;
+    __device__ __forceinline__ void before_wait(const bf16_t* kc, const bf16_t* vc, int base, int start, int end,
+                                                int pos) {
+        if (EARLY) load(kc, vc, base, start, end, pos);
+    }
+    __device__ __forceinline__ void after_wait(const bf16_t* kc, const bf16_t* vc, int base, int start, int end,
+                                               int pos) {
+        if (EARLY) load_row(kc, vc, base, pos);
+        else load(kc, vc, base, start, end, -1);
+    }
     // Issue every load of this lane's rows, but row `skip` (the previous kernel may still write it).
     __device__ __forceinline__ void load(const bf16_t* kc, const bf16_t* vc, int base, int start, int end, int skip) {
         const int d0 = (threadIdx.x & 31) % L::LPR * 8;
@@ -206,16 +219,14 @@ __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc
     constexpr int G = H / KV;
     using P = Pass<KV, HD, WARPS, J>;
     const int c = blockIdx.y;
-    // pos is written only by the previous step's sampler, and cache rows before pos by earlier
-    // steps: both may be read before the wait. Row pos is the previous kernel's output.
-    const int pos = *pos_p;
+    const int pos = *pos_p;   // a graph input: written by the previous step's sampler, not by this step
     const int lo = window > 0 ? max(0, pos - window + 1) : 0;
     const int start = max(c * P::CHUNK, lo), end = min(c * P::CHUNK + P::CHUNK, pos + 1);
     if (start >= end) return;                   // the combine reads only chunks with positions
     P pass;
-    pass.load(kc, vc, c * P::CHUNK, start, end, pos);
+    pass.before_wait(kc, vc, c * P::CHUNK, start, end, pos);
     grid_wait_then_release();
-    pass.load_row(kc, vc, c * P::CHUNK, pos);
+    pass.after_wait(kc, vc, c * P::CHUNK, start, end, pos);
     float qv[G][8];
     load_queries<G, HD>(q, scale, qv);
     Softmax st[G];
@@ -238,9 +249,9 @@ __device__ __forceinline__ void attention_single(const float* q, const bf16_t* k
     const int lo = window > 0 ? max(0, pos - window + 1) : 0;
     int base = lo / P::CHUNK * P::CHUNK;
     P pass;
-    pass.load(kc, vc, base, lo, min(base + P::CHUNK, pos + 1), pos);
+    pass.before_wait(kc, vc, base, lo, min(base + P::CHUNK, pos + 1), pos);
     grid_wait_then_release();
-    pass.load_row(kc, vc, base, pos);
+    pass.after_wait(kc, vc, base, lo, min(base + P::CHUNK, pos + 1), pos);
     float qv[G][8];
     load_queries<G, HD>(q, scale, qv);
     Softmax st[G], part[G];
