@@ -78,7 +78,8 @@ def test_the_ptxas_report_is_in_the_nvrtc_log():
 
 
 # On sm_80 (not the GPU we tune for) ptxas spills up to 32 bytes in a few GEMVs of the 3584- and
-# 18944-wide models; a spill there is tolerated up to this size. On sm_90 any spill fails.
+# 18944-wide models and in Qwen2.5's attention split kernel (7 query heads per KV head); a spill
+# there is tolerated up to this size. On sm_90 any spill fails.
 SM80_TOLERATED_SPILL_BYTES = 32
 
 
