@@ -171,6 +171,24 @@ def test_ctx_changes_the_attention_kernels(capsys, preset_json):
         assert a["grid"][1] < b["grid"][1] and a["bytes_read"] < b["bytes_read"]
 
 
+def test_short_contexts_run_attention_in_one_launch():
+    """Every attention kernel has a one-launch variant for positions below its short_until; a
+    step there has one launch per layer fewer, and the same launches otherwise."""
+    from fuselm.codegen.attention import single_until
+    G, kernels = expected(PRESET)
+    att = [k for k in kernels if k.family == "attention"]
+    assert att and all(k.short_until == single_until(64, 4) and k.short_until > 0 for k in att)
+    for k in att:
+        assert [l.function for l in k.launches_at(0)] == [f"{k.name}_single"]
+        assert [l.function for l in k.launches_at(k.short_until - 1)] == [f"{k.name}_single"]
+        assert [l.function for l in k.launches_at(k.short_until)] == [f"{k.name}_split", f"{k.name}_combine"]
+        assert k.short_launches[0].grid == (G.nodes[k.nodes[0]]["attrs"]["n_kv_heads"], 1)   # a block per KV head
+    others = [k for k in kernels if k.family != "attention"]
+    assert all(k.launches_at(0) == k.launches_at(10**6) == k.launches for k in others)
+    short = sum(len(k.launches_at(0)) for k in kernels)
+    assert short == sum(len(k.launches) for k in kernels) - len(att)
+
+
 # ---- a tiny HF folder -----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,201 @@
+// Building blocks of decode attention: how a block's lanes share cache rows, one pass over a
+// range of rows (every load issued at once), and the softmax state of a query head, merged
+// across passes, lanes and warps. attention.cuh assembles the kernels from them.
+#pragma once
+#include "common.cuh"
+
+// LPR lanes share one cache row, each owning 8 consecutive dims (a 16-byte load when rows are
+// 16-byte aligned); a warp covers PPL = 32 / LPR rows per load. LPR is a power of two, so lanes
+// past the head dim (HD not a power of two) own nothing.
+template <int HD>
+struct RowLanes {
+    static_assert(HD <= 256, "head_dim > 256");
+    static constexpr int LPR = HD <= 8 ? 1 : HD <= 16 ? 2 : HD <= 32 ? 4 : HD <= 64 ? 8 : HD <= 128 ? 16 : 32;
+    static constexpr int PPL = 32 / LPR;
+};
+
+// Dims d0 .. d0 + 7 of a bf16 row, as raw bits (zero past HD).
+template <int HD>
+__device__ __forceinline__ uint4 load_dims8(const bf16_t* row, int d0) {
+    if (d0 >= HD) return make_uint4(0u, 0u, 0u, 0u);
+    if constexpr (HD % 8 == 0) {
+        return *reinterpret_cast<const uint4*>(row + d0);
+    } else {
+        unsigned h[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) h[i] = d0 + i < HD ? row[d0 + i] : 0u;
+        return make_uint4(h[0] | h[1] << 16, h[2] | h[3] << 16, h[4] | h[5] << 16, h[6] | h[7] << 16);
+    }
+}
+
+__device__ __forceinline__ void unpack8_bf16(uint4 q, float (&out)[8]) {
+    const bf16_t* h = reinterpret_cast<const bf16_t*>(&q);
+#pragma unroll
+    for (int i = 0; i < 8; i++) out[i] = bf16_to_f32(h[i]);
+}
+
+// Sum (or max) over the lanes whose index differs only in the bits FROM .. 16.
+template <int FROM>
+__device__ __forceinline__ float lanes_sum(float v) {
+#pragma unroll
+    for (int o = FROM; o < 32; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+template <int FROM>
+__device__ __forceinline__ float lanes_max(float v) {
+#pragma unroll
+    for (int o = FROM; o < 32; o <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// One pass of a block over cache rows [base, base + CHUNK) for KV head blockIdx.x and its G = H / KV
+// query heads (each cached K and V row is read once per token, not once per query head). Row r
+// goes to warp (r / PPL) % WARPS, step r / (PPL * WARPS) of its J, lane group r % PPL; rows
+// outside [start, end) are masked. blockDim.x == 32 * WARPS.
+template <int KV, int HD, int WARPS, int J>
+struct Pass {
+    using L = RowLanes<HD>;
+    static constexpr int CHUNK = WARPS * L::PPL * J, W = KV * HD;
+    uint4 k[J], v[J];
+    bool valid[J];
+
+    __device__ __forceinline__ static int row(int base, int j) {
+        return base + (j * WARPS + (threadIdx.x >> 5)) * L::PPL + (threadIdx.x & 31) / L::LPR;
+    }
+    __device__ __forceinline__ static const bf16_t* at(const bf16_t* cache, int p) {
+        return cache + (size_t)p * W + blockIdx.x * HD;
+    }
+    // Rows before pos were written by earlier steps, so their loads may go out before the wait for
+    // the previous kernel, which writes row pos. Only where row slices are whole 32-byte sectors:
+    // otherwise a sector read early could hold part of row pos and be served stale from L1.
+    static constexpr bool EARLY = HD % 16 == 0;
+    __device__ __forceinline__ void before_wait(const bf16_t* kc, const bf16_t* vc, int base, int start, int end,
+                                                int pos) {
+        if (EARLY) load(kc, vc, base, start, end, pos);
+    }
+    __device__ __forceinline__ void after_wait(const bf16_t* kc, const bf16_t* vc, int base, int start, int end,
+                                               int pos) {
+        if (EARLY) load_row(kc, vc, base, pos);
+        else load(kc, vc, base, start, end, -1);
+    }
+    // Issue every load of this lane's rows, but row `skip` (the previous kernel may still write it).
+    __device__ __forceinline__ void load(const bf16_t* kc, const bf16_t* vc, int base, int start, int end, int skip) {
+        const int d0 = (threadIdx.x & 31) % L::LPR * 8;
+#pragma unroll
+        for (int j = 0; j < J; j++) {
+            const int p = row(base, j);
+            valid[j] = p >= start && p < end;
+            const bool now = valid[j] && p != skip;
+            k[j] = now ? load_dims8<HD>(at(kc, p), d0) : make_uint4(0u, 0u, 0u, 0u);
+            v[j] = now ? load_dims8<HD>(at(vc, p), d0) : make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+    // The row skipped by load(), once the previous kernel has finished.
+    __device__ __forceinline__ void load_row(const bf16_t* kc, const bf16_t* vc, int base, int p) {
+        const int d0 = (threadIdx.x & 31) % L::LPR * 8;
+#pragma unroll
+        for (int j = 0; j < J; j++)
+            if (row(base, j) == p) { k[j] = load_dims8<HD>(at(kc, p), d0); v[j] = load_dims8<HD>(at(vc, p), d0); }
+    }
+};
+
+// The G query heads of KV head blockIdx.x, times `scale`: dims d0 .. d0 + 7 of each, for this lane.
+template <int G, int HD>
+__device__ __forceinline__ void load_queries(const float* q, float scale, float (&qv)[G][8]) {
+    const int d0 = (threadIdx.x & 31) % RowLanes<HD>::LPR * 8;
+#pragma unroll
+    for (int g = 0; g < G; g++)
+#pragma unroll
+        for (int i = 0; i < 8; i++) qv[g][i] = d0 + i < HD ? q[(blockIdx.x * G + g) * HD + d0 + i] * scale : 0.0f;
+}
+
+// Softmax state of one query head over the rows seen so far: max score, sum of exp(score - m),
+// and this lane's 8 dims of the exp-weighted sum of values.
+struct Softmax {
+    float m = NEG_INF, l = 0.0f, acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+
+    // Fold in another state (rescaling whichever has the smaller max).
+    __device__ __forceinline__ void merge(const Softmax& o) {
+        const float mx = fmaxf(m, o.m);
+        if (mx == NEG_INF) return;
+        const float a = __expf(m - mx), b = __expf(o.m - mx);   // exp(-inf) = 0
+        l = l * a + o.l * b;
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc[i] = acc[i] * a + o.acc[i] * b;
+        m = mx;
+    }
+};
+
+// The warp's softmax state of each query head over one pass's rows.
+template <int G, int KV, int HD, int WARPS, int J>
+__device__ __forceinline__ void pass_softmax(const Pass<KV, HD, WARPS, J>& pass, const float (&qv)[G][8],
+                                             float softcap, Softmax (&out)[G]) {
+    using L = RowLanes<HD>;
+    float s[J][G];                               // scores, summed over the LPR lanes of each row
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        float k[8];
+        unpack8_bf16(pass.k[j], k);
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            float a = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; i++) a = fmaf(qv[g][i], k[i], a);
+#pragma unroll
+            for (int o = 1; o < L::LPR; o <<= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+            s[j][g] = !pass.valid[j] ? NEG_INF : softcap > 0.0f ? softcap * tanhf(a / softcap) : a;
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        Softmax& o = out[g];
+        o = Softmax{};
+#pragma unroll
+        for (int j = 0; j < J; j++) o.m = fmaxf(o.m, s[j][g]);
+        o.m = lanes_max<L::LPR>(o.m);
+#pragma unroll
+        for (int j = 0; j < J; j++) {
+            const float e = pass.valid[j] ? __expf(s[j][g] - o.m) : 0.0f;   // o.m is finite where any row is valid
+            float v[8];
+            unpack8_bf16(pass.v[j], v);
+            o.l += e;
+#pragma unroll
+            for (int i = 0; i < 8; i++) o.acc[i] = fmaf(e, v[i], o.acc[i]);
+        }
+        o.l = lanes_sum<L::LPR>(o.l);
+#pragma unroll
+        for (int i = 0; i < 8; i++) o.acc[i] = lanes_sum<L::LPR>(o.acc[i]);
+    }
+}
+
+// The warps' states meet in shared memory; emit(g, d, max, sum, weighted value) is called once per
+// query head g and dim d with the block's result.
+template <int G, int HD, int WARPS, class Emit>
+__device__ __forceinline__ void block_softmax(const Softmax (&st)[G], Emit emit) {
+    constexpr int HDP = RowLanes<HD>::LPR * 8;
+    __shared__ float wm[WARPS][G], wl[WARPS][G], wacc[WARPS][G][HDP];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane < RowLanes<HD>::LPR) {              // lane group 0 holds the warp's sums
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) wacc[warp][g][lane * 8 + i] = st[g].acc[i];
+            if (lane == 0) { wm[warp][g] = st[g].m; wl[warp][g] = st[g].l; }
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
+        const int g = i / HD, d = i % HD;
+        float m = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) m = fmaxf(m, wm[w][g]);
+        float l = 0.0f, a = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) {
+            const float f = wm[w][g] == NEG_INF ? 0.0f : __expf(wm[w][g] - m);
+            l = fmaf(f, wl[w][g], l);
+            a = fmaf(f, wacc[w][g][d], a);
+        }
+        emit(g, d, m, l, a);
+    }
+}
