@@ -1,9 +1,10 @@
-"""The CUDA backend: compiled kernels replayed as one CUDA graph per decode step.
+"""The CUDA backend: compiled kernels replayed as one CUDA graph per decode step (one graph per
+schedule: a step at a short context runs attention in one launch, a longer one in two).
 
 Everything a step needs lives on the GPU: weights (bf16), one arena for activations (planned by
 the compiler), the KV caches (bf16, `ctx` rows), the token id and position (device int32), and
 the sampler's state. The sampling kernel writes the next token id and advances the position, so
-the captured graph is replayed unchanged every step; only the sampled id is copied back.
+the captured graphs are replayed unchanged every step; only the sampled id is copied back.
 """
 from __future__ import annotations
 
