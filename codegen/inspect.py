@@ -87,13 +87,16 @@ def build(cfg, fuse: bool = True, ctx: int | None = None, dump: str | Path | Non
     return G, kernels, ctx
 
 
-def schedule_rows(kernels) -> list[Row]:
-    """One Row per launch, in launch order (T in a grid is 1: one decode token)."""
+def schedule_rows(kernels, position: int | None = None) -> list[Row]:
+    """One Row per launch, in launch order (T in a grid is 1: one decode token): the launches of a
+    step at `position` (attention runs in one launch at short contexts), or with None the
+    long-context schedule."""
     rows = []
     for k in kernels:
-        n = len(k.launches)
+        launches = k.launches if position is None else k.launches_at(position)
+        n = len(launches)
         workspace = 4 * k.workspace_floats if n > 1 else 0
-        for j, launch in enumerate(k.launches):
+        for j, launch in enumerate(launches):
             read = (k.bytes_read if j == 0 else 0) + (workspace if j > 0 else 0)
             written = (k.bytes_written if j == n - 1 else 0) + (workspace if j < n - 1 else 0)
             grid = tuple(1 if g == "T" else int(g) for g in launch.grid)
@@ -132,13 +135,15 @@ def _launch_label(function: str, kernel_name: str) -> str:
     return f"{kernel_name.split('_')[0]} {suffix}" if suffix else function
 
 
-def summary(G, kernels, rows: list[Row], ctx: int) -> list[str]:
-    """Kernels and launches per layer, before and after the layers, and the arena."""
+def summary(G, kernels, rows: list[Row], ctx: int, position: int | None = None) -> list[str]:
+    """Kernels and launches per layer (of a step at `position`, see schedule_rows), before and
+    after the layers, and the arena."""
     layers = sorted({k.layer for k in kernels if k.layer is not None})
     per_layer = {}
     for L in layers:
         ks = [k for k in kernels if k.layer == L]
-        extra = [_launch_label(l.function, k.name) for k in ks for l in k.launches[1:]]
+        extra = [_launch_label(l.function, k.name) for k in ks
+                 for l in (k.launches if position is None else k.launches_at(position))[1:]]
         label = f"{len(ks)}" + (f" (+{len(extra)} {', '.join(extra)})" if extra else "")
         per_layer[L] = label
     out = []
@@ -247,20 +252,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dump", metavar="DIR", help="write the graph after each compiler pass (.txt, .dot)")
     p.add_argument("--ctx", type=int, metavar="N", help="KV cache rows the attention kernels are built "
                    "for (default min(model's maximum, 4096))")
+    p.add_argument("--position", type=int, metavar="P", help="the schedule of a step at position P (short "
+                   "contexts run attention in one launch; default: the long-context schedule)")
 
 
 def main(args: argparse.Namespace) -> int:
     if args.ctx is not None and args.ctx <= 0:
         raise FuselmError(f"--ctx must be a positive number of tokens, got {args.ctx}")
+    if args.position is not None and args.position < 0:
+        raise FuselmError(f"--position must be 0 or more, got {args.position}")
     if not re.fullmatch(r"sm_\d+[a-z]?", args.arch):
         raise FuselmError(f"--arch must look like sm_90, got '{args.arch}'")
     cfg, source = load_config(args.model)
     G, kernels, ctx = build(cfg, fuse=not args.no_fuse, ctx=args.ctx, dump=args.dump)
-    rows = schedule_rows(kernels)
+    rows = schedule_rows(kernels, args.position)
+    at = f" at position {args.position}" if args.position is not None else ""
     title = (f"{source}: {cfg.architecture}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
              f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads of {cfg.head_dim}, vocab {cfg.vocab_size}; "
-             f"{'fused' if not args.no_fuse else 'unfused'}, ctx {ctx}; one decode token")
-    lines = summary(G, kernels, rows, ctx)
+             f"{'fused' if not args.no_fuse else 'unfused'}, ctx {ctx}; one decode token{at}")
+    lines = summary(G, kernels, rows, ctx, args.position)
     rep = compile_report(kernels, args.arch) if args.compile else None
     if args.out:
         out = Path(args.out)
@@ -272,7 +282,7 @@ def main(args: argparse.Namespace) -> int:
                                                      *(compile_lines(rep) if rep else [])]) + "\n")
     if args.json:
         doc = {"model": source, "architecture": cfg.architecture, "fused": not args.no_fuse, "ctx": ctx,
-               "tokens": 1, "launches": [r.as_json() for r in rows],
+               "tokens": 1, "position": args.position, "launches": [r.as_json() for r in rows],
                "arena_bytes": G.graph["arena_bytes"], "arena_bytes_no_reuse": G.graph["arena_bytes_no_reuse"]}
         if rep:
             doc["compile"] = rep

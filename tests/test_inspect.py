@@ -189,6 +189,22 @@ def test_short_contexts_run_attention_in_one_launch():
     assert short == sum(len(k.launches) for k in kernels) - len(att)
 
 
+def test_position_shows_the_schedule_of_that_step(capsys, preset_json):
+    """--position P: below the switch point each layer's attention is one launch (`_single`)."""
+    from fuselm.codegen.attention import single_until
+    rc, out, _ = run_main(capsys, "inspect", PRESET, "--position", "0", "--json")
+    assert rc == 0
+    short = json.loads(out)
+    assert short["position"] == 0 and preset_json["position"] is None
+    singles = [e for e in short["launches"] if e["family"] == "attention"]
+    assert len(singles) == 16 and all(e["function"].endswith("_single") for e in singles)
+    assert len(short["launches"]) == len(preset_json["launches"]) - 16
+    rc, out, _ = run_main(capsys, "inspect", PRESET, "--position", str(single_until(64, 4)), "--json")
+    assert json.loads(out)["launches"] == preset_json["launches"]
+    rc, out, _ = run_main(capsys, "inspect", PRESET, "--position", "0")
+    assert rc == 0 and "at position 0" in out and "kernels per layer: 5, x 16 layers" in out
+
+
 # ---- a tiny HF folder -----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -250,6 +266,7 @@ def test_compile_reports_time_and_spills_per_function(capsys, tiny_folder):
     (["inspect", "no-such-model"], "'no-such-model' is neither a file or folder nor a preset"),
     (["inspect", PRESET, "--ctx", "0"], "--ctx must be a positive"),
     (["inspect", PRESET, "--arch", "90"], "--arch must look like sm_90"),
+    (["inspect", PRESET, "--position", "-1"], "--position must be 0 or more"),
     (["inspect"], "required"),
 ])
 def test_bad_input_is_one_error_line(capsys, argv, fragment):
