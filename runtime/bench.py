@@ -25,7 +25,7 @@ from ..compiler import compile_graph
 from ..models import build_graph
 from ..models.presets import PRESETS, preset
 from .engine import SamplingParams
-from .profile import kernel_profile, read_bandwidth, step_ablation
+from .profile import kernel_profile, step_ablation
 
 GREEDY = SamplingParams()
 
@@ -200,10 +200,10 @@ def run(models: list[str], out: str | None = None, **kw) -> dict:
     import cupy as cp
 
     from .cuda_engine import gpu_name
-    copy, read = copy_bandwidth(), read_bandwidth()
+    copy = copy_bandwidth()
     record = {"gpu": gpu_name(), "date": date.today().isoformat(), "copy_GBps": round(copy / 1e9, 1),
-              "read_GBps": round(read / 1e9, 1), "results": []}
-    print(f"{record['gpu']}: device copy {copy / 1e9:.0f} GB/s (read + write), streaming read {read / 1e9:.0f} GB/s")
+              "results": []}
+    print(f"{record['gpu']}: device copy {copy / 1e9:.0f} GB/s (read + write)")
     for m in models:
         r = bench_model(m, copy_Bps=copy, **kw)
         record["results"].append(r)

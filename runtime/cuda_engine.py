@@ -145,12 +145,16 @@ class CudaEngine:
         """Resolve every launch's arguments once: a schedule is then a flat list of calls, each
         taking the stream (launched with PDL where the GPU has it, see runtime/launch.py). Kernels
         with a short-context variant (attention) make one schedule per range of positions."""
-        starts = sorted({0} | {k.short_until for k in self.kernels if k.short_until and self.short_contexts})
-        self._schedules = []            # (first position, [(kernel, launch, call)]), by position
-        for start in starts:
-            at = start if self.short_contexts else self.max_context
-            self._schedules.append((start, [(k, launch, self._call(launch))
-                                            for k in self.kernels for launch in k.launches_at(at)]))
+        calls = {}                      # id(launch) -> call: schedules share the launches they have in common
+
+        def entries(start):
+            for k in self.kernels:
+                for launch in k.launches_at(start) if self.short_contexts else k.launches:
+                    if id(launch) not in calls:
+                        calls[id(launch)] = self._call(launch)
+                    yield k, launch, calls[id(launch)]
+        starts = {0} | ({k.short_until for k in self.kernels if k.short_until} if self.short_contexts else set())
+        self._schedules = [(start, list(entries(start))) for start in sorted(starts)]   # by first position
         self._graph_execs: dict[int, object] = {}   # first position of a schedule -> its CUDA graph
 
     def _call(self, launch):
@@ -177,9 +181,10 @@ class CudaEngine:
         with self.stream:
             for start, calls in self._schedules:
                 if start not in self._graph_execs:
-                    self._graph_execs[start] = self._capture(calls)
+                    self._graph_execs[start] = self.capture(calls)
 
-    def _capture(self, calls):
+    def capture(self, calls):
+        """A CUDA graph of `calls` ((kernel, launch, call) as in schedule_at) on the engine's stream."""
         self.stream.begin_capture()
         for _, _, call in calls:
             call(self.stream)
@@ -195,7 +200,7 @@ class CudaEngine:
                     call(self.stream)
                 return
             if start not in self._graph_execs:
-                self._graph_execs[start] = self._capture(calls)
+                self._graph_execs[start] = self.capture(calls)
             self._graph_execs[start].launch(self.stream)
 
     def _set_sampling(self, sampling: SamplingParams) -> None:

@@ -59,10 +59,11 @@ __device__ __forceinline__ void fma8_rows(const uint4 (&q)[NR], const float (&xv
 }
 
 // acc[r] = dot(W[rows[r], 0:K], v) for NR rows at once, by the calling warp; every lane gets the
-// results, and for a normed vector `sumsq` = the sum of x^2 over its K elements. Each lane keeps UNROLL x NR independent 16-byte loads in flight, and each chunk of the
-// vector it loads serves all NR rows (fewer L1 reads per weight byte). While `pending`, the
-// previous kernel may still be running: the first weight loads are issued, then the thread waits
-// for it (grid_wait_then_release) before the vector, its output, is read.
+// results, and for a normed vector `sumsq` = the sum of x^2 over its K elements. Each lane keeps
+// UNROLL x NR independent 16-byte loads in flight, and each chunk of the vector it loads serves
+// all NR rows (fewer L1 reads per weight byte). While `pending`, the previous kernel may still be
+// running: the first weight loads are issued, then the thread waits for it
+// (grid_wait_then_release) before the vector, its output, is read.
 template <int K, int UNROLL, int NR, class Vector>
 __device__ __forceinline__ void warp_dot_rows(const weight_t* const (&rows)[NR], const Vector& v, float (&acc)[NR],
                                               bool& pending, float& sumsq) {
