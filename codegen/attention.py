@@ -1,5 +1,6 @@
-"""The attention family: flash-decoding over the KV cache (a split launch and a combine launch), and
-a one-launch variant for short contexts."""
+"""The attention family: flash-decoding over the KV cache, as a split launch and a combine launch;
+at medium contexts the split launch merges the chunks itself, and at short ones one launch walks
+the whole context."""
 from __future__ import annotations
 
 import os
@@ -16,6 +17,8 @@ MAX_SCORES = 32  # cache rows x query heads whose scores one lane keeps in regis
 COMBINE_WARPS = 8                                         # per combine block
 SINGLE_WARPS = 8                                          # per block of the one-launch short variant
 SINGLE_PASSES = int(os.environ.get("FUSELM_ATTN_SINGLE_PASSES", 2))   # its longest walk, in passes
+MERGE_GROUP = 16             # chunk records a warp of the in-launch merge loads at once (head size 128)
+MERGE_ROUNDS = int(os.environ.get("FUSELM_ATTN_MERGE_ROUNDS", 4))     # its most rounds of loads; 0: off
 
 
 def lanes_per_row(head_dim: int) -> int:
@@ -54,6 +57,23 @@ def single_until(head_dim: int, group: int) -> int:
     return SINGLE_PASSES * single_warps(head_dim, group) * (32 // lanes_per_row(head_dim)) * rows_per_lane
 
 
+def merge_group(head_dim: int) -> int:
+    """Chunk records per warp per round of the in-launch merge (a lane holds 4 dims of each)."""
+    return max(1, MERGE_GROUP // -(-head_dim // 128))
+
+
+def merge_until(head_dim: int, group: int) -> int:
+    """Positions below which the split launch's last block per KV head merges the chunks itself
+    (one kernel boundary less than a combine launch): as long as that block's warps need at most
+    MERGE_ROUNDS rounds of loads for its `group` query heads. Past that, the combine launch's
+    blocks (one per query head) merge in parallel."""
+    _, chunk = chunk_shape(head_dim, group)
+    heads_per_warp = -(-group // WARPS)
+    warps_per_head = max(1, WARPS // group)
+    chunks = MERGE_ROUNDS // heads_per_warp * warps_per_head * merge_group(head_dim)
+    return chunks * chunk
+
+
 def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
     """Template variables of one attention launch over a cache of `rows` positions."""
     (n,) = launch["nodes"]
@@ -78,7 +98,8 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
             "combine_warps": COMBINE_WARPS, "combine_threads": COMBINE_WARPS * 32,
             "single_warps": single_warps(hd, group), "single_threads": single_warps(hd, group) * 32,
             "single_until": min(single_until(hd, group), rows),
+            "merge_until": min(merge_until(hd, group), rows), "merge_group": merge_group(hd),
             "q": params.ref(q), "kc": params.ref(kc), "vc": params.ref(vc), "pos": params.ref(pos),
             "out": params.ref(n, written=True),
-            "ws": params.extra("float*", "workspace"),
+            "ws": params.extra("float*", "workspace"), "done": params.extra("int*", "counters"),
             "workspace_floats": a["n_heads"] * nchunk * record}

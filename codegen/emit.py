@@ -12,7 +12,7 @@ import numpy as np
 
 from ..dsl import Kind, get
 from . import attention, gemv, moe, rowwise
-from .kernel import KernelSource, Launch
+from .kernel import KernelSource, Launch, Variant
 from .params import Params, storage_of
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -54,10 +54,25 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2) -> list[KernelSour
         read, written = _traffic(G, launch, rows, weight_bytes)
         k = KernelSource(name, launch["family"], body, launch["nodes"], launches, launch["layer"],
                          read, written, ctx.get("workspace_floats", 0))
-        if launch["family"] == "attention" and ctx["single_until"] > 0:
-            k.short_until = ctx["single_until"]
-            k.short_launches = [Launch(f"{name}_single", (ctx["KV"], 1), ctx["single_threads"], params.values)]
+        if launch["family"] == "attention":
+            k.variants, k.counter_words = _attention_variants(name, ctx, params.values), ctx["KV"]
         out.append(k)
+    return out
+
+
+def _attention_variants(name: str, ctx: dict, args: list[str]) -> list[Variant]:
+    """One launch walking the context below single_until; the split launch merging its own chunks
+    below merge_until; split + combine beyond. A variant whose range the one before covers is kept
+    (tests and CudaEngine(variant=...) can still ask for it)."""
+    out = []
+    if ctx["single_until"] > 0:
+        out.append(Variant("single", ctx["single_until"],
+                           [Launch(f"{name}_single", (ctx["KV"], 1), ctx["single_threads"], args)],
+                           "attention in one launch per layer (<kernel>_single)"))
+    if ctx["merge_until"] > 0:
+        out.append(Variant("merge", ctx["merge_until"],
+                           [Launch(f"{name}_merge", (ctx["KV"], ctx["nchunk"]), ctx["threads"], args)],
+                           "attention split merging its own chunks (<kernel>_merge), no combine launch"))
     return out
 
 

@@ -89,8 +89,8 @@ def build(cfg, fuse: bool = True, ctx: int | None = None, dump: str | Path | Non
 
 def schedule_rows(kernels, position: int | None = None) -> list[Row]:
     """One Row per launch, in launch order (T in a grid is 1: one decode token): the launches of a
-    step at `position` (attention runs in one launch at short contexts), or with None the
-    long-context schedule."""
+    step at `position` (attention: one launch at short contexts, a split that merges itself at
+    medium ones), or with None the long-context schedule."""
     rows = []
     for k in kernels:
         launches = k.launches if position is None else k.launches_at(position)
@@ -160,9 +160,11 @@ def summary(G, kernels, rows: list[Row], ctx: int, position: int | None = None) 
             n = sum(len(k.launches) for k in ks)
             out.append(f"{what}: {n} launch{'es' if n != 1 else ''}: "
                        + ", ".join(f"{k.name} ({', '.join(k.nodes)})" for k in ks))
-    for until in sorted({k.short_until for k in kernels if k.short_until}):
-        out.append(f"at positions below {until}: attention in one launch per layer (<kernel>_single) "
-                   "instead of split + combine")
+    since = 0
+    for until, note in sorted({(v.until, v.note) for k in kernels for v in k.variants}):
+        if until > since:          # a variant whose range an earlier one covers never runs
+            out.append(f"at positions {f'from {since} ' if since else ''}below {until}: {note}")
+            since = until
     total_r, total_w = sum(r.bytes_read for r in rows), sum(r.bytes_written for r in rows)
     out.append(f"launches per token: {len(rows)} ({len(kernels)} kernels, "
                f"{len({k.name for k in kernels})} distinct)")
@@ -252,8 +254,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dump", metavar="DIR", help="write the graph after each compiler pass (.txt, .dot)")
     p.add_argument("--ctx", type=int, metavar="N", help="KV cache rows the attention kernels are built "
                    "for (default min(model's maximum, 4096))")
-    p.add_argument("--position", type=int, metavar="P", help="the schedule of a step at position P (short "
-                   "contexts run attention in one launch; default: the long-context schedule)")
+    p.add_argument("--position", type=int, metavar="P", help="the schedule of a step at position P "
+                   "(attention's launches depend on it; default: the long-context schedule)")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -14,6 +14,16 @@ class Launch:
 
 
 @dataclass
+class Variant:
+    """Launches that replace a kernel's general `launches` at positions below `until` (attention:
+    one launch at short contexts, split + in-launch merge at medium ones)."""
+    name: str                 # "single", "merge": how tests and `fuselm inspect` call it
+    until: int
+    launches: list[Launch]
+    note: str                 # what it does instead, for `fuselm inspect`
+
+
+@dataclass
 class KernelSource:
     """One generated kernel: its CUDA source, the graph nodes it covers and how it is launched."""
     name: str                 # derived from the family, its shape constants and a hash of its body
@@ -25,15 +35,22 @@ class KernelSource:
     bytes_read: int = 0       # per token, weights + activations (+ KV cache at the planned context)
     bytes_written: int = 0
     workspace_floats: int = 0
+    counter_words: int = 0    # of the runtime's "counters": int32, zero before and after each launch
     notes: dict = field(default_factory=dict)
-    # While the position is below short_until, short_launches replace `launches` (an attention
-    # kernel's one-launch variant for short contexts); the runtime keeps a CUDA graph for each.
-    short_until: int = 0
-    short_launches: list[Launch] = field(default_factory=list)
+    # By increasing `until`; the runtime keeps one CUDA graph per range of positions.
+    variants: list[Variant] = field(default_factory=list)
 
     def launches_at(self, position: int) -> list[Launch]:
-        """The launches that serve a step at `position`."""
-        return self.short_launches if position < self.short_until else self.launches
+        """The launches that serve a step at `position`: the first variant whose range holds it."""
+        return next((v.launches for v in self.variants if position < v.until), self.launches)
+
+    def launches_of(self, variant: str | None) -> list[Launch]:
+        """The launches of the variant named `variant` (the general ones where it has no such)."""
+        return next((v.launches for v in self.variants if v.name == variant), self.launches)
+
+    def all_launches(self) -> list[Launch]:
+        """Every launch this kernel's module must provide, variants included."""
+        return self.launches + [l for v in self.variants for l in v.launches]
 
     def annotated(self) -> str:
         """The source headed by a comment listing the graph nodes it implements (for inspect)."""

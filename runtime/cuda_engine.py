@@ -1,5 +1,5 @@
 """The CUDA backend: compiled kernels replayed as one CUDA graph per decode step (one graph per
-schedule: a step at a short context runs attention in one launch, a longer one in two).
+schedule: kernels with variants, attention's, run different launches at different positions).
 
 Everything a step needs lives on the GPU: weights (bf16), one arena for activations (planned by
 the compiler), the KV caches (bf16, `ctx` rows), the token id and position (device int32), and
@@ -58,10 +58,12 @@ class CudaEngine:
     device = "cuda"
 
     def __init__(self, graph: Graph, weights: Mapping[str, object], ctx: int = 4096, fuse: bool = True,
-                 use_graph: bool = True, arch: str | None = None, pass_list=None, short_contexts: bool = True):
+                 use_graph: bool = True, arch: str | None = None, pass_list=None, variant: str | None = None):
         import cupy
         self.cp, self.graph, self.max_context, self.use_graph = cupy, graph, ctx, use_graph
-        self.short_contexts = short_contexts    # False: never the short-context variants (tests)
+        # None: each kernel's variant by position; a name ("single", "merge", "general"): that one at
+        # every position, where a kernel has it (tests).
+        self.variant = variant
         self.position = 0
         self.arch = arch or f"sm_{cupy.cuda.Device().compute_capability}"
         self.pdl = pdl_wanted(cupy.cuda.Device().compute_capability)
@@ -117,11 +119,12 @@ class CudaEngine:
         self.sampler_scratch = cp.zeros(sampler_scratch_words(), cp.uint32)
         ws = max([k.workspace_floats for k in self.kernels] + [1])
         self.workspace = cp.empty(ws, cp.float32)
+        self.counters = cp.zeros(max([k.counter_words for k in self.kernels] + [1]), cp.int32)
 
     def buffer(self, value: str):
         """The device array holding graph value `value` (arena slices for activations)."""
         cp, G = self.cp, self.G
-        special = {"workspace": self.workspace, "seen": self.seen, "ids": self.ids, "pos": self.pos,
+        special = {"workspace": self.workspace, "counters": self.counters, "seen": self.seen, "ids": self.ids, "pos": self.pos,
                    "sampling_args": self.sampling_args, "sampler_scratch": self.sampler_scratch}
         if value == "logits":
             value = self.logits_value
@@ -144,16 +147,16 @@ class CudaEngine:
     def _bind(self) -> None:
         """Resolve every launch's arguments once: a schedule is then a flat list of calls, each
         taking the stream (launched with PDL where the GPU has it, see runtime/launch.py). Kernels
-        with a short-context variant (attention) make one schedule per range of positions."""
+        with variants (attention) make one schedule per range of positions."""
         calls = {}                      # id(launch) -> call: schedules share the launches they have in common
 
         def entries(start):
             for k in self.kernels:
-                for launch in k.launches_at(start) if self.short_contexts else k.launches:
+                for launch in k.launches_at(start) if self.variant is None else k.launches_of(self.variant):
                     if id(launch) not in calls:
                         calls[id(launch)] = self._call(launch)
                     yield k, launch, calls[id(launch)]
-        starts = {0} | ({k.short_until for k in self.kernels if k.short_until} if self.short_contexts else set())
+        starts = {0} | ({v.until for k in self.kernels for v in k.variants} if self.variant is None else set())
         self._schedules = [(start, list(entries(start))) for start in sorted(starts)]   # by first position
         self._graph_execs: dict[int, object] = {}   # first position of a schedule -> its CUDA graph
 

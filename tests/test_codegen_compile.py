@@ -92,14 +92,14 @@ def test_module_compiles_and_gemv_and_attention_kernels_do_not_spill(kernels_of,
                                        use_cache=False)
     assert not cached
     assert cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
-    functions = {launch.function for k in ks for launch in k.launches + k.short_launches}
+    functions = {launch.function for k in ks for launch in k.all_launches()}
     for f in functions:
         assert f.encode() in cubin, f"{f} is launched but not in the cubin"
     report = spills(log)
     missing = functions - set(report)
     assert not missing, f"no ptxas resource report for {sorted(missing)}; log:\n{log[:2000]}"
     assert f"for '{arch}'" in log
-    gemv = {launch.function for k in ks if k.family in ("gemv", "attention") for launch in k.launches + k.short_launches}
+    gemv = {launch.function for k in ks if k.family in ("gemv", "attention") for launch in k.all_launches()}
     assert gemv, "no gemv kernel generated"
     spilling = {f: report[f] for f in sorted(gemv) if report[f]}
     if arch == "sm_80" and spilling and max(spilling.values()) <= SM80_TOLERATED_SPILL_BYTES:
@@ -181,6 +181,7 @@ def test_one_launch_attention_falls_back_to_fewer_warps_where_shared_memory_is_s
                                      num_key_value_heads=1, head_dim=256))
     ks = generate(compile_graph(build_graph(cfg)), rows=512)
     (att,) = [k for k in ks if k.family == "attention"]
-    assert att.short_launches[0].block == 32 * WARPS and att.short_until > 0
+    (single,) = att.launches_of("single")
+    assert single.block == 32 * WARPS and att.variants[0].until > 0
     cubin, _, _ = compile_cubin(module_source(ks), headers(), options("sm_90"), use_cache=False)
-    assert att.short_launches[0].function.encode() in cubin
+    assert single.function.encode() in cubin

@@ -63,11 +63,13 @@ def bf16_kv_cache():
         ops.REGISTRY["kv_write"] = plain
 
 
-def compare_steps(graph, weights, tokens, ctx=64, fuse=True, tol=5e-3, short_contexts=True):
+def compare_steps(graph, weights, tokens, ctx=64, fuse=True, tol=5e-3, variant=None):
     """Feed `tokens` one by one to the GPU and to the reference (bf16 KV cache on both sides);
-    worst relative logit error. short_contexts=False: attention always split + combine."""
+    worst relative logit error. variant: the attention variant at every position (CudaEngine)."""
     import cupy as cp
-    eng = engine_for(graph, weights, ctx=ctx, fuse=fuse, short_contexts=short_contexts)
+    eng = engine_for(graph, weights, ctx=ctx, fuse=fuse, variant=variant)
+    if variant not in (None, "general"):
+        assert any(v.name == variant for k in eng.kernels for v in k.variants), f"no kernel has variant {variant}"
     state = new_state(graph, ctx)
     worst = 0.0
     for p, t in enumerate(tokens):
@@ -255,9 +257,9 @@ REAL_SHAPES = {"smollm2-135m": {}, "llama-3.2-1b": {}, "llama-3.1-8b": {},
                                      {"architectures": ["Gemma2ForCausalLM"], **ARCH_TINY["Gemma2ForCausalLM"],
                                       "head_dim": 256, "sliding_window": 70}])
 def test_long_context_spans_attention_chunks(variant):
-    """150 steps in a 192-row cache, by both attention variants: one launch walking every position,
-    and split + combine over two or more chunks (the chunk size depends on the head size);
-    windows start mid-chunk."""
+    """150 steps in a 192-row cache, by each attention variant: one launch walking every position,
+    the split merging its own chunks, and split + combine, over two or more chunks (the chunk size
+    depends on the head size); windows start mid-chunk."""
     from fuselm.codegen.attention import chunk_shape
     rng = np.random.default_rng()
     cfg = DecoderConfig.from_hf({**TINY, **variant})
@@ -265,18 +267,19 @@ def test_long_context_spans_attention_chunks(variant):
     assert 150 >= 2 * chunk, f"150 steps fill only one attention chunk of {chunk}"
     graph = build_graph(cfg)
     weights, tokens = random_weights(graph, rng), rng.integers(0, cfg.vocab_size, 150)
-    for short in (True, False):
-        worst = compare_steps(graph, weights, tokens, ctx=192, short_contexts=short)
+    for attention in ("single", "merge", "general"):
+        worst = compare_steps(graph, weights, tokens, ctx=192, variant=attention)
         print(f"long context {variant.get('architectures', ['Llama'])[0]}, "
-              f"{'one launch' if short else 'split + combine'}: worst rel logit error {worst:.2e}")
+              f"attention {attention}: worst rel logit error {worst:.2e}")
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,window", [(32, 8, 128, 0), (9, 3, 64, 0), (28, 4, 128, 0),
                                                             (16, 8, 256, 1000), (4, 2, 6, 0)])
 def test_attention_at_long_context(heads, kv_heads, head_dim, window):
-    """One step at position 3001 of caches filled with random bf16 rows, by both attention
-    variants: one block per KV head walking every position, and dozens of chunks merged by the
-    combine kernel (a thousand-row window: starting mid-chunk); against the float64 reference."""
+    """One step at position 3001 of caches filled with random bf16 rows, by each attention variant:
+    one block per KV head walking every position, dozens of chunks merged by the split launch's
+    last block, and by the combine kernel (a thousand-row window: starting mid-chunk); against
+    the float64 reference."""
     import cupy as cp
 
     from fuselm.runtime.cuda_engine import CudaEngine
@@ -289,18 +292,19 @@ def test_attention_at_long_context(heads, kv_heads, head_dim, window):
     vc = g.op("kv_write", g.state("vc", ("S", kv_heads * head_dim)), v, pos)
     g.output(out=g.op("attention", q, kc, vc, pos, n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim,
                       scale=head_dim ** -0.5, window=window))
-    eng = CudaEngine(g, {}, ctx=rows)
     state = {n: bf16_round(rng.standard_normal((rows, kv_heads * head_dim)).astype(np.float32)) for n in ("kc", "vc")}
-    feeds = {"pos": np.array([at], np.int32), **{n: bf16_round(rng.standard_normal((1, eng.inputs[n].shape[-1]))
-                                                               .astype(np.float32)) for n in "qkv"}}
-    for name, rows_ in state.items():
-        eng.set_state(name, rows_)
-    for name, value in feeds.items():
-        eng.set_input(name, value)
+    feeds = {"pos": np.array([at], np.int32), **{n: bf16_round(rng.standard_normal((1, w)).astype(np.float32))
+                                                 for n, w in (("q", heads * head_dim), ("k", kv_heads * head_dim),
+                                                              ("v", kv_heads * head_dim))}}
     ref = run_graph(g, {}, feeds, {n: x.astype(np.float64) for n, x in state.items()})["out"]
-    # The engine picks the one-launch variant or split + combine by its host-side position.
-    for variant, position in (("one launch", 0), ("split + combine", rows)):
-        eng.position = position
+    for variant in ("single", "merge", "general"):
+        eng = CudaEngine(g, {}, ctx=rows, variant=variant)
+        launched = [launch.function for _, launch, _ in eng.schedule_at(at)]
+        assert any(f.endswith("_split" if variant == "general" else f"_{variant}") for f in launched), launched
+        for name, rows_ in state.items():
+            eng.set_state(name, rows_)
+        for name, value in feeds.items():
+            eng.set_input(name, value)
         with eng.stream:                                   # poison, ordered before the step
             eng.arena.view(cp.float32).fill(cp.nan)
             eng.workspace.fill(cp.nan)
@@ -310,6 +314,7 @@ def test_attention_at_long_context(heads, kv_heads, head_dim, window):
         err = rel(got, ref)
         print(f"attention h{heads} kv{kv_heads} d{head_dim} window {window} at {at}, {variant}: rel error {err:.2e}")
         assert err < 1e-4, f"{variant}: relative error {err:.2e}"
+        assert not eng.counters.any(), "the merge left its chunk counts behind"
 
 
 def test_gpu_sampling_filters_and_penalty_match_the_cpu_sampler():

@@ -171,22 +171,42 @@ def test_ctx_changes_the_attention_kernels(capsys, preset_json):
         assert a["grid"][1] < b["grid"][1] and a["bytes_read"] < b["bytes_read"]
 
 
-def test_short_contexts_run_attention_in_one_launch():
-    """Every attention kernel has a one-launch variant for positions below its short_until; a
-    step there has one launch per layer fewer, and the same launches otherwise."""
-    from fuselm.codegen.attention import single_until
-    G, kernels = expected(PRESET)
+def test_attention_launches_depend_on_the_position():
+    """Every attention kernel runs in one launch below single_until, as a split that merges its own
+    chunks below merge_until, and as split + combine beyond; the other kernels never change."""
+    from fuselm.codegen.attention import merge_until, single_until
+    cfg, _ = insp.load_config(PRESET)
+    rows = 2 * merge_until(64, 4)                     # a cache long enough for split + combine
+    G, kernels, _ = insp.build(cfg, ctx=rows)
     att = [k for k in kernels if k.family == "attention"]
-    assert att and all(k.short_until == single_until(64, 4) and k.short_until > 0 for k in att)
+    assert att and single_until(64, 4) < merge_until(64, 4)
     for k in att:
-        assert [l.function for l in k.launches_at(0)] == [f"{k.name}_single"]
-        assert [l.function for l in k.launches_at(k.short_until - 1)] == [f"{k.name}_single"]
-        assert [l.function for l in k.launches_at(k.short_until)] == [f"{k.name}_split", f"{k.name}_combine"]
-        assert k.short_launches[0].grid == (G.nodes[k.nodes[0]]["attrs"]["n_kv_heads"], 1)   # a block per KV head
+        assert [(v.name, v.until) for v in k.variants] == [("single", single_until(64, 4)),
+                                                          ("merge", merge_until(64, 4))]
+        for position, suffixes in ((0, ["single"]), (single_until(64, 4) - 1, ["single"]),
+                                   (single_until(64, 4), ["merge"]), (merge_until(64, 4) - 1, ["merge"]),
+                                   (merge_until(64, 4), ["split", "combine"]), (rows - 1, ["split", "combine"])):
+            assert [l.function for l in k.launches_at(position)] == [f"{k.name}_{s}" for s in suffixes], position
+        single, merge = (v.launches[0] for v in k.variants)
+        assert single.grid == (G.nodes[k.nodes[0]]["attrs"]["n_kv_heads"], 1)     # a block per KV head
+        assert merge.grid == k.launches[0].grid                                     # the split's blocks
+        assert k.counter_words == G.nodes[k.nodes[0]]["attrs"]["n_kv_heads"]       # a count per KV head
     others = [k for k in kernels if k.family != "attention"]
-    assert all(k.launches_at(0) == k.launches_at(10**6) == k.launches for k in others)
-    short = sum(len(k.launches_at(0)) for k in kernels)
-    assert short == sum(len(k.launches) for k in kernels) - len(att)
+    assert all(k.launches_at(0) == k.launches_at(10**6) == k.launches and not k.variants for k in others)
+    for position in (0, single_until(64, 4)):
+        assert sum(len(k.launches_at(position)) for k in kernels) == sum(len(k.launches) for k in kernels) - len(att)
+
+
+def test_merge_rounds_bound_the_in_launch_merge():
+    """The split merges itself while its last block's warps need at most MERGE_ROUNDS rounds of
+    MERGE_GROUP loads: 4 rounds x 16 chunks of 128 positions for head size 64 and four query heads
+    per KV head; two warps per head where there are fewer heads than warps; half the group for
+    head size 256 (two float4 per lane); twice the rounds where a warp merges two heads."""
+    from fuselm.codegen import attention as att
+    assert att.MERGE_ROUNDS == 4 and att.WARPS == 4 and att.MERGE_GROUP == 16
+    assert att.merge_until(64, 4) == 4 * 16 * att.chunk_shape(64, 4)[1] == 8192
+    assert att.merge_until(256, 2) == 4 * 2 * 8 * att.chunk_shape(256, 2)[1]
+    assert att.merge_until(128, 8) == 2 * 16 * att.chunk_shape(128, 8)[1]
 
 
 def test_position_shows_the_schedule_of_that_step(capsys, preset_json):
@@ -200,7 +220,9 @@ def test_position_shows_the_schedule_of_that_step(capsys, preset_json):
     assert len(singles) == 16 and all(e["function"].endswith("_single") for e in singles)
     assert len(short["launches"]) == len(preset_json["launches"]) - 16
     rc, out, _ = run_main(capsys, "inspect", PRESET, "--position", str(single_until(64, 4)), "--json")
-    assert json.loads(out)["launches"] == preset_json["launches"]
+    merged = json.loads(out)["launches"]          # split launches that merge: one per layer less
+    assert [e["function"].replace("_merge", "_split") for e in merged] == \
+        [e["function"] for e in preset_json["launches"] if not e["function"].endswith("_combine")]
     rc, out, _ = run_main(capsys, "inspect", PRESET, "--position", "0")
     assert rc == 0 and "at position 0" in out and "kernels per layer: 5, x 16 layers" in out
 
@@ -249,7 +271,7 @@ def test_compile_reports_time_and_spills_per_function(capsys, tiny_folder):
     rc, out, err = run_main(capsys, "inspect", str(tiny_folder), "--compile", "--arch", "sm_80")
     assert rc == 0, err
     _, kernels = expected(str(tiny_folder))
-    functions = {launch.function for k in kernels for launch in k.launches + k.short_launches}
+    functions = {launch.function for k in kernels for launch in k.all_launches()}
     m = re.search(r"NVRTC sm_80: (\d+) functions compiled in ([\d.]+) s", out)
     assert m and int(m.group(1)) == len(functions)
     for f in functions:
