@@ -55,24 +55,25 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2) -> list[KernelSour
         k = KernelSource(name, launch["family"], body, launch["nodes"], launches, launch["layer"],
                          read, written, ctx.get("workspace_floats", 0))
         if launch["family"] == "attention":
-            k.variants, k.counter_words = _attention_variants(name, ctx, params.values), ctx["KV"]
+            k.variants = _attention_variants(name, ctx, params.values)
         out.append(k)
     return out
 
 
 def _attention_variants(name: str, ctx: dict, args: list[str]) -> list[Variant]:
-    """One launch walking the context below single_until; the split launch merging its own chunks
-    below merge_until; split + combine beyond. A variant whose range the one before covers is kept
-    (tests and CudaEngine(variant=...) can still ask for it)."""
+    """One launch walking the context below single_until; a cluster of blocks per KV head below
+    cluster_until (on Hopper); split + combine beyond. A variant whose range the one before covers
+    is kept (tests and CudaEngine(variant=...) can still ask for it)."""
     out = []
     if ctx["single_until"] > 0:
         out.append(Variant("single", ctx["single_until"],
                            [Launch(f"{name}_single", (ctx["KV"], 1), ctx["single_threads"], args)],
-                           "attention in one launch per layer (<kernel>_single)"))
-    if ctx["merge_until"] > 0:
-        out.append(Variant("merge", ctx["merge_until"],
-                           [Launch(f"{name}_merge", (ctx["KV"], ctx["nchunk"]), ctx["threads"], args)],
-                           "attention split merging its own chunks (<kernel>_merge), no combine launch"))
+                           "attention in one launch per layer, a block per KV head (<kernel>_single)"))
+    if ctx["cluster_until"] > 0:
+        out.append(Variant("cluster", ctx["cluster_until"],
+                           [Launch(f"{name}_cluster", (ctx["KV"], ctx["cluster"]), ctx["cluster_threads"], args)],
+                           f"attention in one launch per layer, a cluster of {ctx['cluster']} blocks per KV head "
+                           "(<kernel>_cluster, sm_90 on)", min_sm=90))
     return out
 
 

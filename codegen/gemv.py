@@ -16,9 +16,6 @@ ROWS_PER_WARP = int(os.environ.get("FUSELM_GEMV_ROWS", 2))  # rows a warp stream
 # busy; 32 split more than needed (measured: Llama-3.1-8B 249 -> 252, 3.2-1B 1248 -> 1277 tok/s).
 MIN_WARPS = int(os.environ.get("FUSELM_GEMV_MIN_WARPS", 132 * 16))
 UNROLL = int(os.environ.get("FUSELM_GEMV_UNROLL", 4))      # 16-byte loads in flight per lane and row
-# Bytes of each row, past the first loads, pulled into L2 before the wait for the previous kernel
-# (warp_dot_rows): GEMV blocks launched early (PDL) start more of their stream in its shadow.
-PREFETCH = int(os.environ.get("FUSELM_GEMV_PREFETCH", 4096))
 
 
 if WARPS not in (1, 2, 4, 8, 16, 32):
@@ -74,7 +71,6 @@ def context(G: nx.DiGraph, launch: dict, params: Params) -> dict:
         start += tiles
         max_tile = max(max_tile, R * len(z["linears"]))
     return {"K": K, "x": x, "prologue": pro, "zips": zips, "threads": WARPS * 32, "unroll": UNROLL, "ksplit": ksplit,
-            "prefetch": PREFETCH,
             "rows_per_warp": ROWS_PER_WARP,
             "max_tile": max_tile, "grid": start}
 

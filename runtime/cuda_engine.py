@@ -66,6 +66,7 @@ class CudaEngine:
         self.variant = variant
         self.position = 0
         self.arch = arch or f"sm_{cupy.cuda.Device().compute_capability}"
+        self.sm = int("".join(c for c in self.arch if c.isdigit()))   # variants needing a newer GPU are left out
         self.pdl = pdl_wanted(cupy.cuda.Device().compute_capability)
         t0 = time.perf_counter()
         self.G = compile_graph(graph, fuse=fuse, tokens=1, pass_list=pass_list)   # pass_list: tests
@@ -119,12 +120,11 @@ class CudaEngine:
         self.sampler_scratch = cp.zeros(sampler_scratch_words(), cp.uint32)
         ws = max([k.workspace_floats for k in self.kernels] + [1])
         self.workspace = cp.empty(ws, cp.float32)
-        self.counters = cp.zeros(max([k.counter_words for k in self.kernels] + [1]), cp.int32)
 
     def buffer(self, value: str):
         """The device array holding graph value `value` (arena slices for activations)."""
         cp, G = self.cp, self.G
-        special = {"workspace": self.workspace, "counters": self.counters, "seen": self.seen, "ids": self.ids, "pos": self.pos,
+        special = {"workspace": self.workspace, "seen": self.seen, "ids": self.ids, "pos": self.pos,
                    "sampling_args": self.sampling_args, "sampler_scratch": self.sampler_scratch}
         if value == "logits":
             value = self.logits_value
@@ -152,11 +152,12 @@ class CudaEngine:
 
         def entries(start):
             for k in self.kernels:
-                for launch in k.launches_at(start) if self.variant is None else k.launches_of(self.variant):
+                for launch in k.launches_at(start, self.sm) if self.variant is None else k.launches_of(self.variant):
                     if id(launch) not in calls:
                         calls[id(launch)] = self._call(launch)
                     yield k, launch, calls[id(launch)]
-        starts = {0} | ({v.until for k in self.kernels for v in k.variants} if self.variant is None else set())
+        starts = {0} | ({v.until for k in self.kernels for v in k.variants if v.min_sm <= self.sm}
+                        if self.variant is None else set())
         self._schedules = [(start, list(entries(start))) for start in sorted(starts)]   # by first position
         self._graph_execs: dict[int, object] = {}   # first position of a schedule -> its CUDA graph
 

@@ -172,41 +172,43 @@ def test_ctx_changes_the_attention_kernels(capsys, preset_json):
 
 
 def test_attention_launches_depend_on_the_position():
-    """Every attention kernel runs in one launch below single_until, as a split that merges its own
-    chunks below merge_until, and as split + combine beyond; the other kernels never change."""
-    from fuselm.codegen.attention import merge_until, single_until
+    """Every attention kernel runs in one launch of a block per KV head below single_until, of a
+    cluster of blocks per KV head below cluster_until (sm_90 on), and as split + combine beyond;
+    the other kernels never change."""
+    from fuselm.codegen.attention import CLUSTER, cluster_until, single_until
     cfg, _ = insp.load_config(PRESET)
-    rows = 2 * merge_until(64, 4)                     # a cache long enough for split + combine
+    single, cluster = single_until(64, 4), cluster_until(64, 4)
+    rows = 2 * cluster                                  # a cache long enough for split + combine
     G, kernels, _ = insp.build(cfg, ctx=rows)
     att = [k for k in kernels if k.family == "attention"]
-    assert att and single_until(64, 4) < merge_until(64, 4)
+    assert att and 0 < single < cluster
     for k in att:
-        assert [(v.name, v.until) for v in k.variants] == [("single", single_until(64, 4)),
-                                                          ("merge", merge_until(64, 4))]
-        for position, suffixes in ((0, ["single"]), (single_until(64, 4) - 1, ["single"]),
-                                   (single_until(64, 4), ["merge"]), (merge_until(64, 4) - 1, ["merge"]),
-                                   (merge_until(64, 4), ["split", "combine"]), (rows - 1, ["split", "combine"])):
+        assert [(v.name, v.until, v.min_sm) for v in k.variants] == [("single", single, 0), ("cluster", cluster, 90)]
+        for position, suffixes in ((0, ["single"]), (single - 1, ["single"]), (single, ["cluster"]),
+                                   (cluster - 1, ["cluster"]), (cluster, ["split", "combine"]),
+                                   (rows - 1, ["split", "combine"])):
             assert [l.function for l in k.launches_at(position)] == [f"{k.name}_{s}" for s in suffixes], position
-        single, merge = (v.launches[0] for v in k.variants)
-        assert single.grid == (G.nodes[k.nodes[0]]["attrs"]["n_kv_heads"], 1)     # a block per KV head
-        assert merge.grid == k.launches[0].grid                                     # the split's blocks
-        assert k.counter_words == G.nodes[k.nodes[0]]["attrs"]["n_kv_heads"]       # a count per KV head
+        assert [l.function for l in k.launches_at(single, sm=80)] == [f"{k.name}_split", f"{k.name}_combine"]
+        kv = G.nodes[k.nodes[0]]["attrs"]["n_kv_heads"]
+        assert k.variants[0].launches[0].grid == (kv, 1)            # a block per KV head
+        assert k.variants[1].launches[0].grid == (kv, CLUSTER)      # a cluster per KV head
     others = [k for k in kernels if k.family != "attention"]
     assert all(k.launches_at(0) == k.launches_at(10**6) == k.launches and not k.variants for k in others)
-    for position in (0, single_until(64, 4)):
+    for position in (0, single):
         assert sum(len(k.launches_at(position)) for k in kernels) == sum(len(k.launches) for k in kernels) - len(att)
 
 
-def test_merge_rounds_bound_the_in_launch_merge():
-    """The split merges itself while its last block's warps need at most MERGE_ROUNDS rounds of
-    MERGE_GROUP loads: 4 rounds x 16 chunks of 128 positions for head size 64 and four query heads
-    per KV head; two warps per head where there are fewer heads than warps; half the group for
-    head size 256 (two float4 per lane); twice the rounds where a warp merges two heads."""
+def test_cluster_walk_is_bounded_by_its_passes():
+    """A cluster block walks at most CLUSTER_PASSES passes of its warps' rows: for head size 64
+    and four query heads per KV head, 8 warps x 4 rows per load x 8 rows per lane = 256 positions
+    a pass; head size 256 with eight query heads runs 4 warps (shared memory), and with the block's
+    state too large for shared memory there is no cluster variant."""
     from fuselm.codegen import attention as att
-    assert att.MERGE_ROUNDS == 4 and att.WARPS == 4 and att.MERGE_GROUP == 16
-    assert att.merge_until(64, 4) == 4 * 16 * att.chunk_shape(64, 4)[1] == 8192
-    assert att.merge_until(256, 2) == 4 * 2 * 8 * att.chunk_shape(256, 2)[1]
-    assert att.merge_until(128, 8) == 2 * 16 * att.chunk_shape(128, 8)[1]
+    assert att.CLUSTER_PASSES == 3 and att.CLUSTER == 8
+    assert att.cluster_until(64, 4) == 3 * 8 * 256
+    assert att.cluster_warps(256, 8) == att.WARPS
+    assert att.cluster_until(256, 8) == 3 * 8 * att.WARPS * 1 * 4
+    assert att.cluster_until(256, 32) == 0
 
 
 def test_position_shows_the_schedule_of_that_step(capsys, preset_json):
@@ -220,8 +222,8 @@ def test_position_shows_the_schedule_of_that_step(capsys, preset_json):
     assert len(singles) == 16 and all(e["function"].endswith("_single") for e in singles)
     assert len(short["launches"]) == len(preset_json["launches"]) - 16
     rc, out, _ = run_main(capsys, "inspect", PRESET, "--position", str(single_until(64, 4)), "--json")
-    merged = json.loads(out)["launches"]          # split launches that merge: one per layer less
-    assert [e["function"].replace("_merge", "_split") for e in merged] == \
+    clustered = json.loads(out)["launches"]       # one launch per layer, a cluster per KV head
+    assert [e["function"].replace("_cluster", "_split") for e in clustered] == \
         [e["function"] for e in preset_json["launches"] if not e["function"].endswith("_combine")]
     rc, out, _ = run_main(capsys, "inspect", PRESET, "--position", "0")
     assert rc == 0 and "at position 0" in out and "kernels per layer: 5, x 16 layers" in out

@@ -58,28 +58,13 @@ __device__ __forceinline__ void fma8_rows(const uint4 (&q)[NR], const float (&xv
     }
 }
 
-// Pull weights [FROM, FROM + BYTES) of each row (at most to K) into L2, one 128-byte line per
-// lane and step. Fire and forget: no registers are held, and weights are never written, so the
-// lines may be fetched at any time.
-template <int K, int FROM, int BYTES, int NR>
-__device__ __forceinline__ void prefetch_l2(const weight_t* const (&rows)[NR]) {
-    constexpr int LINE = 128 / sizeof(weight_t), END = FROM + BYTES / (int)sizeof(weight_t) < K
-                                                          ? FROM + BYTES / (int)sizeof(weight_t) : K;
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int k = FROM + lane * LINE; k < END; k += 32 * LINE)
-#pragma unroll
-        for (int r = 0; r < NR; r++) asm volatile("prefetch.global.L2 [%0];" ::"l"(rows[r] + k));
-}
-
 // acc[r] = dot(W[rows[r], 0:K], v) for NR rows at once, by the calling warp; every lane gets the
 // results, and for a normed vector `sumsq` = the sum of x^2 over its K elements. Each lane keeps
 // UNROLL x NR independent 16-byte loads in flight, and each chunk of the vector it loads serves
 // all NR rows (fewer L1 reads per weight byte). While `pending`, the previous kernel may still be
-// running: the first weight loads are issued, the next PREFETCH bytes of each row are pulled into
-// L2 (the previous kernel's drain leaves HBM idle, and an attention launch barely uses it), then
-// the thread waits for it (grid_wait_then_release) before the vector, its output, is read.
-template <int K, int UNROLL, int NR, int PREFETCH, class Vector>
+// running: the first weight loads are issued, then the thread waits for it
+// (grid_wait_then_release) before the vector, its output, is read.
+template <int K, int UNROLL, int NR, class Vector>
 __device__ __forceinline__ void warp_dot_rows(const weight_t* const (&rows)[NR], const Vector& v, float (&acc)[NR],
                                               bool& pending, float& sumsq) {
     constexpr int CHUNK = 8;                         // weights per 16-byte load
@@ -104,11 +89,7 @@ __device__ __forceinline__ void warp_dot_rows(const weight_t* const (&rows)[NR],
 #pragma unroll
                 for (int r = 0; r < NR; r++)
                     q[u][r] = __ldcs(reinterpret_cast<const uint4*>(rows[r] + base + u * STEP + lane * CHUNK));
-            if (pending) {                                                 // weights in flight meanwhile
-                if constexpr (PREFETCH > 0) prefetch_l2<K, STEP * UNROLL, PREFETCH>(rows);
-                grid_wait_then_release();
-                pending = false;
-            }
+            if (pending) { grid_wait_then_release(); pending = false; }   // weights in flight meanwhile
 #pragma unroll
             for (int u = 0; u < UNROLL; u++) {
                 float xv[8];
@@ -145,11 +126,11 @@ __device__ __forceinline__ void warp_dot_rows(const weight_t* const (&rows)[NR],
     sumsq = Vector::NORMED ? warp_sum(ss) : 0.0f;
 }
 
-template <int K, int UNROLL, int NR, int PREFETCH, class Vector>
+template <int K, int UNROLL, int NR, class Vector>
 __device__ __forceinline__ void warp_dot_rows(const weight_t* const (&rows)[NR], const Vector& v, float (&acc)[NR],
                                               bool& pending) {
     float unused;
-    warp_dot_rows<K, UNROLL, NR, PREFETCH>(rows, v, acc, pending, unused);
+    warp_dot_rows<K, UNROLL, NR>(rows, v, acc, pending, unused);
 }
 
 // Which output row slot `s` of tile `tile` computes. Contiguous tiles own rows [tile*R, tile*R+R);
