@@ -1,6 +1,5 @@
-"""The attention family: flash-decoding over the KV cache, as a split launch and a combine launch;
-at medium contexts a cluster of blocks per KV head in one launch (Hopper), and at short ones one
-block per KV head walking the whole context."""
+"""The attention family: flash-decoding over the KV cache (a split launch and a combine launch), and
+a one-launch variant for short contexts."""
 from __future__ import annotations
 
 import os
@@ -17,9 +16,6 @@ MAX_SCORES = 32  # cache rows x query heads whose scores one lane keeps in regis
 COMBINE_WARPS = 8                                         # per combine block
 SINGLE_WARPS = 8                                          # per block of the one-launch short variant
 SINGLE_PASSES = int(os.environ.get("FUSELM_ATTN_SINGLE_PASSES", 2))   # its longest walk, in passes
-CLUSTER = 8                  # blocks per KV head of the cluster variant: the portable cluster size
-CLUSTER_PASSES = int(os.environ.get("FUSELM_ATTN_CLUSTER_PASSES", 3))   # its longest walk per block; 0: off
-CLUSTER_PREFETCH = os.environ.get("FUSELM_ATTN_CLUSTER_PREFETCH", "1") != "0"   # later passes into L2 early
 
 
 def lanes_per_row(head_dim: int) -> int:
@@ -58,26 +54,6 @@ def single_until(head_dim: int, group: int) -> int:
     return SINGLE_PASSES * single_warps(head_dim, group) * (32 // lanes_per_row(head_dim)) * rows_per_lane
 
 
-def _cluster_smem(warps: int, head_dim: int, group: int) -> int:
-    return _softmax_smem(warps, head_dim, group) + 4 * group * (head_dim + 2)   # + the block's state
-
-
-def cluster_warps(head_dim: int, group: int) -> int:
-    """Warps per block of the cluster variant: as single_warps, its block state counted too."""
-    return SINGLE_WARPS if _cluster_smem(SINGLE_WARPS, head_dim, group) <= SMEM else WARPS
-
-
-def cluster_until(head_dim: int, group: int) -> int:
-    """Positions below which CLUSTER blocks per KV head, a thread block cluster that shares the walk
-    (each block at most CLUSTER_PASSES passes) and merges through distributed shared memory,
-    replace the split and combine launches (attention_cluster). 0 where its state does not fit."""
-    warps = cluster_warps(head_dim, group)
-    if _cluster_smem(warps, head_dim, group) > SMEM:
-        return 0
-    rows_per_lane, _ = chunk_shape(head_dim, group)
-    return CLUSTER_PASSES * CLUSTER * warps * (32 // lanes_per_row(head_dim)) * rows_per_lane
-
-
 def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
     """Template variables of one attention launch over a cache of `rows` positions."""
     (n,) = launch["nodes"]
@@ -102,9 +78,6 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
             "combine_warps": COMBINE_WARPS, "combine_threads": COMBINE_WARPS * 32,
             "single_warps": single_warps(hd, group), "single_threads": single_warps(hd, group) * 32,
             "single_until": min(single_until(hd, group), rows),
-            "cluster_until": min(cluster_until(hd, group), rows), "cluster": CLUSTER,
-            "cluster_warps": cluster_warps(hd, group), "cluster_threads": cluster_warps(hd, group) * 32,
-            "cluster_prefetch": str(CLUSTER_PREFETCH).lower(),
             "q": params.ref(q), "kc": params.ref(kc), "vc": params.ref(vc), "pos": params.ref(pos),
             "out": params.ref(n, written=True),
             "ws": params.extra("float*", "workspace"),

@@ -89,8 +89,8 @@ def build(cfg, fuse: bool = True, ctx: int | None = None, dump: str | Path | Non
 
 def schedule_rows(kernels, position: int | None = None) -> list[Row]:
     """One Row per launch, in launch order (T in a grid is 1: one decode token): the launches of a
-    step at `position` (attention: one launch at short contexts, a split that merges itself at
-    medium ones), or with None the long-context schedule."""
+    step at `position` (attention runs in one launch at short contexts), or with None the
+    long-context schedule."""
     rows = []
     for k in kernels:
         launches = k.launches if position is None else k.launches_at(position)

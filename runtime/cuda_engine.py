@@ -61,12 +61,11 @@ class CudaEngine:
                  use_graph: bool = True, arch: str | None = None, pass_list=None, variant: str | None = None):
         import cupy
         self.cp, self.graph, self.max_context, self.use_graph = cupy, graph, ctx, use_graph
-        # None: each kernel's variant by position; a name ("single", "merge", "general"): that one at
-        # every position, where a kernel has it (tests).
+        # None: each kernel's variant by position; a name ("single", or "general" for the launches
+        # without variants): that one at every position, where a kernel has it (tests).
         self.variant = variant
         self.position = 0
         self.arch = arch or f"sm_{cupy.cuda.Device().compute_capability}"
-        self.sm = int("".join(c for c in self.arch if c.isdigit()))   # variants needing a newer GPU are left out
         self.pdl = pdl_wanted(cupy.cuda.Device().compute_capability)
         t0 = time.perf_counter()
         self.G = compile_graph(graph, fuse=fuse, tokens=1, pass_list=pass_list)   # pass_list: tests
@@ -152,12 +151,11 @@ class CudaEngine:
 
         def entries(start):
             for k in self.kernels:
-                for launch in k.launches_at(start, self.sm) if self.variant is None else k.launches_of(self.variant):
+                for launch in k.launches_at(start) if self.variant is None else k.launches_of(self.variant):
                     if id(launch) not in calls:
                         calls[id(launch)] = self._call(launch)
                     yield k, launch, calls[id(launch)]
-        starts = {0} | ({v.until for k in self.kernels for v in k.variants if v.min_sm <= self.sm}
-                        if self.variant is None else set())
+        starts = {0} | ({v.until for k in self.kernels for v in k.variants} if self.variant is None else set())
         self._schedules = [(start, list(entries(start))) for start in sorted(starts)]   # by first position
         self._graph_execs: dict[int, object] = {}   # first position of a schedule -> its CUDA graph
 

@@ -257,9 +257,9 @@ REAL_SHAPES = {"smollm2-135m": {}, "llama-3.2-1b": {}, "llama-3.1-8b": {},
                                      {"architectures": ["Gemma2ForCausalLM"], **ARCH_TINY["Gemma2ForCausalLM"],
                                       "head_dim": 256, "sliding_window": 70}])
 def test_long_context_spans_attention_chunks(variant):
-    """150 steps in a 192-row cache, by each attention variant: one launch walking every position,
-    a cluster of blocks per KV head, and split + combine over two or more chunks (the chunk size
-    depends on the head size); windows start mid-chunk."""
+    """150 steps in a 192-row cache, by both attention variants: one launch walking every position,
+    and split + combine over two or more chunks (the chunk size depends on the head size);
+    windows start mid-chunk."""
     from fuselm.codegen.attention import chunk_shape
     rng = np.random.default_rng()
     cfg = DecoderConfig.from_hf({**TINY, **variant})
@@ -267,7 +267,7 @@ def test_long_context_spans_attention_chunks(variant):
     assert 150 >= 2 * chunk, f"150 steps fill only one attention chunk of {chunk}"
     graph = build_graph(cfg)
     weights, tokens = random_weights(graph, rng), rng.integers(0, cfg.vocab_size, 150)
-    for attention in ("single", "cluster", "general"):
+    for attention in ("single", "general"):
         worst = compare_steps(graph, weights, tokens, ctx=192, variant=attention)
         print(f"long context {variant.get('architectures', ['Llama'])[0]}, "
               f"attention {attention}: worst rel logit error {worst:.2e}")
@@ -276,10 +276,9 @@ def test_long_context_spans_attention_chunks(variant):
 @pytest.mark.parametrize("heads,kv_heads,head_dim,window", [(32, 8, 128, 0), (9, 3, 64, 0), (28, 4, 128, 0),
                                                             (16, 8, 256, 1000), (4, 2, 6, 0)])
 def test_attention_at_long_context(heads, kv_heads, head_dim, window):
-    """One step at position 3001 of caches filled with random bf16 rows, by each attention variant:
-    one block per KV head walking every position, a cluster of blocks per KV head merging through
-    distributed shared memory, and dozens of chunks merged by the combine kernel (a thousand-row
-    window: starting mid-chunk); against the float64 reference."""
+    """One step at position 3001 of caches filled with random bf16 rows, by both attention
+    variants: one block per KV head walking every position, and dozens of chunks merged by the
+    combine kernel (a thousand-row window: starting mid-chunk); against the float64 reference."""
     import cupy as cp
 
     from fuselm.runtime.cuda_engine import CudaEngine
@@ -297,7 +296,7 @@ def test_attention_at_long_context(heads, kv_heads, head_dim, window):
                                                  for n, w in (("q", heads * head_dim), ("k", kv_heads * head_dim),
                                                               ("v", kv_heads * head_dim))}}
     ref = run_graph(g, {}, feeds, {n: x.astype(np.float64) for n, x in state.items()})["out"]
-    for variant in ("single", "cluster", "general"):
+    for variant in ("single", "general"):
         eng = CudaEngine(g, {}, ctx=rows, variant=variant)
         launched = [launch.function for _, launch, _ in eng.schedule_at(at)]
         assert any(f.endswith("_split" if variant == "general" else f"_{variant}") for f in launched), launched

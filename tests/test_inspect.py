@@ -171,44 +171,24 @@ def test_ctx_changes_the_attention_kernels(capsys, preset_json):
         assert a["grid"][1] < b["grid"][1] and a["bytes_read"] < b["bytes_read"]
 
 
-def test_attention_launches_depend_on_the_position():
-    """Every attention kernel runs in one launch of a block per KV head below single_until, of a
-    cluster of blocks per KV head below cluster_until (sm_90 on), and as split + combine beyond;
-    the other kernels never change."""
-    from fuselm.codegen.attention import CLUSTER, cluster_until, single_until
-    cfg, _ = insp.load_config(PRESET)
-    single, cluster = single_until(64, 4), cluster_until(64, 4)
-    rows = 2 * cluster                                  # a cache long enough for split + combine
-    G, kernels, _ = insp.build(cfg, ctx=rows)
+def test_short_contexts_run_attention_in_one_launch():
+    """Every attention kernel has a one-launch variant for positions below single_until; a step
+    there has one launch per layer fewer, and the same launches otherwise."""
+    from fuselm.codegen.attention import single_until
+    G, kernels = expected(PRESET)
     att = [k for k in kernels if k.family == "attention"]
-    assert att and 0 < single < cluster
+    assert att and single_until(64, 4) > 0
     for k in att:
-        assert [(v.name, v.until, v.min_sm) for v in k.variants] == [("single", single, 0), ("cluster", cluster, 90)]
-        for position, suffixes in ((0, ["single"]), (single - 1, ["single"]), (single, ["cluster"]),
-                                   (cluster - 1, ["cluster"]), (cluster, ["split", "combine"]),
-                                   (rows - 1, ["split", "combine"])):
+        assert [(v.name, v.until) for v in k.variants] == [("single", single_until(64, 4))]
+        for position, suffixes in ((0, ["single"]), (single_until(64, 4) - 1, ["single"]),
+                                   (single_until(64, 4), ["split", "combine"])):
             assert [l.function for l in k.launches_at(position)] == [f"{k.name}_{s}" for s in suffixes], position
-        assert [l.function for l in k.launches_at(single, sm=80)] == [f"{k.name}_split", f"{k.name}_combine"]
-        kv = G.nodes[k.nodes[0]]["attrs"]["n_kv_heads"]
-        assert k.variants[0].launches[0].grid == (kv, 1)            # a block per KV head
-        assert k.variants[1].launches[0].grid == (kv, CLUSTER)      # a cluster per KV head
+        assert k.launches_of("single")[0].grid == (G.nodes[k.nodes[0]]["attrs"]["n_kv_heads"], 1)   # a block per KV head
+        assert k.launches_of("general") == k.launches
     others = [k for k in kernels if k.family != "attention"]
     assert all(k.launches_at(0) == k.launches_at(10**6) == k.launches and not k.variants for k in others)
-    for position in (0, single):
-        assert sum(len(k.launches_at(position)) for k in kernels) == sum(len(k.launches) for k in kernels) - len(att)
-
-
-def test_cluster_walk_is_bounded_by_its_passes():
-    """A cluster block walks at most CLUSTER_PASSES passes of its warps' rows: for head size 64
-    and four query heads per KV head, 8 warps x 4 rows per load x 8 rows per lane = 256 positions
-    a pass; head size 256 with eight query heads runs 4 warps (shared memory), and with the block's
-    state too large for shared memory there is no cluster variant."""
-    from fuselm.codegen import attention as att
-    assert att.CLUSTER_PASSES == 3 and att.CLUSTER == 8
-    assert att.cluster_until(64, 4) == 3 * 8 * 256
-    assert att.cluster_warps(256, 8) == att.WARPS
-    assert att.cluster_until(256, 8) == 3 * 8 * att.WARPS * 1 * 4
-    assert att.cluster_until(256, 32) == 0
+    short = sum(len(k.launches_at(0)) for k in kernels)
+    assert short == sum(len(k.launches) for k in kernels) - len(att)
 
 
 def test_position_shows_the_schedule_of_that_step(capsys, preset_json):
@@ -222,9 +202,7 @@ def test_position_shows_the_schedule_of_that_step(capsys, preset_json):
     assert len(singles) == 16 and all(e["function"].endswith("_single") for e in singles)
     assert len(short["launches"]) == len(preset_json["launches"]) - 16
     rc, out, _ = run_main(capsys, "inspect", PRESET, "--position", str(single_until(64, 4)), "--json")
-    clustered = json.loads(out)["launches"]       # one launch per layer, a cluster per KV head
-    assert [e["function"].replace("_cluster", "_split") for e in clustered] == \
-        [e["function"] for e in preset_json["launches"] if not e["function"].endswith("_combine")]
+    assert json.loads(out)["launches"] == preset_json["launches"]
     rc, out, _ = run_main(capsys, "inspect", PRESET, "--position", "0")
     assert rc == 0 and "at position 0" in out and "kernels per layer: 5, x 16 layers" in out
 

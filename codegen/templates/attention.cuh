@@ -3,9 +3,7 @@
 //   query heads of one KV head and leaves (max, sum, weighted values) in a workspace;
 // - attention_combine merges the chunks of every query head;
 // - attention_single, for short contexts: one block per KV head walks every position and writes
-//   the output itself, one launch instead of two;
-// - attention_cluster, for medium contexts: a cluster of blocks per KV head shares the walk and
-//   merges through distributed shared memory, also one launch.
+//   the output itself, one launch instead of two.
 // Decode attention is short: at a few hundred positions its time is latency, not bytes. So each
 // lane issues every load it will need at once (its slices of J cache rows, K and V), before the
 // wait for the previous kernel where it can, and the softmax is reduced with shuffles.
@@ -73,63 +71,6 @@ __device__ __forceinline__ void attention_single(const float* q, const bf16_t* k
     block_softmax<G, HD, WARPS>(st, [&](int g, int d, float, float l, float a) {
         o[(blockIdx.x * G + g) * HD + d] = a / l;
     });
-}
-
-// Medium contexts: a cluster of C blocks per KV head (grid y = cluster rank) shares the passes over
-// the context: block r takes passes r, r + C, ... and pulls its later passes' rows into L2 before
-// the wait (no kernel writes them: L2 is coherent, unlike L1, so it may). The blocks then merge
-// their softmax states through distributed shared memory: block r writes every C-th output. One
-// launch, no workspace; the cost is that C blocks, not dozens, stream the cache of a head.
-template <int H, int KV, int HD, int WARPS, int J, int C, bool PREFETCH>
-__device__ __forceinline__ void attention_cluster(const float* q, const bf16_t* kc, const bf16_t* vc, const int* pos_p,
-                                                  int window, float scale, float softcap, float* o) {
-    constexpr int G = H / KV;
-    using P = Pass<KV, HD, WARPS, J>;
-    const int rank = cluster_rank();
-    const int pos = *pos_p;                      // see attention_chunk
-    const int lo = window > 0 ? max(0, pos - window + 1) : 0;
-    int base = (lo / P::CHUNK + rank) * P::CHUNK;
-    Softmax st[G], part[G];
-    if (base <= pos) {
-        P pass;
-        pass.before_wait(kc, vc, base, max(base, lo), min(base + P::CHUNK, pos + 1), pos);
-        if constexpr (PREFETCH)
-            for (int b = base + C * P::CHUNK; b <= pos; b += C * P::CHUNK) P::prefetch_l2(kc, vc, b, pos);
-        grid_wait_then_release();
-        pass.after_wait(kc, vc, base, max(base, lo), min(base + P::CHUNK, pos + 1), pos);
-        float qv[G][8];
-        load_queries<G, HD>(q, scale, qv);
-        pass_softmax<G>(pass, qv, softcap, st);
-        for (base += C * P::CHUNK; base <= pos; base += C * P::CHUNK) {
-            pass.load(kc, vc, base, base, min(base + P::CHUNK, pos + 1), -1);
-            pass_softmax<G>(pass, qv, softcap, part);
-#pragma unroll
-            for (int g = 0; g < G; g++) st[g].merge(part[g]);
-        }
-    } else {
-        grid_wait_then_release();                // no rows for this block: its state stays empty
-    }
-    __shared__ float bm[G], bl[G], bacc[G][HD];
-    block_softmax<G, HD, WARPS>(st, [&](int g, int d, float m, float l, float a) {
-        bacc[g][d] = a;
-        if (d == 0) { bm[g] = m; bl[g] = l; }
-    });
-    cluster_sync();                              // every block's state is written
-    for (int i = rank * blockDim.x + threadIdx.x; i < G * HD; i += C * blockDim.x) {
-        const int g = i / HD, d = i % HD;
-        float m[C], mx = NEG_INF;
-#pragma unroll
-        for (int r = 0; r < C; r++) { m[r] = cluster_load(&bm[g], r); mx = fmaxf(mx, m[r]); }
-        float den = 0.0f, num = 0.0f;
-#pragma unroll
-        for (int r = 0; r < C; r++) {
-            const float f = m[r] == NEG_INF ? 0.0f : __expf(m[r] - mx);
-            den = fmaf(f, cluster_load(&bl[g], r), den);
-            num = fmaf(f, cluster_load(&bacc[g][d], r), num);
-        }
-        o[(blockIdx.x * G + g) * HD + d] = num / den;
-    }
-    cluster_sync();                              // no block leaves while the others read its state
 }
 
 // Merge the chunks c0 .. c1 of query head blockIdx.x (the ones the split kernel filled). At long

@@ -90,19 +90,6 @@ struct Pass {
             v[j] = now ? load_dims8<HD>(at(vc, p), d0) : make_uint4(0u, 0u, 0u, 0u);
         }
     }
-    // Pull this lane's rows of the pass at `base`, those up to `last`, into L2 (one lane per row
-    // and 128-byte line).
-    __device__ __forceinline__ static void prefetch_l2(const bf16_t* kc, const bf16_t* vc, int base, int last) {
-        const int d0 = (threadIdx.x & 31) % L::LPR * 8;
-        if (d0 % 64 != 0) return;                // 64 bf16 = one 128-byte line
-#pragma unroll
-        for (int j = 0; j < J; j++) {
-            const int p = row(base, j);
-            if (p > last) continue;
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(at(kc, p) + d0));
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(at(vc, p) + d0));
-        }
-    }
     // The row skipped by load(), once the previous kernel has finished.
     __device__ __forceinline__ void load_row(const bf16_t* kc, const bf16_t* vc, int base, int p) {
         const int d0 = (threadIdx.x & 31) % L::LPR * 8;
