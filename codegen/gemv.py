@@ -16,10 +16,6 @@ ROWS_PER_WARP = int(os.environ.get("FUSELM_GEMV_ROWS", 2))  # rows a warp stream
 # busy; 32 split more than needed (measured: Llama-3.1-8B 249 -> 252, 3.2-1B 1248 -> 1277 tok/s).
 MIN_WARPS = int(os.environ.get("FUSELM_GEMV_MIN_WARPS", 132 * 16))
 UNROLL = int(os.environ.get("FUSELM_GEMV_UNROLL", 4))      # 16-byte loads in flight per lane and row
-# ... raised, in split-K GEMVs, to cover a whole row slice of up to this many loads per lane and row:
-# launched early (PDL), such a GEMV has all its weight loads out before it waits (an O projection
-# during attention, which occupies a few SMs).
-WHOLE_SLICE = int(os.environ.get("FUSELM_GEMV_WHOLE_SLICE", 8))
 
 
 if WARPS not in (1, 2, 4, 8, 16, 32):
@@ -48,14 +44,6 @@ def _ksplit(sets: list[dict], K: int) -> int:
     return ksplit
 
 
-def _unroll(K: int, ksplit: int) -> int:
-    """Loads in flight per lane and row: UNROLL, or for split-K GEMVs (short outputs: a wave of
-    blocks or two, all launched early) the whole row slice where it takes at most WHOLE_SLICE
-    loads, so that all of it is issued before the wait for the previous kernel."""
-    steps, rest = divmod(K // ksplit, 32 * 8)
-    return steps if ksplit > 1 and rest == 0 and UNROLL < steps <= WHOLE_SLICE else UNROLL
-
-
 def context(G: nx.DiGraph, launch: dict, params: Params) -> dict:
     """Template variables of one gemv kernel: prologue, zip sets with their tiles and epilogues."""
     nodes = launch["nodes"]
@@ -82,8 +70,7 @@ def context(G: nx.DiGraph, launch: dict, params: Params) -> dict:
                      "epilogue": _epilogue(G, launch, z["linears"], z_epi, R, params)})
         start += tiles
         max_tile = max(max_tile, R * len(z["linears"]))
-    return {"K": K, "x": x, "prologue": pro, "zips": zips, "threads": WARPS * 32, "unroll": _unroll(K, ksplit),
-            "ksplit": ksplit,
+    return {"K": K, "x": x, "prologue": pro, "zips": zips, "threads": WARPS * 32, "unroll": UNROLL, "ksplit": ksplit,
             "rows_per_warp": ROWS_PER_WARP,
             "max_tile": max_tile, "grid": start}
 
