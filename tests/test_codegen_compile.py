@@ -185,3 +185,20 @@ def test_one_launch_attention_falls_back_to_fewer_warps_where_shared_memory_is_s
     assert single.block == 32 * WARPS and att.variants[0].until > 0
     cubin, _, _ = compile_cubin(module_source(ks), headers(), options("sm_90"), use_cache=False)
     assert single.function.encode() in cubin
+
+
+def test_only_few_block_kernels_release_their_successor_before_waiting():
+    """Row-wise and attention kernels (a block per row or per KV head and chunk) let the next kernel
+    be scheduled before they wait, at the top of every entry point; GEMVs, MoE and the sampler
+    only after their wait (their blocks fill the GPU)."""
+    import re
+    ks = generate(compile_graph(build_graph(preset("qwen3-8b"))), rows=4608) + [sampler(151936)]
+    families = {k.family for k in ks}
+    assert {"rowwise", "attention", "gemv"} <= families
+    for k in ks:
+        entries = re.findall(r'extern "C" __global__[^{]*\{\n(.*?)\n', k.source)
+        assert entries, k.name
+        early = [e.strip() == "grid_release();" for e in entries]
+        assert all(early) if k.family in ("rowwise", "attention") else not any(early), (k.family, entries)
+        if k.family not in ("rowwise", "attention"):
+            assert "grid_release();" not in k.source

@@ -83,13 +83,23 @@ __device__ __forceinline__ float rms_scale(float sum_sq, int n, float eps) { ret
 
 // Programmatic dependent launch (Hopper and later; no-ops before sm_90 and when the launch did
 // not ask for it). A kernel launched that way may start while the previous one still runs: it
-// may touch only data no earlier kernel writes (weights) before this wait, which returns once
-// the previous grid has finished and its writes are visible. Each kernel lets its successor be
-// scheduled right after its own wait, so at most one kernel runs ahead (GEMVs: with their first
-// weight loads in flight, see warp_dot_rows).
+// may touch only data no kernel of the step writes (weights, earlier cache rows) before this
+// wait, which returns once the previous grid has finished and its writes are visible. A GEMV lets
+// its successor be scheduled right after its own wait (with its first weight loads in flight,
+// see warp_dot_rows), so it does not take SM slots from the blocks of the kernel before it.
 __device__ __forceinline__ void grid_wait_then_release() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+// Kernels of a few blocks (row-wise, attention) let their successor be scheduled at once, before
+// they wait: the GEMV after them then starts its weight stream while they, and the kernel before
+// them, still run. Safe however many kernels run ahead: each waits for its predecessor, which
+// finished only after waiting for its own. (Releasing again in grid_wait_then_release is a no-op.)
+__device__ __forceinline__ void grid_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 }
