@@ -2,7 +2,8 @@
 # Everything fuselm checks on a GPU machine, in one go: install, GPU tests, benchmark.
 # Usage (device machine): bash scripts/gpu_check.sh [bench models...]; results land in $OUT (or ./gpu_out).
 # SKIP_TESTS=1 / SKIP_BENCH=1 leave a part out; PEERS= (empty) skips the transformers comparison.
-# AB="FUSELM_PDL=0;FUSELM_GEMV_UNROLL=8" adds decode-only runs of $AB_MODELS, one per setting (A/B).
+# AB="FUSELM_PDL=0;FUSELM_GEMV_UNROLL=8" adds decode-only runs of $AB_MODELS, one per setting (A/B),
+# each also recorded as $OUT/abN.json.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FUSELM_CACHE=${FUSELM_CACHE:-/tmp/fuselm-cache}
@@ -22,9 +23,10 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
 fi
 if [ -n "${AB:-}" ]; then
   IFS=';' read -ra settings <<< "$AB"
-  for setting in "${settings[@]}"; do
-    echo "== $setting" | tee -a "$OUT/ab.log"
-    env $setting python3 -m fuselm.runtime.bench ${AB_MODELS:-llama-3.2-1b llama-3.1-8b} --decode-only 2>&1 | tee -a "$OUT/ab.log"
+  for i in "${!settings[@]}"; do
+    echo "== ${settings[$i]}" | tee -a "$OUT/ab.log"
+    env ${settings[$i]} python3 -m fuselm.runtime.bench ${AB_MODELS:-llama-3.2-1b llama-3.1-8b} --decode-only \
+      --json "$OUT/ab$i.json" 2>&1 | tee -a "$OUT/ab.log"
   done
 fi
 exit $tests_rc

@@ -188,17 +188,19 @@ def test_one_launch_attention_falls_back_to_fewer_warps_where_shared_memory_is_s
 
 
 def test_only_few_block_kernels_release_their_successor_before_waiting():
-    """Row-wise and attention kernels (a block per row or per KV head and chunk) let the next kernel
-    be scheduled before they wait, at the top of every entry point; GEMVs, MoE and the sampler
-    only after their wait (their blocks fill the GPU)."""
+    """Row-wise kernels and attention split + combine (a block per row, per KV head and chunk, per
+    query head) let the next kernel be scheduled before they wait, at the top of the entry point;
+    the one-launch attention, GEMVs, MoE and the sampler only after their wait."""
     import re
     ks = generate(compile_graph(build_graph(preset("qwen3-8b"))), rows=4608) + [sampler(151936)]
     families = {k.family for k in ks}
     assert {"rowwise", "attention", "gemv"} <= families
     for k in ks:
-        entries = re.findall(r'extern "C" __global__[^{]*\{\n(.*?)\n', k.source)
+        entries = re.findall(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(.*?\{\n(.*?)\n',
+                             k.source, re.S)
         assert entries, k.name
-        early = [e.strip() == "grid_release();" for e in entries]
-        assert all(early) if k.family in ("rowwise", "attention") else not any(early), (k.family, entries)
+        for function, first in entries:
+            early = k.family == "rowwise" or function.endswith(("_split", "_combine"))
+            assert (first.strip() == "grid_release();") == early, (function, first)
         if k.family not in ("rowwise", "attention"):
             assert "grid_release();" not in k.source
