@@ -16,6 +16,7 @@ MAX_SCORES = 32  # cache rows x query heads whose scores one lane keeps in regis
 COMBINE_WARPS = 8                                         # per combine block
 SINGLE_WARPS = 8                                          # per block of the one-launch short variant
 SINGLE_PASSES = int(os.environ.get("FUSELM_ATTN_SINGLE_PASSES", 2))   # its longest walk, in passes
+SINGLE_ROWS = int(os.environ.get("FUSELM_ATTN_SINGLE_ROWS", 4))       # its cache rows per lane, at most
 
 
 def lanes_per_row(head_dim: int) -> int:
@@ -46,12 +47,17 @@ def single_warps(head_dim: int, group: int) -> int:
     return SINGLE_WARPS if _softmax_smem(SINGLE_WARPS, head_dim, group) <= SMEM else WARPS
 
 
+def single_rows(group: int) -> int:
+    """Cache rows per lane of the one-launch variant: fewer than the split's, so that a short
+    context's few rows are spread over more lanes (less serial work per lane)."""
+    return max(1, min(SINGLE_ROWS, MAX_SCORES // group))
+
+
 def single_until(head_dim: int, group: int) -> int:
     """Positions below which one block per KV head walking the whole context (attention_single,
     SINGLE_PASSES passes at most) replaces the split and combine launches: at short contexts the
     time is latency, and one launch has less of it than two."""
-    rows_per_lane, _ = chunk_shape(head_dim, group)
-    return SINGLE_PASSES * single_warps(head_dim, group) * (32 // lanes_per_row(head_dim)) * rows_per_lane
+    return SINGLE_PASSES * single_warps(head_dim, group) * (32 // lanes_per_row(head_dim)) * single_rows(group)
 
 
 def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
@@ -77,6 +83,7 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
             "softcap": cexpr.float_literal(a.get("softcap") or 0.0), "threads": WARPS * 32, "warps": WARPS,
             "combine_warps": COMBINE_WARPS, "combine_threads": COMBINE_WARPS * 32,
             "single_warps": single_warps(hd, group), "single_threads": single_warps(hd, group) * 32,
+            "single_rows": single_rows(group),
             "single_until": min(single_until(hd, group), rows),
             "q": params.ref(q), "kc": params.ref(kc), "vc": params.ref(vc), "pos": params.ref(pos),
             "out": params.ref(n, written=True),
