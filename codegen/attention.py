@@ -27,10 +27,15 @@ def lanes_per_row(head_dim: int) -> int:
     return lanes
 
 
+def _rows_per_lane(limit: int, group: int) -> int:
+    """Cache rows a lane holds: at most `limit`, and J x group scores fit in MAX_SCORES registers."""
+    return max(1, min(limit, MAX_SCORES // group))
+
+
 def chunk_shape(head_dim: int, group: int) -> tuple[int, int]:
     """(rows per lane J, cache positions per split block). A lane holds J rows of K and V and the
     J x group scores in registers; the chunk is what the block's lanes cover together."""
-    rows_per_lane = max(1, min(MAX_ROWS, MAX_SCORES // group))
+    rows_per_lane = _rows_per_lane(MAX_ROWS, group)
     return rows_per_lane, WARPS * (32 // lanes_per_row(head_dim)) * rows_per_lane
 
 
@@ -48,9 +53,9 @@ def single_warps(head_dim: int, group: int) -> int:
 
 
 def single_rows(group: int) -> int:
-    """Cache rows per lane of the one-launch variant: fewer than the split's, so that a short
-    context's few rows are spread over more lanes (less serial work per lane)."""
-    return max(1, min(SINGLE_ROWS, MAX_SCORES // group))
+    """Cache rows per lane of the one-launch variant (by default half the split's): a short
+    context's few rows spread over more lanes, less serial work per lane."""
+    return _rows_per_lane(SINGLE_ROWS, group)
 
 
 def single_until(head_dim: int, group: int) -> int:

@@ -20,10 +20,16 @@ TEMPLATES = Path(__file__).parent / "templates"
 FAMILIES = {"gemv": gemv, "rowwise": rowwise, "attention": attention, "moe": moe}
 # Kernels that let the next one be scheduled before they wait (common.cuh: grid_release): row-wise
 # and attention split + combine have few blocks, so the next kernel's blocks take no SM slots they
-# would need, and the GEMV after them starts its weight stream sooner (measured: 4k context 2-3%
-# faster). Not the one-launch attention ("attention_single"): the O projection's early loads then
-# compete with its own (short contexts 1-2% slower). FUSELM_EARLY_RELEASE lists them ("0": none).
-EARLY_RELEASE = set(os.environ.get("FUSELM_EARLY_RELEASE", "rowwise,attention").replace("0", "").split(",")) - {""}
+# would need, and the GEMV after them starts its weight stream sooner (measured: 4k context 1-2%
+# faster, Gemma-2's post-norms 2%). Not the one-launch attention ("attention_single"): the O
+# projection's early loads then compete with its own (short contexts 1-2% slower).
+# FUSELM_EARLY_RELEASE lists them, comma-separated ("0": none).
+EARLY_RELEASE_KINDS = {"rowwise", "attention", "attention_single"}
+_early = os.environ.get("FUSELM_EARLY_RELEASE", "rowwise,attention")
+EARLY_RELEASE = set() if _early.strip() in ("", "0") else {k.strip() for k in _early.split(",")}
+if EARLY_RELEASE - EARLY_RELEASE_KINDS:
+    raise ValueError(f"FUSELM_EARLY_RELEASE={_early}: unknown kernel kinds {sorted(EARLY_RELEASE - EARLY_RELEASE_KINDS)}; "
+                     f"known: {', '.join(sorted(EARLY_RELEASE_KINDS))} (or 0 for none)")
 
 
 @lru_cache(maxsize=1)

@@ -160,11 +160,9 @@ def summary(G, kernels, rows: list[Row], ctx: int, position: int | None = None) 
             n = sum(len(k.launches) for k in ks)
             out.append(f"{what}: {n} launch{'es' if n != 1 else ''}: "
                        + ", ".join(f"{k.name} ({', '.join(k.nodes)})" for k in ks))
-    since = 0
-    for until, note in sorted({(v.until, v.note) for k in kernels for v in k.variants}):
-        if until > since:          # a variant whose range an earlier one covers never runs
-            out.append(f"at positions {f'from {since} ' if since else ''}below {until}: {note}")
-            since = until
+    variants = Counter((v.until, v.note) for k in kernels for v in k.variants)
+    for (until, note), n in sorted(variants.items()):
+        out.append(f"at positions below {until}: {note} ({n} kernel{'s' if n != 1 else ''})")
     total_r, total_w = sum(r.bytes_read for r in rows), sum(r.bytes_written for r in rows)
     out.append(f"launches per token: {len(rows)} ({len(kernels)} kernels, "
                f"{len({k.name for k in kernels})} distinct)")

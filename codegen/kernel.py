@@ -15,8 +15,8 @@ class Launch:
 
 @dataclass
 class Variant:
-    """Launches that replace a kernel's general `launches` at positions below `until` (attention:
-    one launch at short contexts)."""
+    """Launches that replace a kernel's general `launches` at positions from the previous variant's
+    `until` (or 0) below this one's (attention: one launch at short contexts)."""
     name: str                 # "single": how tests and CudaEngine(variant=...) call it
     until: int
     launches: list[Launch]
@@ -43,7 +43,7 @@ class KernelSource:
         """The launches that serve a step at `position`: the first variant whose range holds it."""
         return next((v.launches for v in self.variants if position < v.until), self.launches)
 
-    def launches_of(self, variant: str | None) -> list[Launch]:
+    def launches_of(self, variant: str) -> list[Launch]:
         """The launches of the variant named `variant` (the general ones where it has no such)."""
         return next((v.launches for v in self.variants if v.name == variant), self.launches)
 

@@ -28,6 +28,13 @@ SAMPLING_ARGS = np.dtype([("temperature", "f4"), ("top_p", "f4"), ("min_p", "f4"
                           ("step", "i4"), ("pad", "i4")])   # mirrors SamplingArgs in sampling.cuh
 
 
+def check_variant(kernels, variant: str | None) -> None:
+    """A one-line error unless `variant` is None, "general" or the name of some kernel's variant."""
+    known = {v.name for k in kernels for v in k.variants} | {"general"}
+    if variant is not None and variant not in known:
+        raise FuselmError(f"variant '{variant}': no kernel of this graph has it (known: {', '.join(sorted(known))})")
+
+
 def gpu_available() -> bool:
     """Whether CuPy imports and sees at least one CUDA device."""
     try:
@@ -70,6 +77,7 @@ class CudaEngine:
         t0 = time.perf_counter()
         self.G = compile_graph(graph, fuse=fuse, tokens=1, pass_list=pass_list)   # pass_list: tests
         self.kernels = generate(self.G, rows=ctx)
+        check_variant(self.kernels, variant)
         # A language model's step ends in the sampler; other graphs (tests, tools) just stop.
         self.logits_value = self.G.graph["outputs"].get("logits")
         vocab = self.G.nodes[self.logits_value]["shape"][-1] if self.logits_value else 1

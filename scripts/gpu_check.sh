@@ -27,6 +27,8 @@ if [ -n "${AB:-}" ]; then
     echo "== ${settings[$i]}" | tee -a "$OUT/ab.log"
     env ${settings[$i]} python3 -m fuselm.runtime.bench ${AB_MODELS:-llama-3.2-1b llama-3.1-8b} --decode-only \
       --json "$OUT/ab$i.json" 2>&1 | tee -a "$OUT/ab.log"
+    python3 -c 'import json, sys; p = sys.argv[1]; d = json.load(open(p)); d["setting"] = sys.argv[2]
+json.dump(d, open(p, "w"), indent=1)' "$OUT/ab$i.json" "${settings[$i]}"   # which run this was
   done
 fi
 exit $tests_rc

@@ -190,7 +190,7 @@ def test_one_launch_attention_falls_back_to_fewer_warps_where_shared_memory_is_s
 def test_only_few_block_kernels_release_their_successor_before_waiting():
     """Row-wise kernels and attention split + combine (a block per row, per KV head and chunk, per
     query head) let the next kernel be scheduled before they wait, at the top of the entry point;
-    the one-launch attention, GEMVs, MoE and the sampler only after their wait."""
+    the one-launch attention, GEMVs and the sampler only after their wait."""
     import re
     ks = generate(compile_graph(build_graph(preset("qwen3-8b"))), rows=4608) + [sampler(151936)]
     families = {k.family for k in ks}
@@ -204,3 +204,16 @@ def test_only_few_block_kernels_release_their_successor_before_waiting():
             assert (first.strip() == "grid_release();") == early, (function, first)
         if k.family not in ("rowwise", "attention"):
             assert "grid_release();" not in k.source
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"FUSELM_EARLY_RELEASE": "rowwise,bogus"}, "FUSELM_EARLY_RELEASE=rowwise,bogus: unknown kernel kinds ['bogus']"),
+    ({"FUSELM_GEMV_WARPS": "3"}, "FUSELM_GEMV_WARPS=3: warps per GEMV block must be a power of 2 from 1 to 32")])
+def test_a_bad_codegen_knob_is_a_one_line_error_at_import(env, message):
+    """The experiment knobs are read when fuselm.codegen is imported; a bad value stops it there."""
+    import os
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", "import fuselm.codegen"], capture_output=True, text=True,
+                       env={**os.environ, **env})
+    assert r.returncode != 0 and message in r.stderr.strip().splitlines()[-1]

@@ -61,3 +61,19 @@ def test_pdl_launch_structs_match_the_driver_abi(monkeypatch):
     assert pdl_wanted("90") and not pdl_wanted("80")
     monkeypatch.setenv("FUSELM_PDL", "0")
     assert not pdl_wanted("90")
+
+
+def test_an_unknown_attention_variant_is_a_one_line_error():
+    """CudaEngine(variant=...) takes None, "general" or a variant some kernel has ("single")."""
+    import pytest
+
+    from fuselm.errors import FuselmError
+    from fuselm.runtime.cuda_engine import check_variant
+    cfg = DecoderConfig.from_hf(dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=64,
+                                     intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2))
+    kernels = generate(compile_graph(build_graph(cfg)), rows=256)
+    for ok in (None, "general", "single"):
+        check_variant(kernels, ok)
+    with pytest.raises(FuselmError, match=r"^variant 'singel': no kernel of this graph has it \(known: general, single\)$"):
+        check_variant(kernels, "singel")

@@ -73,6 +73,9 @@ def test_table_lists_every_launch_and_the_summary(capsys):
         assert row[4] == str(launch.block)
         assert ", ".join(k.nodes) in " ".join(row)
     assert "kernels per layer: 5 (+1 attention combine), x 16 layers" in out
+    from fuselm.codegen.attention import single_until
+    assert (f"at positions below {single_until(64, 4)}: attention in one launch per layer, a block per KV head "
+            "(<kernel>_single) (16 kernels)") in out
     assert f"launches per token: {len(flat)} " in out
     assert f"{G.graph['arena_bytes']:,} bytes with buffer reuse, {G.graph['arena_bytes_no_reuse']:,} without" in out
     assert G.graph["arena_bytes"] < G.graph["arena_bytes_no_reuse"]

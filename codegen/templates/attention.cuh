@@ -25,7 +25,9 @@ __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc
     constexpr int G = H / KV;
     using P = Pass<KV, HD, WARPS, J>;
     const int c = blockIdx.y;
-    const int pos = *pos_p;   // a graph input: written by the previous step's sampler, not by this step
+    // A graph input, read before the wait: the previous step's sampler wrote it, and has finished,
+    // since a kernel that releases its successor only after waiting (the Q, K, V GEMV) lies between.
+    const int pos = *pos_p;
     const int lo = window > 0 ? max(0, pos - window + 1) : 0;
     const int start = max(c * P::CHUNK, lo), end = min(c * P::CHUNK + P::CHUNK, pos + 1);
     if (start >= end) return;                   // the combine reads only chunks with positions

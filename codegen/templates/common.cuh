@@ -97,7 +97,9 @@ __device__ __forceinline__ void grid_wait_then_release() {
 // Kernels of a few blocks (row-wise, attention) let their successor be scheduled at once, before
 // they wait: the GEMV after them then starts its weight stream while they, and the kernel before
 // them, still run. Safe however many kernels run ahead: each waits for its predecessor, which
-// finished only after waiting for its own. (Releasing again in grid_wait_then_release is a no-op.)
+// finished only after waiting for its own (a grid finishes only once all its blocks have; blocks
+// that leave without waiting, empty attention chunks, touch nothing a later kernel writes).
+// (Releasing again in grid_wait_then_release is a no-op.)
 __device__ __forceinline__ void grid_release() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" :::);
