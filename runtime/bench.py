@@ -223,10 +223,16 @@ def run(models: list[str], out: str | None = None, **kw) -> dict:
 
 
 def _row(r: dict) -> str:
+    """One model's line of the printed table; what a run did not measure (--decode-only) is left out."""
     s = (f"{r['model']:14s} {r['decode_tok_s']:8.1f} tok/s {r['ms_per_token']:7.3f} ms/tok "
-         f"{r.get('bandwidth_fraction', 0) * 100:5.1f}% of copy bw | ttft32 {r['ttft_32_ms']} ms "
-         f"ttft512 {r['ttft_512_ms']} ms | 4k ctx {r['decode_tok_s_at_4k']} tok/s | compile "
-         f"{r['compile_cold_s']}s cold {r['compile_warm_s']}s warm | {r['peak_gpu_GiB']} GiB")
+         f"{r.get('bandwidth_fraction', 0) * 100:5.1f}% of copy bw | ttft32 {r['ttft_32_ms']} ms")
+    if r["ttft_512_ms"] is not None:
+        s += f" ttft512 {r['ttft_512_ms']} ms"
+    if r["decode_tok_s_at_4k"] is not None:
+        s += f" | 4k ctx {r['decode_tok_s_at_4k']} tok/s ({r['ratio_4k'] * 100:.1f}%)"
+    if r["compile_cold_s"] is not None:
+        s += f" | compile {r['compile_cold_s']}s cold {r['compile_warm_s']}s warm"
+    s += f" | {r['peak_gpu_GiB']} GiB"
     if "hf_eager_tok_s" in r:
         s += f" | HF eager {r['hf_eager_tok_s']} tok/s (x{r['vs_hf']})"
     return s

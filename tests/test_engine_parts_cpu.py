@@ -77,3 +77,14 @@ def test_an_unknown_attention_variant_is_a_one_line_error():
         check_variant(kernels, ok)
     with pytest.raises(FuselmError, match=r"^variant 'singel': no kernel of this graph has it \(known: general, single\)$"):
         check_variant(kernels, "singel")
+
+
+def test_bench_rows_leave_out_what_a_decode_only_run_did_not_measure():
+    from fuselm.runtime.bench import _row
+    r = {"model": "llama-3.2-1b", "decode_tok_s": 1322.1, "ms_per_token": 0.756, "bandwidth_fraction": 0.777,
+         "ttft_32_ms": 23.5, "ttft_512_ms": None, "decode_tok_s_at_4k": 1152.3, "ratio_4k": 0.872,
+         "compile_cold_s": None, "compile_warm_s": None, "peak_gpu_GiB": 3.93}
+    assert _row(r) == ("llama-3.2-1b     1322.1 tok/s   0.756 ms/tok  77.7% of copy bw | ttft32 23.5 ms "
+                       "| 4k ctx 1152.3 tok/s (87.2%) | 3.93 GiB")
+    full = _row({**r, "ttft_512_ms": 401.5, "compile_cold_s": 2.66, "compile_warm_s": 0.16})
+    assert "ttft512 401.5 ms" in full and "compile 2.66s cold 0.16s warm" in full and "None" not in full
