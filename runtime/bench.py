@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -192,6 +193,12 @@ def hf_decode_rate(cfg, tokens: int) -> float:
     return round(tokens / (rates[1] - rates[0]), 1)
 
 
+def knob_settings() -> dict[str, str]:
+    """The FUSELM_* experiment knobs set in this run's environment (the cache location aside), so
+    that an A/B record says which side it is."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("FUSELM_") and k != "FUSELM_CACHE"}
+
+
 def run(models: list[str], out: str | None = None, **kw) -> dict:
     """Benchmark `models`, print a table, write JSON to `out` if given, return the record."""
     import cupy as cp
@@ -199,7 +206,7 @@ def run(models: list[str], out: str | None = None, **kw) -> dict:
     from .cuda_engine import gpu_name
     copy = copy_bandwidth()
     record = {"gpu": gpu_name(), "date": date.today().isoformat(), "copy_GBps": round(copy / 1e9, 1),
-              "results": []}
+              "settings": knob_settings(), "results": []}
     print(f"{record['gpu']}: device copy {copy / 1e9:.0f} GB/s (read + write)")
     for m in models:
         r = bench_model(m, copy_Bps=copy, **kw)

@@ -190,8 +190,13 @@ class CudaEngine:
             return
         with self.stream:
             for start, calls in self._schedules:
-                if start not in self._graph_execs:
-                    self._graph_execs[start] = self.capture(calls)
+                self._graph_of(start, calls)
+
+    def _graph_of(self, start: int, calls):
+        """The CUDA graph of the schedule starting at `start`, captured on first use."""
+        if start not in self._graph_execs:
+            self._graph_execs[start] = self.capture(calls)
+        return self._graph_execs[start]
 
     def capture(self, calls):
         """A CUDA graph of `calls` ((kernel, launch, call) as in schedule_at) on the engine's stream."""
@@ -209,9 +214,7 @@ class CudaEngine:
                 for _, _, call in calls:
                     call(self.stream)
                 return
-            if start not in self._graph_execs:
-                self._graph_execs[start] = self.capture(calls)
-            self._graph_execs[start].launch(self.stream)
+            self._graph_of(start, calls).launch(self.stream)
 
     def _set_sampling(self, sampling: SamplingParams) -> None:
         if sampling == self._sampling:

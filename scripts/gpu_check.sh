@@ -3,7 +3,7 @@
 # Usage (device machine): bash scripts/gpu_check.sh [bench models...]; results land in $OUT (or ./gpu_out).
 # SKIP_TESTS=1 / SKIP_BENCH=1 leave a part out; PEERS= (empty) skips the transformers comparison.
 # AB="FUSELM_PDL=0;FUSELM_GEMV_UNROLL=8" adds decode-only runs of $AB_MODELS, one per setting (A/B),
-# each also recorded as $OUT/abN.json.
+# each also recorded as $OUT/abN.json (whose "settings" lists the FUSELM_* knobs it ran under).
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FUSELM_CACHE=${FUSELM_CACHE:-/tmp/fuselm-cache}
@@ -27,8 +27,6 @@ if [ -n "${AB:-}" ]; then
     echo "== ${settings[$i]}" | tee -a "$OUT/ab.log"
     env ${settings[$i]} python3 -m fuselm.runtime.bench ${AB_MODELS:-llama-3.2-1b llama-3.1-8b} --decode-only \
       --json "$OUT/ab$i.json" 2>&1 | tee -a "$OUT/ab.log"
-    python3 -c 'import json, sys; p = sys.argv[1]; d = json.load(open(p)); d["setting"] = sys.argv[2]
-json.dump(d, open(p, "w"), indent=1)' "$OUT/ab$i.json" "${settings[$i]}"   # which run this was
   done
 fi
 exit $tests_rc

@@ -88,3 +88,13 @@ def test_bench_rows_leave_out_what_a_decode_only_run_did_not_measure():
                        "| 4k ctx 1152.3 tok/s (87.2%) | 3.93 GiB")
     full = _row({**r, "ttft_512_ms": 401.5, "compile_cold_s": 2.66, "compile_warm_s": 0.16})
     assert "ttft512 401.5 ms" in full and "compile 2.66s cold 0.16s warm" in full and "None" not in full
+
+
+def test_bench_records_the_knobs_it_ran_under(monkeypatch):
+    from fuselm.runtime.bench import knob_settings
+    monkeypatch.setenv("FUSELM_EARLY_RELEASE", "0")
+    monkeypatch.setenv("FUSELM_CACHE", "/tmp/somewhere")
+    monkeypatch.delenv("FUSELM_GEMV_WARPS", raising=False)
+    settings = knob_settings()
+    assert settings["FUSELM_EARLY_RELEASE"] == "0"
+    assert "FUSELM_CACHE" not in settings and "FUSELM_GEMV_WARPS" not in settings
