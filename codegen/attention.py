@@ -10,13 +10,22 @@ from ..errors import FuselmError
 from . import cexpr
 from .params import Params, storage_of
 
-WARPS = int(os.environ.get("FUSELM_ATTN_WARPS", 4))      # per split block
-MAX_ROWS = int(os.environ.get("FUSELM_ATTN_ROWS", 8))    # cache rows per lane, at most
-MAX_SCORES = 32  # cache rows x query heads whose scores one lane keeps in registers
-COMBINE_WARPS = 8                                         # per combine block
+WARPS = int(os.environ.get("FUSELM_ATTN_WARPS", 8))      # per split block
+MAX_ROWS = int(os.environ.get("FUSELM_ATTN_ROWS", 8))    # cache rows per lane, at most (LanePass)
+MAX_SCORES = 32  # cache rows x query heads whose scores one lane keeps in registers (LanePass)
+COMBINE_WARPS = int(os.environ.get("FUSELM_ATTN_COMBINE_WARPS", 8))   # per combine block
+COMBINE_GROUP = int(os.environ.get("FUSELM_ATTN_COMBINE_GROUP", 4))   # chunks per combine warp per round of loads
 SINGLE_WARPS = 8                                          # per block of the one-launch short variant
 SINGLE_PASSES = int(os.environ.get("FUSELM_ATTN_SINGLE_PASSES", 2))   # its longest walk, in passes
-SINGLE_ROWS = int(os.environ.get("FUSELM_ATTN_SINGLE_ROWS", 4))       # its cache rows per lane, at most
+SINGLE_ROWS = int(os.environ.get("FUSELM_ATTN_SINGLE_ROWS", 4))       # its cache rows per lane, at most (LanePass)
+# Kernels whose passes run on tensor cores (MmaPass: head size 64 or 128, at most 8 query heads
+# per KV head, sm_80 on), comma-separated: "split", "single"; "0" for none.
+_mma = os.environ.get("FUSELM_ATTN_MMA", "split,single")
+MMA = set() if _mma.strip() in ("", "0") else {k.strip() for k in _mma.split(",")}
+if MMA - {"split", "single"}:
+    raise ValueError(f"FUSELM_ATTN_MMA={_mma}: unknown kernels {sorted(MMA - {'split', 'single'})}; "
+                     f"known: split, single (or 0 for none)")
+SMEM = 48 * 1024   # static shared memory a kernel may use
 
 
 def lanes_per_row(head_dim: int) -> int:
@@ -32,37 +41,60 @@ def _rows_per_lane(limit: int, group: int) -> int:
     return max(1, min(limit, MAX_SCORES // group))
 
 
-def chunk_shape(head_dim: int, group: int) -> tuple[int, int]:
-    """(rows per lane J, cache positions per split block). A lane holds J rows of K and V and the
-    J x group scores in registers; the chunk is what the block's lanes cover together."""
-    rows_per_lane = _rows_per_lane(MAX_ROWS, group)
-    return rows_per_lane, WARPS * (32 // lanes_per_row(head_dim)) * rows_per_lane
+def mma_fits(head_dim: int, group: int) -> bool:
+    """Whether MmaPass serves this head layout."""
+    return head_dim in (64, 128) and group <= 8
 
 
-SMEM = 48 * 1024   # static shared memory a kernel may use
+def pass_of(kernel: str, kv: int, head_dim: int, group: int, warps: int, row_limit: int) -> tuple[str, int]:
+    """(C++ pass type, cache positions per pass) of the `kernel` ("split" or "single") with `warps`
+    warps per block. MmaPass where it fits and FUSELM_ATTN_MMA lists the kernel; else LanePass, whose
+    lanes hold J <= row_limit rows each (J x group scores in registers)."""
+    if kernel in MMA and mma_fits(head_dim, group):
+        return f"MmaPass<{kv}, {head_dim}, {warps}, {group}>", warps * (2048 // head_dim)
+    rows = _rows_per_lane(row_limit, group)
+    return (f"LanePass<{kv}, {head_dim}, {warps}, {rows}, {group}>",
+            warps * (32 // lanes_per_row(head_dim)) * rows)
+
+
+def split_warps(head_dim: int, group: int) -> int:
+    """Warps per split block: WARPS, fewer where their softmax states would not fit in shared memory."""
+    return warps_fitting(WARPS, head_dim, group)
+
+
+def chunk_shape(head_dim: int, group: int, kv: int = 1) -> tuple[str, int]:
+    """(pass type, cache positions per split block): the chunk is what one pass of the block covers."""
+    return pass_of("split", kv, head_dim, group, split_warps(head_dim, group), MAX_ROWS)
 
 
 def _softmax_smem(warps: int, head_dim: int, group: int) -> int:
-    return 4 * warps * group * (lanes_per_row(head_dim) * 8 + 2)        # block_softmax's wacc, wm, wl
+    return 4 * warps * group * (max(lanes_per_row(head_dim) * 8, head_dim + 4) + 2)   # WarpStates (either pass)
+
+
+def warps_fitting(warps: int, head_dim: int, group: int) -> int:
+    """`warps`, halved until the block's softmax states fit in shared memory (WarpStates)."""
+    while warps > 1 and _softmax_smem(warps, head_dim, group) > SMEM:
+        warps //= 2
+    return warps
 
 
 def single_warps(head_dim: int, group: int) -> int:
-    """Warps per block of the one-launch variant: SINGLE_WARPS where their softmax states fit in
-    shared memory (block_softmax), else WARPS."""
-    return SINGLE_WARPS if _softmax_smem(SINGLE_WARPS, head_dim, group) <= SMEM else WARPS
+    """Warps per block of the one-launch variant: SINGLE_WARPS, fewer where their softmax states
+    would not fit in shared memory."""
+    return warps_fitting(SINGLE_WARPS, head_dim, group)
 
 
-def single_rows(group: int) -> int:
-    """Cache rows per lane of the one-launch variant (by default half the split's): a short
-    context's few rows spread over more lanes, less serial work per lane."""
-    return _rows_per_lane(SINGLE_ROWS, group)
+def single_pass(head_dim: int, group: int, kv: int = 1) -> tuple[str, int]:
+    """(pass type, positions per pass) of the one-launch variant; on CUDA cores its lanes hold
+    fewer rows than the split's (SINGLE_ROWS): a short context's few rows spread over more lanes."""
+    return pass_of("single", kv, head_dim, group, single_warps(head_dim, group), SINGLE_ROWS)
 
 
 def single_until(head_dim: int, group: int) -> int:
     """Positions below which one block per KV head walking the whole context (attention_single,
     SINGLE_PASSES passes at most) replaces the split and combine launches: at short contexts the
     time is latency, and one launch has less of it than two."""
-    return SINGLE_PASSES * single_warps(head_dim, group) * (32 // lanes_per_row(head_dim)) * single_rows(group)
+    return SINGLE_PASSES * single_pass(head_dim, group)[1]
 
 
 def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
@@ -77,18 +109,19 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
     if G.nodes[storage_of(G, pos)]["op"] != "input":
         raise FuselmError(f"{n}: the position must be a graph input (the attention kernel reads it before "
                           f"waiting for the previous kernel), not a computed value")
-    rows_per_lane, chunk = chunk_shape(hd, group)
-    if _softmax_smem(WARPS, hd, group) > SMEM:
-        raise FuselmError(f"{n}: {group} query heads per KV head of {hd} need {_softmax_smem(WARPS, hd, group)} "
-                          f"bytes of shared memory in the attention kernel; at most {SMEM} are supported")
+    kv = a["n_kv_heads"]
+    split_type, chunk = chunk_shape(hd, group, kv)
+    if _softmax_smem(1, hd, group) > SMEM:
+        raise FuselmError(f"{n}: {group} query heads per KV head of {hd} need {_softmax_smem(1, hd, group)} "
+                          f"bytes of shared memory per warp in the attention kernel; at most {SMEM} are supported")
     nchunk = -(-rows // chunk)
     record = (hd + 3) // 4 * 4 + 4                                      # Record<HD>::FLOATS
-    return {"H": a["n_heads"], "KV": a["n_kv_heads"], "HD": hd, "chunk": chunk, "rows_per_lane": rows_per_lane,
+    return {"H": a["n_heads"], "KV": a["n_kv_heads"], "HD": hd, "chunk": chunk, "split_pass": split_type,
             "nchunk": nchunk, "window": int(a.get("window") or 0), "scale": cexpr.float_literal(a["scale"]),
-            "softcap": cexpr.float_literal(a.get("softcap") or 0.0), "threads": WARPS * 32, "warps": WARPS,
-            "combine_warps": COMBINE_WARPS, "combine_threads": COMBINE_WARPS * 32,
+            "softcap": cexpr.float_literal(a.get("softcap") or 0.0), "threads": split_warps(hd, group) * 32,
+            "combine_warps": COMBINE_WARPS, "combine_threads": COMBINE_WARPS * 32, "combine_group": COMBINE_GROUP,
             "single_warps": single_warps(hd, group), "single_threads": single_warps(hd, group) * 32,
-            "single_rows": single_rows(group),
+            "single_pass": single_pass(hd, group, kv)[0],
             "single_until": min(single_until(hd, group), rows),
             "q": params.ref(q), "kc": params.ref(kc), "vc": params.ref(vc), "pos": params.ref(pos),
             "out": params.ref(n, written=True),

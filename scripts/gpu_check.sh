@@ -3,7 +3,8 @@
 # Usage (device machine): bash scripts/gpu_check.sh [bench models...]; results land in $OUT (or ./gpu_out).
 # SKIP_TESTS=1 / SKIP_BENCH=1 leave a part out; PEERS= (empty) skips the transformers comparison.
 # AB="FUSELM_PDL=0;FUSELM_GEMV_UNROLL=8" adds decode-only runs of $AB_MODELS, one per setting (A/B),
-# each also recorded as $OUT/abN.json (whose "settings" lists the FUSELM_* knobs it ran under).
+# printed to $OUT/ab.log and recorded as abN.json in $OUT/ab.tgz (whose "settings" lists the FUSELM_*
+# knobs each ran under; one archive because the device tool brings back only a few files).
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FUSELM_CACHE=${FUSELM_CACHE:-/tmp/fuselm-cache}
@@ -23,10 +24,12 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
 fi
 if [ -n "${AB:-}" ]; then
   IFS=';' read -ra settings <<< "$AB"
+  records=$(mktemp -d)
   for i in "${!settings[@]}"; do
     echo "== ${settings[$i]}" | tee -a "$OUT/ab.log"
     env ${settings[$i]} python3 -m fuselm.runtime.bench ${AB_MODELS:-llama-3.2-1b llama-3.1-8b} --decode-only \
-      --json "$OUT/ab$i.json" 2>&1 | tee -a "$OUT/ab.log"
+      --json "$records/ab$i.json" 2>&1 | tee -a "$OUT/ab.log"
   done
+  tar czf "$OUT/ab.tgz" -C "$records" .
 fi
 exit $tests_rc

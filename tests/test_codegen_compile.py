@@ -171,20 +171,22 @@ def test_attention_position_must_be_a_graph_input():
         generate(compile_graph(g, tokens=1), rows=16)
 
 
-def test_one_launch_attention_falls_back_to_fewer_warps_where_shared_memory_is_short():
-    """Eight query heads of 256 per KV head: the one-launch variant's eight warps would need
-    more than 48 kB of shared memory, so it runs four, and the module still compiles."""
-    from fuselm.codegen.attention import SINGLE_WARPS, WARPS, single_warps
-    assert single_warps(128, 4) == SINGLE_WARPS and single_warps(256, 8) == WARPS
+def test_attention_falls_back_to_fewer_warps_where_shared_memory_is_short():
+    """Eight query heads of 256 per KV head: eight warps' softmax states would need more than 48 kB
+    of shared memory, so both attention kernels run four, and the module still compiles."""
+    from fuselm.codegen.attention import SINGLE_WARPS, WARPS, single_warps, split_warps
+    assert single_warps(128, 4) == SINGLE_WARPS == 8 and split_warps(128, 4) == WARPS == 8
+    assert single_warps(256, 8) == split_warps(256, 8) == 4
     cfg = DecoderConfig.from_hf(dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=256,
                                      intermediate_size=64, num_hidden_layers=1, num_attention_heads=8,
                                      num_key_value_heads=1, head_dim=256))
     ks = generate(compile_graph(build_graph(cfg)), rows=512)
     (att,) = [k for k in ks if k.family == "attention"]
     (single,) = att.launches_of("single")
-    assert single.block == 32 * WARPS and att.variants[0].until > 0
+    split, _ = att.launches_of("general")
+    assert single.block == split.block == 32 * 4 and att.variants[0].until > 0
     cubin, _, _ = compile_cubin(module_source(ks), headers(), options("sm_90"), use_cache=False)
-    assert single.function.encode() in cubin
+    assert single.function.encode() in cubin and split.function.encode() in cubin
 
 
 def test_only_few_block_kernels_release_their_successor_before_waiting():
@@ -208,7 +210,8 @@ def test_only_few_block_kernels_release_their_successor_before_waiting():
 
 @pytest.mark.parametrize("env,message", [
     ({"FUSELM_EARLY_RELEASE": "rowwise,bogus"}, "FUSELM_EARLY_RELEASE=rowwise,bogus: unknown kernel kinds ['bogus']"),
-    ({"FUSELM_GEMV_WARPS": "3"}, "FUSELM_GEMV_WARPS=3: warps per GEMV block must be a power of 2 from 1 to 32")])
+    ({"FUSELM_GEMV_WARPS": "3"}, "FUSELM_GEMV_WARPS=3: warps per GEMV block must be a power of 2 from 1 to 32"),
+    ({"FUSELM_ATTN_MMA": "split,combine"}, "FUSELM_ATTN_MMA=split,combine: unknown kernels ['combine']")])
 def test_a_bad_codegen_knob_is_a_one_line_error_at_import(env, message):
     """The experiment knobs are read when fuselm.codegen is imported; a bad value stops it there."""
     import os
@@ -217,3 +220,30 @@ def test_a_bad_codegen_knob_is_a_one_line_error_at_import(env, message):
     r = subprocess.run([sys.executable, "-c", "import fuselm.codegen"], capture_output=True, text=True,
                        env={**os.environ, **env})
     assert r.returncode != 0 and message in r.stderr.strip().splitlines()[-1]
+
+
+def test_attention_passes_run_on_tensor_cores_where_they_fit():
+    """Head sizes 64 and 128 with at most 8 query heads per KV head get MmaPass (both the split and
+    the one-launch kernel, by default); other layouts LanePass. Under FUSELM_ATTN_MMA=0 every
+    kernel uses LanePass; its chunk (positions per split block) is MmaPass's wherever its lanes hold
+    8 rows (up to 4 query heads per KV head)."""
+    import os
+    import subprocess
+    import sys
+
+    from fuselm.codegen.attention import chunk_shape, pass_of, single_pass
+    assert chunk_shape(64, 4, kv=8) == ("MmaPass<8, 64, 8, 4>", 256)
+    assert chunk_shape(128, 7, kv=4) == ("MmaPass<4, 128, 8, 7>", 128)
+    assert single_pass(128, 4, kv=8)[0] == "MmaPass<8, 128, 8, 4>"
+    assert chunk_shape(256, 2, kv=8)[0].startswith("LanePass<8, 256, 8, ")
+    assert chunk_shape(64, 12, kv=4) == ("LanePass<4, 64, 8, 2, 12>", 64)
+    assert pass_of("split", 8, 6, 2, 4, 8)[0].startswith("LanePass<")
+    source = "\n".join(k.source for k in generate(compile_graph(build_graph(preset("llama-3.2-1b"))), rows=4608))
+    assert "attention_chunk<32, 8, 64, MmaPass<8, 64, 8, 4>, 18>" in source
+    code = ("from fuselm.codegen.attention import chunk_shape, single_pass; "
+            "print([chunk_shape(h, g) for h, g in ((64, 4), (128, 4), (64, 3), (128, 7))], single_pass(64, 4)[0])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "FUSELM_ATTN_MMA": "0"}, check=True)
+    assert r.stdout.strip() == ("[('LanePass<1, 64, 8, 8, 4>', 256), ('LanePass<1, 128, 8, 8, 4>', 128), "
+                                "('LanePass<1, 64, 8, 8, 3>', 256), ('LanePass<1, 128, 8, 4, 7>', 64)] "
+                                "LanePass<1, 64, 8, 4, 4>")

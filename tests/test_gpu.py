@@ -255,29 +255,33 @@ REAL_SHAPES = {"smollm2-135m": {}, "llama-3.2-1b": {}, "llama-3.1-8b": {},
                                      {"architectures": ["Gemma2ForCausalLM"], **ARCH_TINY["Gemma2ForCausalLM"],
                                       "head_dim": 256, "sliding_window": 70}])
 def test_long_context_spans_attention_chunks(variant):
-    """150 steps in a 192-row cache, by both attention variants: one launch walking every position,
-    and split + combine over two or more chunks (the chunk size depends on the head size), and as
-    the engine picks them by position (switching mid-run where single_until < 150); windows start
-    mid-chunk."""
-    from fuselm.codegen.attention import chunk_shape
+    """A conversation long enough for both attention variants to cover several passes, by each of
+    them: one launch walking every position, and split + combine over two or more chunks (the
+    sizes depend on the head layout), and as the engine picks them by position (switching
+    mid-run); windows start mid-chunk."""
+    from fuselm.codegen.attention import chunk_shape, single_until
     rng = np.random.default_rng()
     cfg = DecoderConfig.from_hf({**TINY, **variant})
-    _, chunk = chunk_shape(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
-    assert 150 >= 2 * chunk, f"150 steps fill only one attention chunk of {chunk}"
+    group = cfg.num_heads // cfg.num_kv_heads
+    _, chunk = chunk_shape(cfg.head_dim, group)
+    steps = max(150, max(2 * chunk, single_until(cfg.head_dim, group)) + 22)
     graph = build_graph(cfg)
-    weights, tokens = random_weights(graph, rng), rng.integers(0, cfg.vocab_size, 150)
+    weights, tokens = random_weights(graph, rng), rng.integers(0, cfg.vocab_size, steps)
     for attention in ("single", "general", None):
-        worst = compare_steps(graph, weights, tokens, ctx=192, variant=attention)
-        print(f"long context {variant.get('architectures', ['Llama'])[0]}, "
+        worst = compare_steps(graph, weights, tokens, ctx=steps + 42, variant=attention)
+        print(f"long context {variant.get('architectures', ['Llama'])[0]}, {steps} steps, "
               f"attention {attention}: worst rel logit error {worst:.2e}")
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,window", [(32, 8, 128, 0), (9, 3, 64, 0), (28, 4, 128, 0),
+                                                            (32, 4, 64, 1000), (48, 4, 64, 0),
                                                             (16, 8, 256, 1000), (4, 2, 6, 0)])
 def test_attention_at_long_context(heads, kv_heads, head_dim, window):
     """One step at position 3001 of caches filled with random bf16 rows, by both attention
     variants: one block per KV head walking every position, and dozens of chunks merged by the
-    combine kernel (a thousand-row window: starting mid-chunk); against the float64 reference."""
+    combine kernel (a thousand-row window: starting mid-chunk); against the float64 reference.
+    Head sizes 64 and 128 with up to 8 query heads per KV head run on tensor cores (MmaPass), the
+    others on CUDA cores (LanePass)."""
     import cupy as cp
 
     from fuselm.runtime.cuda_engine import CudaEngine

@@ -1,14 +1,15 @@
-// Decode attention over a bf16 KV cache, three kernels built from attention_pass.cuh:
+// Decode attention over a bf16 KV cache, three kernels built from a pass type (LanePass on CUDA
+// cores in attention_pass.cuh, MmaPass on tensor cores in attention_mma.cuh):
 // - attention_chunk, the flash-decoding split: each block scores one chunk of positions for the
 //   query heads of one KV head and leaves (max, sum, weighted values) in a workspace;
 // - attention_combine merges the chunks of every query head;
 // - attention_single, for short contexts: one block per KV head walks every position and writes
 //   the output itself, one launch instead of two.
 // Decode attention is short: at a few hundred positions its time is latency, not bytes. So each
-// lane issues every load it will need at once (its slices of J cache rows, K and V), before the
-// wait for the previous kernel where it can, and the softmax is reduced with shuffles.
+// lane issues every load it will need at once (its slices of the pass's cache rows, K and V),
+// before the wait for the previous kernel where it can.
 #pragma once
-#include "attention_pass.cuh"
+#include "attention_mma.cuh"
 
 // Workspace record per (query head, chunk), 16-byte aligned: [0 : HD] = sum of exp * v, then at
 // MAX_AT the max score and at SUM_AT the sum of exp.
@@ -19,11 +20,10 @@ struct Record {
 
 // Flash-decoding split: block (KV head, chunk blockIdx.y) leaves its chunk's softmax state of each
 // query head in the workspace for attention_combine.
-template <int H, int KV, int HD, int WARPS, int J, int NCHUNK>
+template <int H, int KV, int HD, class P, int NCHUNK>
 __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc, const bf16_t* vc, const int* pos_p,
                                                 int window, float scale, float softcap, float* ws) {
     constexpr int G = H / KV;
-    using P = Pass<KV, HD, WARPS, J>;
     const int c = blockIdx.y;
     // A graph input, read before the wait: the previous step's sampler wrote it, and has finished,
     // since a kernel that releases its successor only after waiting (the Q, K, V GEMV) lies between.
@@ -35,11 +35,10 @@ __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc
     pass.before_wait(kc, vc, c * P::CHUNK, start, end, pos);
     grid_wait_then_release();
     pass.after_wait(kc, vc, c * P::CHUNK, start, end, pos);
-    float qv[G][8];
-    load_queries<G, HD>(q, scale, qv);
-    Softmax st[G];
-    pass_softmax<G>(pass, qv, softcap, st);
-    block_softmax<G, HD, WARPS>(st, [&](int g, int d, float m, float l, float a) {
+    pass.load_queries(q, scale);
+    typename P::State st;
+    pass.softmax(softcap, st);
+    P::block_merge(st, [&](int g, int d, float m, float l, float a) {
         float* out = ws + ((size_t)(blockIdx.x * G + g) * NCHUNK + c) * Record<HD>::FLOATS;
         out[d] = a;
         if (d == 0) { out[Record<HD>::MAX_AT] = m; out[Record<HD>::SUM_AT] = l; }
@@ -48,11 +47,10 @@ __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc
 
 // Short contexts: one block per KV head walks every position in passes and writes the attention
 // output itself; no workspace, no combine launch. The first pass's loads go out before the wait.
-template <int H, int KV, int HD, int WARPS, int J>
+template <int H, int KV, int HD, class P>
 __device__ __forceinline__ void attention_single(const float* q, const bf16_t* kc, const bf16_t* vc, const int* pos_p,
                                                  int window, float scale, float softcap, float* o) {
     constexpr int G = H / KV;
-    using P = Pass<KV, HD, WARPS, J>;
     const int pos = *pos_p;                      // see attention_chunk
     const int lo = window > 0 ? max(0, pos - window + 1) : 0;
     int base = lo / P::CHUNK * P::CHUNK;
@@ -60,17 +58,15 @@ __device__ __forceinline__ void attention_single(const float* q, const bf16_t* k
     pass.before_wait(kc, vc, base, lo, min(base + P::CHUNK, pos + 1), pos);
     grid_wait_then_release();
     pass.after_wait(kc, vc, base, lo, min(base + P::CHUNK, pos + 1), pos);
-    float qv[G][8];
-    load_queries<G, HD>(q, scale, qv);
-    Softmax st[G], part[G];
-    pass_softmax<G>(pass, qv, softcap, st);
+    pass.load_queries(q, scale);
+    typename P::State st, part;
+    pass.softmax(softcap, st);
     for (base += P::CHUNK; base <= pos; base += P::CHUNK) {
         pass.load(kc, vc, base, base, min(base + P::CHUNK, pos + 1), -1);
-        pass_softmax<G>(pass, qv, softcap, part);
-#pragma unroll
-        for (int g = 0; g < G; g++) st[g].merge(part[g]);
+        pass.softmax(softcap, part);
+        st.merge(part);
     }
-    block_softmax<G, HD, WARPS>(st, [&](int g, int d, float, float l, float a) {
+    P::block_merge(st, [&](int g, int d, float, float l, float a) {
         o[(blockIdx.x * G + g) * HD + d] = a / l;
     });
 }
@@ -79,10 +75,10 @@ __device__ __forceinline__ void attention_single(const float* q, const bf16_t* k
 // contexts there are dozens of chunks, so each warp takes every WARPS-th chunk, GROUP at a time
 // with all their loads issued together (4 dims per lane), keeps a running softmax state, and
 // the warps' states meet once in shared memory.
-template <int HD, int CHUNK, int NCHUNK, int WARPS>   // blockDim.x == 32 * WARPS
+template <int HD, int CHUNK, int NCHUNK, int WARPS, int GROUP>   // blockDim.x == 32 * WARPS
 __device__ __forceinline__ void attention_combine(const float* ws, float* o, int pos, int window) {
     using R = Record<HD>;
-    constexpr int GROUP = 8, DSTEPS = (HD + 127) / 128;     // chunks per warp per round; float4s per lane
+    constexpr int DSTEPS = (HD + 127) / 128;                // float4s per lane
     __shared__ float wm[WARPS], wl[WARPS], wacc[WARPS][R::MAX_AT];
     const int h = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int c0 = (window > 0 ? max(0, pos - window + 1) : 0) / CHUNK, c1 = pos / CHUNK;

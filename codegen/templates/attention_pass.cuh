@@ -1,6 +1,11 @@
-// Building blocks of decode attention: how a block's lanes share cache rows, one pass over a
-// range of rows (every load issued at once), and the softmax state of a query head, merged
-// across passes, lanes and warps. attention.cuh assembles the kernels from them.
+// Building blocks of decode attention: the softmax state of a query head, merged across passes,
+// lanes and warps, and LanePass, one pass of a block over a range of cache rows on CUDA cores
+// (attention_mma.cuh has the tensor-core pass). attention.cuh assembles the kernels from a pass.
+//
+// A pass type P offers: CHUNK (positions per pass), State (this lane's softmax states),
+// load / before_wait / after_wait (issue the loads of a pass), load_queries, softmax (the
+// states over the loaded rows), merge (fold one state into another) and block_merge (the
+// warps' states meet in shared memory; emit(g, d, max, sum, weighted value) per head and dim).
 #pragma once
 #include "common.cuh"
 
@@ -48,16 +53,67 @@ __device__ __forceinline__ float lanes_max(float v) {
     return v;
 }
 
-// One pass of a block over cache rows [base, base + CHUNK) for KV head blockIdx.x and its G = H / KV
-// query heads (each cached K and V row is read once per token, not once per query head). Row r
-// goes to warp (r / PPL) % WARPS, step r / (PPL * WARPS) of its J, lane group r % PPL; rows
+// Softmax state of one query head over the rows seen so far: max score, sum of exp(score - m),
+// and this lane's 8 dims of the exp-weighted sum of values.
+struct Softmax {
+    float m = NEG_INF, l = 0.0f, acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+
+    // Fold in another state (rescaling whichever has the smaller max).
+    __device__ __forceinline__ void merge(const Softmax& o) {
+        const float mx = fmaxf(m, o.m);
+        if (mx == NEG_INF) return;
+        const float a = __expf(m - mx), b = __expf(o.m - mx);   // exp(-inf) = 0
+        l = l * a + o.l * b;
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc[i] = acc[i] * a + o.acc[i] * b;
+        m = mx;
+    }
+};
+
+// The warps' states of G query heads in shared memory ([warp][head] max and sum, [warp][head][dim]
+// weighted values, rows HDP floats apart), merged per head and dim: emit(g, d, m, l, a). The
+// caller fills them and syncs first.
+template <int G, int HD, int WARPS, int HDP>
+struct WarpStates {
+    float m[WARPS][G], l[WARPS][G], acc[WARPS][G][HDP];
+
+    template <class Emit>
+    __device__ __forceinline__ void merge(Emit emit) const {
+        for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
+            const int g = i / HD, d = i % HD;
+            float mx = NEG_INF;
+#pragma unroll
+            for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, m[w][g]);
+            float sum = 0.0f, a = 0.0f;
+#pragma unroll
+            for (int w = 0; w < WARPS; w++) {
+                const float f = m[w][g] == NEG_INF ? 0.0f : __expf(m[w][g] - mx);
+                sum = fmaf(f, l[w][g], sum);
+                a = fmaf(f, acc[w][g][d], a);
+            }
+            emit(g, d, mx, sum, a);
+        }
+    }
+};
+
+// One pass of a block over cache rows [base, base + CHUNK) for KV head blockIdx.x and its G query
+// heads (each cached K and V row is read once per token, not once per query head), on CUDA cores.
+// Row r goes to warp (r / PPL) % WARPS, step r / (PPL * WARPS) of its J, lane group r % PPL; rows
 // outside [start, end) are masked. blockDim.x == 32 * WARPS.
-template <int KV, int HD, int WARPS, int J>
-struct Pass {
+template <int KV, int HD, int WARPS, int J, int G>
+struct LanePass {
     using L = RowLanes<HD>;
     static constexpr int CHUNK = WARPS * L::PPL * J, W = KV * HD;
+    struct State {
+        Softmax h[G];
+        __device__ __forceinline__ void merge(const State& o) {
+#pragma unroll
+            for (int g = 0; g < G; g++) h[g].merge(o.h[g]);
+        }
+    };
     uint4 k[J], v[J];
     bool valid[J];
+    float qv[G][8];                              // this lane's dims of each query head, times scale
 
     __device__ __forceinline__ static int row(int base, int j) {
         return base + (j * WARPS + (threadIdx.x >> 5)) * L::PPL + (threadIdx.x & 31) / L::LPR;
@@ -97,105 +153,66 @@ struct Pass {
         for (int j = 0; j < J; j++)
             if (row(base, j) == p) { k[j] = load_dims8<HD>(at(kc, p), d0); v[j] = load_dims8<HD>(at(vc, p), d0); }
     }
-};
-
-// The G query heads of KV head blockIdx.x, times `scale`: dims d0 .. d0 + 7 of each, for this lane.
-template <int G, int HD>
-__device__ __forceinline__ void load_queries(const float* q, float scale, float (&qv)[G][8]) {
-    const int d0 = (threadIdx.x & 31) % RowLanes<HD>::LPR * 8;
+    // The G query heads of KV head blockIdx.x, times `scale`: dims d0 .. d0 + 7 of each, for this lane.
+    __device__ __forceinline__ void load_queries(const float* q, float scale) {
+        const int d0 = (threadIdx.x & 31) % L::LPR * 8;
 #pragma unroll
-    for (int g = 0; g < G; g++)
+        for (int g = 0; g < G; g++)
 #pragma unroll
-        for (int i = 0; i < 8; i++) qv[g][i] = d0 + i < HD ? q[(blockIdx.x * G + g) * HD + d0 + i] * scale : 0.0f;
-}
-
-// Softmax state of one query head over the rows seen so far: max score, sum of exp(score - m),
-// and this lane's 8 dims of the exp-weighted sum of values.
-struct Softmax {
-    float m = NEG_INF, l = 0.0f, acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-
-    // Fold in another state (rescaling whichever has the smaller max).
-    __device__ __forceinline__ void merge(const Softmax& o) {
-        const float mx = fmaxf(m, o.m);
-        if (mx == NEG_INF) return;
-        const float a = __expf(m - mx), b = __expf(o.m - mx);   // exp(-inf) = 0
-        l = l * a + o.l * b;
-#pragma unroll
-        for (int i = 0; i < 8; i++) acc[i] = acc[i] * a + o.acc[i] * b;
-        m = mx;
+            for (int i = 0; i < 8; i++) qv[g][i] = d0 + i < HD ? q[(blockIdx.x * G + g) * HD + d0 + i] * scale : 0.0f;
     }
-};
-
-// The warp's softmax state of each query head over one pass's rows.
-template <int G, int KV, int HD, int WARPS, int J>
-__device__ __forceinline__ void pass_softmax(const Pass<KV, HD, WARPS, J>& pass, const float (&qv)[G][8],
-                                             float softcap, Softmax (&out)[G]) {
-    using L = RowLanes<HD>;
-    float s[J][G];                               // scores, summed over the LPR lanes of each row
-#pragma unroll
-    for (int j = 0; j < J; j++) {
-        float k[8];
-        unpack8_bf16(pass.k[j], k);
-#pragma unroll
-        for (int g = 0; g < G; g++) {
-            float a = 0.0f;
-#pragma unroll
-            for (int i = 0; i < 8; i++) a = fmaf(qv[g][i], k[i], a);
-#pragma unroll
-            for (int o = 1; o < L::LPR; o <<= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-            s[j][g] = !pass.valid[j] ? NEG_INF : softcap > 0.0f ? softcap * tanhf(a / softcap) : a;
-        }
-    }
-#pragma unroll
-    for (int g = 0; g < G; g++) {
-        Softmax& o = out[g];
-        o = Softmax{};
-#pragma unroll
-        for (int j = 0; j < J; j++) o.m = fmaxf(o.m, s[j][g]);
-        o.m = lanes_max<L::LPR>(o.m);
+    // The warp's softmax state of each query head over this pass's rows.
+    __device__ __forceinline__ void softmax(float softcap, State& out) const {
+        float s[J][G];                           // scores, summed over the LPR lanes of each row
 #pragma unroll
         for (int j = 0; j < J; j++) {
-            const float e = pass.valid[j] ? __expf(s[j][g] - o.m) : 0.0f;   // o.m is finite where any row is valid
-            float v[8];
-            unpack8_bf16(pass.v[j], v);
-            o.l += e;
+            float kf[8];
+            unpack8_bf16(k[j], kf);
 #pragma unroll
-            for (int i = 0; i < 8; i++) o.acc[i] = fmaf(e, v[i], o.acc[i]);
+            for (int g = 0; g < G; g++) {
+                float a = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 8; i++) a = fmaf(qv[g][i], kf[i], a);
+#pragma unroll
+                for (int o = 1; o < L::LPR; o <<= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+                s[j][g] = !valid[j] ? NEG_INF : softcap > 0.0f ? softcap * tanhf(a / softcap) : a;
+            }
         }
-        o.l = lanes_sum<L::LPR>(o.l);
-#pragma unroll
-        for (int i = 0; i < 8; i++) o.acc[i] = lanes_sum<L::LPR>(o.acc[i]);
-    }
-}
-
-// The warps' states meet in shared memory; emit(g, d, max, sum, weighted value) is called once per
-// query head g and dim d with the block's result.
-template <int G, int HD, int WARPS, class Emit>
-__device__ __forceinline__ void block_softmax(const Softmax (&st)[G], Emit emit) {
-    constexpr int HDP = RowLanes<HD>::LPR * 8;
-    __shared__ float wm[WARPS][G], wl[WARPS][G], wacc[WARPS][G][HDP];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (lane < RowLanes<HD>::LPR) {              // lane group 0 holds the warp's sums
 #pragma unroll
         for (int g = 0; g < G; g++) {
+            Softmax& o = out.h[g];
+            o = Softmax{};
 #pragma unroll
-            for (int i = 0; i < 8; i++) wacc[warp][g][lane * 8 + i] = st[g].acc[i];
-            if (lane == 0) { wm[warp][g] = st[g].m; wl[warp][g] = st[g].l; }
+            for (int j = 0; j < J; j++) o.m = fmaxf(o.m, s[j][g]);
+            o.m = lanes_max<L::LPR>(o.m);
+#pragma unroll
+            for (int j = 0; j < J; j++) {
+                const float e = valid[j] ? __expf(s[j][g] - o.m) : 0.0f;   // o.m is finite where any row is valid
+                float vf[8];
+                unpack8_bf16(v[j], vf);
+                o.l += e;
+#pragma unroll
+                for (int i = 0; i < 8; i++) o.acc[i] = fmaf(e, vf[i], o.acc[i]);
+            }
+            o.l = lanes_sum<L::LPR>(o.l);
+#pragma unroll
+            for (int i = 0; i < 8; i++) o.acc[i] = lanes_sum<L::LPR>(o.acc[i]);
         }
     }
-    __syncthreads();
-    for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
-        const int g = i / HD, d = i % HD;
-        float m = NEG_INF;
+    // Lane group 0 of each warp holds the warp's sums.
+    template <class Emit>
+    __device__ __forceinline__ static void block_merge(const State& st, Emit emit) {
+        __shared__ WarpStates<G, HD, WARPS, L::LPR * 8> ws;
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        if (lane < L::LPR) {
 #pragma unroll
-        for (int w = 0; w < WARPS; w++) m = fmaxf(m, wm[w][g]);
-        float l = 0.0f, a = 0.0f;
+            for (int g = 0; g < G; g++) {
 #pragma unroll
-        for (int w = 0; w < WARPS; w++) {
-            const float f = wm[w][g] == NEG_INF ? 0.0f : __expf(wm[w][g] - m);
-            l = fmaf(f, wl[w][g], l);
-            a = fmaf(f, wacc[w][g][d], a);
+                for (int i = 0; i < 8; i++) ws.acc[warp][g][lane * 8 + i] = st.h[g].acc[i];
+                if (lane == 0) { ws.m[warp][g] = st.h[g].m; ws.l[warp][g] = st.h[g].l; }
+            }
         }
-        emit(g, d, m, l, a);
+        __syncthreads();
+        ws.merge(emit);
     }
-}
+};

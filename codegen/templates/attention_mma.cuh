@@ -1,0 +1,207 @@
+// MmaPass: one pass of a block over cache rows on tensor cores (mma.sync m16n8k16, sm_80 on), for
+// head sizes 64 and 128 and up to 8 query heads per KV head. Same interface as LanePass.
+//
+// Why: a pass on CUDA cores is a long chain of dependent shuffles, exponentials and FMAs per lane
+// (each row's score summed over 8 lanes, each head's values summed over the row groups), and at
+// 2-3 warps per scheduler that chain, not the cache bytes, sets the kernel's time. On tensor cores
+// a warp's 32 positions take 64 mma instructions and a few shuffles.
+//
+// Per warp and pass: S = Q K^T over NP positions, then O = P V. The query heads are the rows of the
+// 16-row A operand (rows G .. 15 are zero). The dot products over the head dim may take the dims
+// in any order, as long as A and B agree, and likewise the positions of P V; so each lane's loads
+// are contiguous 16-byte pieces that land in the fragment layouts without any shuffling:
+// - lane (r = lane / 4, c = lane % 4) holds K dims [c HD/4, (c+1) HD/4) of position 8t + r for each
+//   score tile t: k-step s takes dims c HD/4 + 4s + {0, 1} (B word 0) and + {2, 3} (word 1), and
+//   the queries' A fragment takes the same dims of head r;
+// - the scores come out as head r, positions 8t + 2c + {0, 1}: for the value step u (16
+//   positions, tiles 2u and 2u + 1) they are already P's A fragment;
+// - the same lane holds V dims [r HD/8, (r+1) HD/8) of positions 16u + {2c, 2c+1, 2c+8, 2c+9}, so
+//   output tile w (dims n HD/8 + w, n = 0..7) takes its B words from those four rows' element w
+//   (one byte permute per word), and lane (r, c) ends with head r, dims [c HD/4, (c+1) HD/4).
+// Queries and probabilities are float32, the operands bf16: each is split into hi + lo (two mma,
+// |error| <= 2^-17 of the value), so the scores keep about float32 accuracy.
+#pragma once
+#include "attention_pass.cuh"
+
+// d += a b for a 16x16 bf16 A (4 words), a 16x8 bf16 B (2 words), float accumulators.
+__device__ __forceinline__ void mma_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                          unsigned b0, unsigned b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    __trap();   // the engine picks MmaPass only for sm_80 and later
+#endif
+}
+
+// (x0, x1) as bf16 pairs hi + lo (x0 in the low half), rounded to nearest.
+__device__ __forceinline__ unsigned pack_bf16x2(float x0, float x1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
+    return r;
+#else
+    return f32_to_bf16(x0) | (unsigned)f32_to_bf16(x1) << 16;
+#endif
+}
+__device__ __forceinline__ void split_bf16x2(float x0, float x1, unsigned& hi, unsigned& lo) {
+    hi = pack_bf16x2(x0, x1);
+    lo = pack_bf16x2(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xffff0000u));
+}
+
+__device__ __forceinline__ unsigned word_of(const uint4& q, int i) { return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w; }
+
+template <int KV, int HD, int WARPS, int G>
+struct MmaPass {
+    static_assert(HD == 64 || HD == 128, "MmaPass: head size 64 or 128");
+    static_assert(G <= 8, "MmaPass: at most 8 query heads per KV head");
+    static constexpr int NP = 2048 / HD;         // positions per warp and pass: 16 loads of 16 bytes per lane
+    static constexpr int CHUNK = WARPS * NP, W = KV * HD;
+    static constexpr int NT = NP / 8, NU = NP / 16, KSTEPS = HD / 16, VDIMS = HD / 8;
+    struct State {
+        float m = NEG_INF, l = 0.0f, acc[VDIMS][2] = {};   // head lane / 4; dims (2 (lane % 4) + e) HD/8 + w
+        __device__ __forceinline__ void merge(const State& o) {
+            const float mx = fmaxf(m, o.m);
+            if (mx == NEG_INF) return;
+            const float a = __expf(m - mx), b = __expf(o.m - mx);
+            l = l * a + o.l * b;
+#pragma unroll
+            for (int w = 0; w < VDIMS; w++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) acc[w][e] = acc[w][e] * a + o.acc[w][e] * b;
+            m = mx;
+        }
+    };
+    uint4 k[NT][HD / 32];                        // K slice of position 8t + r: HD/4 dims
+    uint4 v[NU][4][HD / 64];                     // V slices of positions 16u + {2c, 2c+1, 2c+8, 2c+9}: HD/8 dims
+    unsigned qa[KSTEPS][2][2];                   // queries' A words [k-step][hi, lo][dims +0,1 | +2,3]
+    int first, start, end;                       // the warp's first position; the valid range
+
+    __device__ __forceinline__ static int r() { return (threadIdx.x & 31) >> 2; }
+    __device__ __forceinline__ static int c() { return threadIdx.x & 3; }
+    __device__ __forceinline__ static const bf16_t* at(const bf16_t* cache, int p) {
+        return cache + (size_t)p * W + blockIdx.x * HD;
+    }
+    __device__ __forceinline__ int k_row(int t) const { return first + 8 * t + r(); }
+    __device__ __forceinline__ int v_row(int u, int i) const { return first + 16 * u + 2 * c() + (i & 1) + 8 * (i >> 1); }
+
+    template <int N>
+    __device__ __forceinline__ static void load_slice(uint4 (&dst)[N], const bf16_t* src, bool now) {
+#pragma unroll
+        for (int i = 0; i < N; i++) dst[i] = now ? *reinterpret_cast<const uint4*>(src + 8 * i) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    // Issue every load of this lane's rows, but row `skip` (the previous kernel may still write it).
+    __device__ __forceinline__ void load(const bf16_t* kc, const bf16_t* vc, int base, int start_, int end_, int skip) {
+        first = base + (threadIdx.x >> 5) * NP, start = start_, end = end_;
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            const int p = k_row(t);
+            load_slice(k[t], at(kc, p) + c() * (HD / 4), p >= start && p < end && p != skip);
+        }
+#pragma unroll
+        for (int u = 0; u < NU; u++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int p = v_row(u, i);
+                load_slice(v[u][i], at(vc, p) + r() * VDIMS, p >= start && p < end && p != skip);
+            }
+    }
+    __device__ __forceinline__ void load_row(const bf16_t* kc, const bf16_t* vc, int p) {
+#pragma unroll
+        for (int t = 0; t < NT; t++)
+            if (k_row(t) == p) load_slice(k[t], at(kc, p) + c() * (HD / 4), true);
+#pragma unroll
+        for (int u = 0; u < NU; u++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                if (v_row(u, i) == p) load_slice(v[u][i], at(vc, p) + r() * VDIMS, true);
+    }
+    // Slices are 16-byte pieces of 128- or 256-byte rows, so loads of rows before pos may go out
+    // before the wait (see LanePass::before_wait).
+    __device__ __forceinline__ void before_wait(const bf16_t* kc, const bf16_t* vc, int base, int start_, int end_,
+                                                int pos) {
+        load(kc, vc, base, start_, end_, pos);
+    }
+    __device__ __forceinline__ void after_wait(const bf16_t* kc, const bf16_t* vc, int, int, int, int pos) {
+        load_row(kc, vc, pos);
+    }
+    // Query head r (zero past G), times `scale`, as A words: dims c HD/4 + 4s + {0,1} and {2,3}.
+    __device__ __forceinline__ void load_queries(const float* q, float scale) {
+#pragma unroll
+        for (int s = 0; s < KSTEPS; s++) {
+            float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (r() < G) x = *reinterpret_cast<const float4*>(q + (blockIdx.x * G + r()) * HD + c() * (HD / 4) + 4 * s);
+            split_bf16x2(x.x * scale, x.y * scale, qa[s][0][0], qa[s][1][0]);
+            split_bf16x2(x.z * scale, x.w * scale, qa[s][0][1], qa[s][1][1]);
+        }
+    }
+    // Head r's softmax state over this pass's positions (lanes of equal r agree on m and l).
+    __device__ __forceinline__ void softmax(float softcap, State& out) const {
+        float s[NT][2];                          // head r, positions 8t + 2c + {0, 1}
+        out = State{};
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int ks = 0; ks < KSTEPS; ks++) {
+                const unsigned b0 = word_of(k[t][ks / 2], ks % 2 * 2), b1 = word_of(k[t][ks / 2], ks % 2 * 2 + 1);
+                mma_16816(d, qa[ks][0][0], 0u, qa[ks][0][1], 0u, b0, b1);
+                mma_16816(d, qa[ks][1][0], 0u, qa[ks][1][1], 0u, b0, b1);
+            }
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int p = first + 8 * t + 2 * c() + e;
+                s[t][e] = p < start || p >= end ? NEG_INF : softcap > 0.0f ? softcap * tanhf(d[e] / softcap) : d[e];
+                out.m = fmaxf(out.m, s[t][e]);
+            }
+        }
+        out.m = fmaxf(out.m, __shfl_xor_sync(0xffffffffu, out.m, 1));
+        out.m = fmaxf(out.m, __shfl_xor_sync(0xffffffffu, out.m, 2));
+        // No early exit where no position is valid (mma.sync needs every lane): then all p are 0.
+        const float mref = out.m == NEG_INF ? 0.0f : out.m;
+#pragma unroll
+        for (int t = 0; t < NT; t++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                s[t][e] = __expf(s[t][e] - mref);   // exp(-inf) = 0 for masked positions
+                out.l += s[t][e];
+            }
+        out.l += __shfl_xor_sync(0xffffffffu, out.l, 1);
+        out.l += __shfl_xor_sync(0xffffffffu, out.l, 2);
+        float o[VDIMS][4] = {};
+#pragma unroll
+        for (int u = 0; u < NU; u++) {
+            unsigned ph0, pl0, ph1, pl1;         // P's A words: positions 16u + 2c + {0,1} and + 8
+            split_bf16x2(s[2 * u][0], s[2 * u][1], ph0, pl0);
+            split_bf16x2(s[2 * u + 1][0], s[2 * u + 1][1], ph1, pl1);
+#pragma unroll
+            for (int w = 0; w < VDIMS; w++) {
+                const unsigned sel = w % 2 ? 0x7632u : 0x5410u;      // high or low halves of two words
+                const int q4 = w / 8, word = w % 8 / 2;
+                const unsigned b0 = __byte_perm(word_of(v[u][0][q4], word), word_of(v[u][1][q4], word), sel);
+                const unsigned b1 = __byte_perm(word_of(v[u][2][q4], word), word_of(v[u][3][q4], word), sel);
+                mma_16816(o[w], ph0, 0u, ph1, 0u, b0, b1);
+                mma_16816(o[w], pl0, 0u, pl1, 0u, b0, b1);
+            }
+        }
+#pragma unroll
+        for (int w = 0; w < VDIMS; w++) { out.acc[w][0] = o[w][0]; out.acc[w][1] = o[w][1]; }
+    }
+    // Lanes of heads r < G hold head r's dims [c HD/4, (c+1) HD/4).
+    template <class Emit>
+    __device__ __forceinline__ static void block_merge(const State& st, Emit emit) {
+        __shared__ WarpStates<G, HD, WARPS, HD + 4> ws;     // + 4: the lanes' slices fall in different banks
+        const int warp = threadIdx.x >> 5;
+        if (r() < G) {
+#pragma unroll
+            for (int w = 0; w < VDIMS; w++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) ws.acc[warp][r()][(2 * c() + e) * VDIMS + w] = st.acc[w][e];
+            if (c() == 0) { ws.m[warp][r()] = st.m; ws.l[warp][r()] = st.l; }
+        }
+        __syncthreads();
+        ws.merge(emit);
+    }
+};
