@@ -273,15 +273,15 @@ def test_long_context_spans_attention_chunks(variant):
               f"attention {attention}: worst rel logit error {worst:.2e}")
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,window", [(32, 8, 128, 0), (9, 3, 64, 0), (28, 4, 128, 0),
-                                                            (32, 4, 64, 1000), (48, 4, 64, 0),
-                                                            (16, 8, 256, 1000), (4, 2, 6, 0)])
-def test_attention_at_long_context(heads, kv_heads, head_dim, window):
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window,softcap", [
+    (32, 8, 128, 0, 0.0), (9, 3, 64, 0, 0.0), (28, 4, 128, 0, 0.0), (32, 4, 64, 1000, 0.0), (32, 8, 64, 0, 2.0),
+    (48, 4, 64, 0, 0.0), (16, 8, 256, 1000, 50.0), (4, 2, 6, 0, 0.0)])
+def test_attention_at_long_context(heads, kv_heads, head_dim, window, softcap):
     """One step at position 3001 of caches filled with random bf16 rows, by both attention
     variants: one block per KV head walking every position, and dozens of chunks merged by the
     combine kernel (a thousand-row window: starting mid-chunk); against the float64 reference.
     Head sizes 64 and 128 with up to 8 query heads per KV head run on tensor cores (MmaPass), the
-    others on CUDA cores (LanePass)."""
+    others on CUDA cores (LanePass); a soft cap of 2 bends most scores (random rows, unit queries)."""
     import cupy as cp
 
     from fuselm.runtime.cuda_engine import CudaEngine
@@ -293,7 +293,7 @@ def test_attention_at_long_context(heads, kv_heads, head_dim, window):
     kc = g.op("kv_write", g.state("kc", ("S", kv_heads * head_dim)), k, pos)
     vc = g.op("kv_write", g.state("vc", ("S", kv_heads * head_dim)), v, pos)
     g.output(out=g.op("attention", q, kc, vc, pos, n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim,
-                      scale=head_dim ** -0.5, window=window))
+                      scale=head_dim ** -0.5, window=window, softcap=softcap))
     state = {n: bf16_round(rng.standard_normal((rows, kv_heads * head_dim)).astype(np.float32)) for n in ("kc", "vc")}
     feeds = {"pos": np.array([at], np.int32), **{n: bf16_round(rng.standard_normal((1, w)).astype(np.float32))
                                                  for n, w in (("q", heads * head_dim), ("k", kv_heads * head_dim),
@@ -314,7 +314,8 @@ def test_attention_at_long_context(heads, kv_heads, head_dim, window):
         got = eng.output("out")
         assert np.isfinite(got).all(), f"{variant}: unwritten or non-finite attention output"
         err = rel(got, ref)
-        print(f"attention h{heads} kv{kv_heads} d{head_dim} window {window} at {at}, {variant}: rel error {err:.2e}")
+        print(f"attention h{heads} kv{kv_heads} d{head_dim} window {window} softcap {softcap} at {at}, {variant}: "
+              f"rel error {err:.2e}")
         assert err < 1e-4, f"{variant}: relative error {err:.2e}"
 
 
