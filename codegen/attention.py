@@ -25,13 +25,6 @@ MMA = set() if _mma.strip() in ("", "0") else {k.strip() for k in _mma.split(","
 if MMA - {"split", "single"}:
     raise ValueError(f"FUSELM_ATTN_MMA={_mma}: unknown kernels {sorted(MMA - {'split', 'single'})}; "
                      f"known: split, single (or 0 for none)")
-# The cluster variant (medium contexts, sm_90 on): CLUSTER blocks of CLUSTER_WARPS warps per KV head,
-# one MmaPass each, merged through distributed shared memory; 0 turns it off. Clusters of more than
-# 8 blocks are "non-portable": the runtime allows them per function (H100 / H200 run up to 16).
-CLUSTER = int(os.environ.get("FUSELM_ATTN_CLUSTER", 12))
-CLUSTER_WARPS = int(os.environ.get("FUSELM_ATTN_CLUSTER_WARPS", 12))
-if not 0 <= CLUSTER <= 16:
-    raise ValueError(f"FUSELM_ATTN_CLUSTER={CLUSTER}: blocks per cluster must be 0 (off) to 16")
 SMEM = 48 * 1024   # static shared memory a kernel may use
 
 
@@ -104,19 +97,6 @@ def single_until(head_dim: int, group: int) -> int:
     return SINGLE_PASSES * single_pass(head_dim, group)[1]
 
 
-def cluster_pass(head_dim: int, group: int, kv: int = 1) -> tuple[str, int]:
-    """(pass type, cache positions per block) of the cluster variant; ("", 0) where it has none:
-    CLUSTER is 0, the layout does not fit MmaPass, or the warps' states do not fit in shared memory."""
-    if not CLUSTER or not mma_fits(head_dim, group) or warps_fitting(CLUSTER_WARPS, head_dim, group) < CLUSTER_WARPS:
-        return "", 0
-    return f"MmaPass<{kv}, {head_dim}, {CLUSTER_WARPS}, {group}>", CLUSTER_WARPS * (2048 // head_dim)
-
-
-def cluster_until(head_dim: int, group: int) -> int:
-    """Positions below which the cluster variant serves (CLUSTER chunks), 0 where there is none."""
-    return CLUSTER * cluster_pass(head_dim, group)[1]
-
-
 def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
     """Template variables of one attention launch over a cache of `rows` positions."""
     (n,) = launch["nodes"]
@@ -142,8 +122,6 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
             "combine_warps": COMBINE_WARPS, "combine_threads": COMBINE_WARPS * 32, "combine_group": COMBINE_GROUP,
             "single_warps": single_warps(hd, group), "single_threads": single_warps(hd, group) * 32,
             "single_pass": single_pass(hd, group, kv)[0],
-            "cluster": CLUSTER, "cluster_pass": cluster_pass(hd, group, kv)[0], "cluster_threads": CLUSTER_WARPS * 32,
-            "cluster_until": min(cluster_until(hd, group), rows),
             "single_until": min(single_until(hd, group), rows),
             "q": params.ref(q), "kc": params.ref(kc), "vc": params.ref(vc), "pos": params.ref(pos),
             "out": params.ref(n, written=True),

@@ -74,20 +74,11 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2) -> list[KernelSour
 
 
 def _attention_variants(name: str, ctx: dict, args: list[str]) -> list[Variant]:
-    """Below single_until, one launch walking the whole context; below cluster_until (Hopper on),
-    one launch of a cluster of blocks per KV head; split + combine beyond."""
-    out = []
-    if ctx["single_until"] > 0:
-        out.append(Variant("single", ctx["single_until"],
-                           [Launch(f"{name}_single", (ctx["KV"], 1), ctx["single_threads"], args)],
-                           "attention in one launch per layer, a block per KV head (<kernel>_single)"))
-    if ctx["cluster_until"] > ctx["single_until"]:
-        out.append(Variant("cluster", ctx["cluster_until"],
-                           [Launch(f"{name}_cluster", (ctx["KV"], ctx["cluster"]), ctx["cluster_threads"], args,
-                                   cluster=ctx["cluster"])],
-                           f"attention in one launch per layer, a cluster of {ctx['cluster']} blocks per KV head "
-                           "(<kernel>_cluster, sm_90 on)", min_sm=90))
-    return out
+    """Below single_until, one launch walking the whole context replaces split + combine."""
+    if ctx["single_until"] <= 0:
+        return []
+    return [Variant("single", ctx["single_until"], [Launch(f"{name}_single", (ctx["KV"], 1), ctx["single_threads"], args)],
+                    "attention in one launch per layer, a block per KV head (<kernel>_single)")]
 
 
 SAMPLER_BLOCKS = 32   # blocks sharing the argmax over the vocabulary (one block took 26 us/token)

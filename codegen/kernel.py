@@ -11,19 +11,16 @@ class Launch:
     grid: tuple[int, int]     # ("T" in the schedule becomes the token count at run time)
     block: int
     args: list[str]           # graph value names, or runtime buffers such as "workspace"
-    cluster: int = 0          # blocks per thread block cluster (the kernel declares it), 0: none
 
 
 @dataclass
 class Variant:
     """Launches that replace a kernel's general `launches` at positions from the previous variant's
-    `until` (or 0) below this one's (attention: one launch at short contexts, a cluster per KV head
-    at medium ones)."""
-    name: str                 # "single", "cluster": how tests and CudaEngine(variant=...) call it
+    `until` (or 0) below this one's (attention: one launch at short contexts)."""
+    name: str                 # "single": how tests and CudaEngine(variant=...) call it
     until: int
     launches: list[Launch]
     note: str                 # what it does instead, for `fuselm inspect`
-    min_sm: int = 0           # the oldest GPU generation it runs on (90: thread block clusters)
 
 
 @dataclass
@@ -42,11 +39,9 @@ class KernelSource:
     # By increasing `until`; the runtime keeps one CUDA graph per range of positions.
     variants: list[Variant] = field(default_factory=list)
 
-    def launches_at(self, position: int, sm: int | None = None) -> list[Launch]:
-        """The launches that serve a step at `position`: the first variant whose range holds it
-        (of those an sm_`sm` GPU runs; None: any)."""
-        return next((v.launches for v in self.variants if position < v.until and v.min_sm <= (sm or v.min_sm)),
-                    self.launches)
+    def launches_at(self, position: int) -> list[Launch]:
+        """The launches that serve a step at `position`: the first variant whose range holds it."""
+        return next((v.launches for v in self.variants if position < v.until), self.launches)
 
     def launches_of(self, variant: str) -> list[Launch]:
         """The launches of the variant named `variant` (the general ones where it has no such)."""

@@ -23,7 +23,6 @@ from ..errors import FuselmError
 from .engine import SamplingParams
 from .launch import PdlLaunch, pdl_wanted
 
-CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14   # CUfunction_attribute
 SAMPLING_ARGS = np.dtype([("temperature", "f4"), ("top_p", "f4"), ("min_p", "f4"),
                           ("repetition_penalty", "f4"), ("top_k", "i4"), ("seed", "i4"),
                           ("step", "i4"), ("pad", "i4")])   # mirrors SamplingArgs in sampling.cuh
@@ -74,7 +73,6 @@ class CudaEngine:
         self.variant = variant
         self.position = 0
         self.arch = arch or f"sm_{cupy.cuda.Device().compute_capability}"
-        self.sm = int("".join(c for c in self.arch if c.isdigit()))   # variants for newer GPUs are left out
         self.pdl = pdl_wanted(cupy.cuda.Device().compute_capability)
         t0 = time.perf_counter()
         self.G = compile_graph(graph, fuse=fuse, tokens=1, pass_list=pass_list)   # pass_list: tests
@@ -161,20 +159,16 @@ class CudaEngine:
 
         def entries(start):
             for k in self.kernels:
-                for launch in k.launches_at(start, self.sm) if self.variant is None else k.launches_of(self.variant):
+                for launch in k.launches_at(start) if self.variant is None else k.launches_of(self.variant):
                     if id(launch) not in calls:
                         calls[id(launch)] = self._call(launch)
                     yield k, launch, calls[id(launch)]
-        starts = {0} | ({v.until for k in self.kernels for v in k.variants if v.min_sm <= self.sm}
-                        if self.variant is None else set())
+        starts = {0} | ({v.until for k in self.kernels for v in k.variants} if self.variant is None else set())
         self._schedules = [(start, list(entries(start))) for start in sorted(starts)]   # by first position
         self._graph_execs: dict[int, object] = {}   # first position of a schedule -> its CUDA graph
 
     def _call(self, launch):
         fn = self.module.get_function(launch.function)
-        if launch.cluster > 8:   # a "non-portable" cluster size (H100 / H200 run up to 16): allow it
-            from cupy_backends.cuda.api import driver
-            driver.funcSetAttribute(getattr(fn, "kernel", fn).ptr, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
         grid = tuple(1 if g == "T" else g for g in launch.grid)
         args = tuple(self.buffer(a) for a in launch.args)
         if self.pdl:

@@ -31,12 +31,6 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def hopper() -> bool:
-    """Whether the GPU runs thread block clusters (sm_90 on): the attention's cluster variant."""
-    import cupy as cp
-    return int(cp.cuda.Device().compute_capability) >= 90
-
-
 def bf16_round(x: np.ndarray) -> np.ndarray:
     import ml_dtypes
     return x.astype(ml_dtypes.bfloat16).astype(np.float32)
@@ -69,9 +63,10 @@ def bf16_kv_cache():
         ops.REGISTRY["kv_write"] = plain
 
 
-def compare_steps(graph, weights, tokens, ctx=64, fuse=True, tol=5e-3, variant=None):
+def compare_steps(graph, weights, tokens, ctx=64, fuse=True, tol=5e-3, variant=None, logits=None):
     """Feed `tokens` one by one to the GPU and to the reference (bf16 KV cache on both sides);
-    worst relative logit error. variant: the attention variant at every position (CudaEngine)."""
+    worst relative logit error. variant: the attention variant at every position (CudaEngine).
+    logits: a list that receives the GPU's logits of every step."""
     import cupy as cp
     eng = engine_for(graph, weights, ctx=ctx, fuse=fuse, variant=variant)
     state = new_state(graph, ctx)
@@ -87,6 +82,8 @@ def compare_steps(graph, weights, tokens, ctx=64, fuse=True, tol=5e-3, variant=N
                             state)[next(iter(graph.outputs))][0]
         assert np.isfinite(got).all(), f"step {p}: unwritten or non-finite logits"
         worst = max(worst, rel(got, ref))
+        if logits is not None:
+            logits.append(got)
     assert worst < tol, f"relative logit error {worst:.2e}"
     return worst
 
@@ -261,11 +258,11 @@ REAL_SHAPES = {"smollm2-135m": {}, "llama-3.2-1b": {}, "llama-3.1-8b": {},
                                      {"architectures": ["Gemma2ForCausalLM"], **ARCH_TINY["Gemma2ForCausalLM"],
                                       "head_dim": 256, "sliding_window": 70}])
 def test_long_context_spans_attention_chunks(variant):
-    """A conversation long enough for the attention variants to cover several passes, by each of
-    them: one launch walking every position, split + combine over two or more chunks (the sizes
-    depend on the head layout), on Hopper a cluster of blocks per KV head, and as the engine picks
-    them by position (switching mid-run); windows start mid-chunk."""
-    from fuselm.codegen.attention import chunk_shape, cluster_until, single_until
+    """A conversation long enough for both attention variants to cover several passes, by each of
+    them: one launch walking every position, and split + combine over two or more chunks (the
+    sizes depend on the head layout), and as the engine picks them by position (switching
+    mid-run); windows start mid-chunk."""
+    from fuselm.codegen.attention import chunk_shape, single_until
     rng = np.random.default_rng()
     cfg = DecoderConfig.from_hf({**TINY, **variant})
     group = cfg.num_heads // cfg.num_kv_heads
@@ -273,26 +270,32 @@ def test_long_context_spans_attention_chunks(variant):
     steps = max(150, max(2 * chunk, single_until(cfg.head_dim, group)) + 22)
     graph = build_graph(cfg)
     weights, tokens = random_weights(graph, rng), rng.integers(0, cfg.vocab_size, steps)
-    clusters = ["cluster"] if steps < cluster_until(cfg.head_dim, group) and hopper() else []
-    for attention in ["single", "general", *clusters, None]:
-        worst = compare_steps(graph, weights, tokens, ctx=steps + 42, variant=attention)
+    runs = {}
+    for attention in ("single", "general", None):
+        runs[attention] = []
+        # Against the reference, the longer runs' bound is the bf16 KV cache's: a row whose bf16
+        # rounding flips (float32 sums in another order) stays in the cache, and the flips add up
+        # over hundreds of steps (one draw at 534 steps: 5.3e-3, others 5e-4 to 1e-3).
+        worst = compare_steps(graph, weights, tokens, ctx=steps + 42, variant=attention, tol=1e-2,
+                              logits=runs[attention])
+        apart = max(rel(a, b) for a, b in zip(runs[attention], runs["single"]))
         print(f"long context {variant.get('architectures', ['Llama'])[0]}, {steps} steps, "
-              f"attention {attention}: worst rel logit error {worst:.2e}")
+              f"attention {attention}: worst rel logit error {worst:.2e}, {apart:.2e} from the one-launch run")
+        # The variants run the same GEMVs on the same inputs: they agree far more closely.
+        assert apart < 1e-3, f"attention {attention} departs from the one-launch variant by {apart:.2e}"
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,window,softcap", [
     (32, 8, 128, 0, 0.0), (9, 3, 64, 0, 0.0), (28, 4, 128, 0, 0.0), (32, 4, 64, 1000, 0.0), (32, 8, 64, 0, 2.0),
     (48, 4, 64, 0, 0.0), (16, 8, 256, 1000, 50.0), (4, 2, 6, 0, 0.0)])
 def test_attention_at_long_context(heads, kv_heads, head_dim, window, softcap):
-    """One step at position 3001 of caches filled with random bf16 rows, by each attention variant:
-    one block per KV head walking every position, dozens of chunks merged by the combine kernel
-    (a thousand-row window: starting mid-chunk), and on Hopper, where 3001 is in its range, a
-    cluster of blocks per KV head; against the float64 reference.
+    """One step at position 3001 of caches filled with random bf16 rows, by both attention
+    variants: one block per KV head walking every position, and dozens of chunks merged by the
+    combine kernel (a thousand-row window: starting mid-chunk); against the float64 reference.
     Head sizes 64 and 128 with up to 8 query heads per KV head run on tensor cores (MmaPass), the
     others on CUDA cores (LanePass); a soft cap of 2 bends most scores (random rows, unit queries)."""
     import cupy as cp
 
-    from fuselm.codegen.attention import cluster_until
     from fuselm.runtime.cuda_engine import CudaEngine
     rng = np.random.default_rng()
     rows, at = 3072, 3001   # row `at` of the head-size-6 caches starts mid-sector
@@ -308,8 +311,7 @@ def test_attention_at_long_context(heads, kv_heads, head_dim, window, softcap):
                                                  for n, w in (("q", heads * head_dim), ("k", kv_heads * head_dim),
                                                               ("v", kv_heads * head_dim))}}
     ref = run_graph(g, {}, feeds, {n: x.astype(np.float64) for n, x in state.items()})["out"]
-    clusters = ["cluster"] if at < cluster_until(head_dim, heads // kv_heads) and hopper() else []
-    for variant in ["single", "general", *clusters]:
+    for variant in ("single", "general"):
         eng = CudaEngine(g, {}, ctx=rows, variant=variant)
         launched = [launch.function for _, launch, _ in eng.schedule_at(at)]
         assert any(f.endswith("_split" if variant == "general" else f"_{variant}") for f in launched), launched

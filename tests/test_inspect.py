@@ -175,36 +175,27 @@ def test_ctx_changes_the_attention_kernels(capsys, preset_json):
 
 
 def test_short_contexts_run_attention_in_one_launch():
-    """Every attention kernel has a one-launch variant for positions below single_until, and on
-    Hopper a cluster variant up to cluster_until (its range capped at the context); a step in
-    either has one launch per layer fewer, and the same launches otherwise. Older GPUs go from the
-    one-launch variant straight to split + combine."""
-    from fuselm.codegen.attention import cluster_until, single_until
+    """Every attention kernel has a one-launch variant for positions below single_until; a step
+    there has one launch per layer fewer, and the same launches otherwise."""
+    from fuselm.codegen.attention import single_until
     G, kernels = expected(PRESET)
-    su, cu = single_until(64, 4), min(cluster_until(64, 4), 4096)
     att = [k for k in kernels if k.family == "attention"]
-    assert att and 0 < su < cu
+    assert att and single_until(64, 4) > 0
     for k in att:
-        assert [(v.name, v.until, v.min_sm) for v in k.variants] == [("single", su, 0), ("cluster", cu, 90)]
-        for position, sm, suffixes in ((0, None, ["single"]), (su - 1, 90, ["single"]), (su, None, ["cluster"]),
-                                       (cu - 1, 90, ["cluster"]), (su, 80, ["split", "combine"]),
-                                       (cu, 90, ["split", "combine"])):
-            got = [l.function for l in k.launches_at(position, sm)]
-            assert got == [f"{k.name}_{s}" for s in suffixes], (position, sm)
-        kv = G.nodes[k.nodes[0]]["attrs"]["n_kv_heads"]
-        assert k.launches_of("single")[0].grid == (kv, 1)                  # a block per KV head
-        (cluster,) = k.launches_of("cluster")
-        assert cluster.grid == (kv, cluster.cluster) and cluster.cluster > 1  # a cluster per KV head
+        assert [(v.name, v.until) for v in k.variants] == [("single", single_until(64, 4))]
+        for position, suffixes in ((0, ["single"]), (single_until(64, 4) - 1, ["single"]),
+                                   (single_until(64, 4), ["split", "combine"])):
+            assert [l.function for l in k.launches_at(position)] == [f"{k.name}_{s}" for s in suffixes], position
+        assert k.launches_of("single")[0].grid == (G.nodes[k.nodes[0]]["attrs"]["n_kv_heads"], 1)   # a block per KV head
         assert k.launches_of("general") == k.launches
     others = [k for k in kernels if k.family != "attention"]
     assert all(k.launches_at(0) == k.launches_at(10**6) == k.launches and not k.variants for k in others)
     short = sum(len(k.launches_at(0)) for k in kernels)
-    assert short == sum(len(k.launches) for k in kernels) - len(att) == sum(len(k.launches_at(su)) for k in kernels)
+    assert short == sum(len(k.launches) for k in kernels) - len(att)
 
 
 def test_position_shows_the_schedule_of_that_step(capsys, preset_json):
-    """--position P: below the first switch point each layer's attention is one launch (`_single`),
-    above it one cluster launch (`_cluster`)."""
+    """--position P: below the switch point each layer's attention is one launch (`_single`)."""
     from fuselm.codegen.attention import single_until
     rc, out, _ = run_main(capsys, "inspect", PRESET, "--position", "0", "--json")
     assert rc == 0
@@ -214,8 +205,7 @@ def test_position_shows_the_schedule_of_that_step(capsys, preset_json):
     assert len(singles) == 16 and all(e["function"].endswith("_single") for e in singles)
     assert len(short["launches"]) == len(preset_json["launches"]) - 16
     rc, out, _ = run_main(capsys, "inspect", PRESET, "--position", str(single_until(64, 4)), "--json")
-    clusters = [e for e in json.loads(out)["launches"] if e["family"] == "attention"]
-    assert len(clusters) == 16 and all(e["function"].endswith("_cluster") for e in clusters)
+    assert json.loads(out)["launches"] == preset_json["launches"]
     rc, out, _ = run_main(capsys, "inspect", PRESET, "--position", "0")
     assert rc == 0 and "at position 0" in out and "kernels per layer: 5, x 16 layers" in out
 

@@ -4,9 +4,7 @@
 //   query heads of one KV head and leaves (max, sum, weighted values) in a workspace;
 // - attention_combine merges the chunks of every query head;
 // - attention_single, for short contexts: one block per KV head walks every position and writes
-//   the output itself, one launch instead of two;
-// - attention_cluster, for medium contexts on Hopper: the split's blocks of one KV head as a
-//   thread block cluster, merging through distributed shared memory, no combine launch.
+//   the output itself, one launch instead of two.
 // Decode attention is short: at a few hundred positions its time is latency, not bytes. So each
 // lane issues every load it will need at once (its slices of the pass's cache rows, K and V),
 // before the wait for the previous kernel where it can.
@@ -71,61 +69,6 @@ __device__ __forceinline__ void attention_single(const float* q, const bf16_t* k
     P::block_merge(st, [&](int g, int d, float, float l, float a) {
         o[(blockIdx.x * G + g) * HD + d] = a / l;
     });
-}
-
-// Medium contexts (sm_90 on): the split without the combine launch. The C blocks of a cluster
-// take the chunks of one KV head (block y: the y-th chunk from the window's first), one pass each,
-// and leave their states in their own shared memory; block 0 (whose chunk always has positions,
-// and which has waited for the previous kernel) merges them through distributed shared memory and
-// writes the output. Positions below C chunks only (the variant's range).
-template <int H, int KV, int HD, class P, int C>
-__device__ __forceinline__ void attention_cluster(const float* q, const bf16_t* kc, const bf16_t* vc, const int* pos_p,
-                                                  int window, float scale, float softcap, float* o) {
-    constexpr int G = H / KV;
-    __shared__ float cm[G], cl[G], cacc[G][HD];         // this block's chunk: max, sum, weighted values
-    const int pos = *pos_p;                              // see attention_chunk
-    const int lo = window > 0 ? max(0, pos - window + 1) : 0;
-    const int c = lo / P::CHUNK + blockIdx.y;            // blockIdx.y is the block's rank in the cluster
-    const int start = max(c * P::CHUNK, lo), end = min(c * P::CHUNK + P::CHUNK, pos + 1);
-    if (start < end) {
-        P pass;
-        pass.before_wait(kc, vc, c * P::CHUNK, start, end, pos);
-        grid_wait_then_release();
-        pass.after_wait(kc, vc, c * P::CHUNK, start, end, pos);
-        pass.load_queries(q, scale);
-        typename P::State st;
-        pass.softmax(softcap, st);
-        P::block_merge(st, [&](int g, int d, float m, float l, float a) {
-            cacc[g][d] = a;
-            if (d == 0) { cm[g] = m; cl[g] = l; }
-        });
-    } else {                                             // past pos: an empty state (weight 0)
-        for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
-            cacc[i / HD][i % HD] = 0.0f;
-            if (i % HD == 0) { cm[i / HD] = NEG_INF; cl[i / HD] = 0.0f; }
-        }
-    }
-    cluster_sync();
-    if (blockIdx.y == 0) {
-        for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
-            const int g = i / HD, d = i % HD;
-            float m[C], l[C], a[C];
-#pragma unroll
-            for (int r = 0; r < C; r++) { m[r] = cluster_load(&cm[g], r); l[r] = cluster_load(&cl[g], r); a[r] = cluster_load(&cacc[g][d], r); }
-            float mx = NEG_INF;
-#pragma unroll
-            for (int r = 0; r < C; r++) mx = fmaxf(mx, m[r]);
-            float den = 0.0f, num = 0.0f;
-#pragma unroll
-            for (int r = 0; r < C; r++) {
-                const float f = m[r] == NEG_INF ? 0.0f : __expf(m[r] - mx);
-                den = fmaf(f, l[r], den);
-                num = fmaf(f, a[r], num);
-            }
-            o[(blockIdx.x * G + g) * HD + d] = num / den;
-        }
-    }
-    cluster_sync();                                      // block 0 has read every block's shared memory
 }
 
 // Merge the chunks c0 .. c1 of query head blockIdx.x (the ones the split kernel filled). At long

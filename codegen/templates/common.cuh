@@ -105,33 +105,3 @@ __device__ __forceinline__ void grid_release() {
     asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 }
-
-// Thread block clusters (Hopper and later): the blocks of a cluster run at once on one GPC and can
-// read each other's shared memory. CLUSTER_DIMS declares a kernel's cluster shape; before sm_90 it
-// is empty and such a kernel must not be launched (the runtime does not: Variant.min_sm).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define FUSELM_CLUSTERS 1
-#define CLUSTER_DIMS(x, y, z) __cluster_dims__(x, y, z)
-#else
-#define FUSELM_CLUSTERS 0
-#define CLUSTER_DIMS(x, y, z)
-#endif
-
-// Every thread of every block of the cluster has arrived; shared-memory writes before are visible.
-__device__ __forceinline__ void cluster_sync() {
-#if FUSELM_CLUSTERS
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
-}
-
-// `*local` as it is in the shared memory of the cluster's block `rank`.
-__device__ __forceinline__ float cluster_load(const float* local, unsigned rank) {
-    float v = 0.0f;
-#if FUSELM_CLUSTERS
-    unsigned remote;
-    asm volatile("{\n\t.reg .u64 a;\n\t.reg .u32 s;\n\tcvta.to.shared.u64 a, %1;\n\tcvt.u32.u64 s, a;\n\t"
-                 "mapa.shared::cluster.u32 %0, s, %2;\n\t}" : "=r"(remote) : "l"(local), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-#endif
-    return v;
-}
