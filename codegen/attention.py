@@ -21,10 +21,16 @@ SINGLE_ROWS = int(os.environ.get("FUSELM_ATTN_SINGLE_ROWS", 4))       # its cach
 # Kernels whose passes run on tensor cores (MmaPass: head size 64 or 128, at most 8 query heads
 # per KV head, sm_80 on), comma-separated: "split", "single"; "0" for none.
 _mma = os.environ.get("FUSELM_ATTN_MMA", "split,single")
-MMA = set() if _mma.strip() in ("", "0") else {k.strip() for k in _mma.split(",")}
+MMA = set() if _mma.strip() in ("", "0") else {k.strip() for k in _mma.split(",") if k.strip()}
 if MMA - {"split", "single"}:
     raise ValueError(f"FUSELM_ATTN_MMA={_mma}: unknown kernels {sorted(MMA - {'split', 'single'})}; "
                      f"known: split, single (or 0 for none)")
+for _knob, _value, _low, _high in (("FUSELM_ATTN_WARPS", WARPS, 1, 32), ("FUSELM_ATTN_COMBINE_WARPS", COMBINE_WARPS, 1, 32),
+                                   ("FUSELM_ATTN_COMBINE_GROUP", COMBINE_GROUP, 1, 64), ("FUSELM_ATTN_ROWS", MAX_ROWS, 1, 32),
+                                   ("FUSELM_ATTN_SINGLE_ROWS", SINGLE_ROWS, 1, 32),
+                                   ("FUSELM_ATTN_SINGLE_PASSES", SINGLE_PASSES, 0, 64)):
+    if not _low <= _value <= _high:
+        raise ValueError(f"{_knob}={_value}: must be {_low} to {_high}")
 SMEM = 48 * 1024   # static shared memory a kernel may use
 
 
@@ -50,30 +56,37 @@ def pass_of(kernel: str, kv: int, head_dim: int, group: int, warps: int, row_lim
     """(C++ pass type, cache positions per pass) of the `kernel` ("split" or "single") with `warps`
     warps per block. MmaPass where it fits and FUSELM_ATTN_MMA lists the kernel; else LanePass, whose
     lanes hold J <= row_limit rows each (J x group scores in registers)."""
-    if kernel in MMA and mma_fits(head_dim, group):
-        return f"MmaPass<{kv}, {head_dim}, {warps}, {group}>", warps * (2048 // head_dim)
+    if _on_tensor_cores(kernel, head_dim, group):
+        return f"MmaPass<{kv}, {head_dim}, {warps}, {group}>", warps * (2048 // head_dim)   # MmaPass::CHUNK
     rows = _rows_per_lane(row_limit, group)
     return (f"LanePass<{kv}, {head_dim}, {warps}, {rows}, {group}>",
-            warps * (32 // lanes_per_row(head_dim)) * rows)
+            warps * (32 // lanes_per_row(head_dim)) * rows)                                 # LanePass::CHUNK
+
+
+def _on_tensor_cores(kernel: str, head_dim: int, group: int) -> bool:
+    return kernel in MMA and mma_fits(head_dim, group)
 
 
 def split_warps(head_dim: int, group: int) -> int:
     """Warps per split block: WARPS, fewer where their softmax states would not fit in shared memory."""
-    return warps_fitting(WARPS, head_dim, group)
+    return warps_fitting("split", WARPS, head_dim, group)
 
 
-def chunk_shape(head_dim: int, group: int, kv: int = 1) -> tuple[str, int]:
+def chunk_shape(head_dim: int, group: int, kv: int) -> tuple[str, int]:
     """(pass type, cache positions per split block): the chunk is what one pass of the block covers."""
     return pass_of("split", kv, head_dim, group, split_warps(head_dim, group), MAX_ROWS)
 
 
-def _softmax_smem(warps: int, head_dim: int, group: int) -> int:
-    return 4 * warps * group * (max(lanes_per_row(head_dim) * 8, head_dim + 4) + 2)   # WarpStates (either pass)
+def _softmax_smem(kernel: str, warps: int, head_dim: int, group: int) -> int:
+    """Bytes of the block's WarpStates: per warp and head, max, sum and one row of values (padded
+    by 4 floats in MmaPass, see its block_merge; LanePass keeps its lanes' 8-dim slices)."""
+    row = head_dim + 4 if _on_tensor_cores(kernel, head_dim, group) else lanes_per_row(head_dim) * 8
+    return 4 * warps * group * (row + 2)
 
 
-def warps_fitting(warps: int, head_dim: int, group: int) -> int:
+def warps_fitting(kernel: str, warps: int, head_dim: int, group: int) -> int:
     """`warps`, halved until the block's softmax states fit in shared memory (WarpStates)."""
-    while warps > 1 and _softmax_smem(warps, head_dim, group) > SMEM:
+    while warps > 1 and _softmax_smem(kernel, warps, head_dim, group) > SMEM:
         warps //= 2
     return warps
 
@@ -81,10 +94,10 @@ def warps_fitting(warps: int, head_dim: int, group: int) -> int:
 def single_warps(head_dim: int, group: int) -> int:
     """Warps per block of the one-launch variant: SINGLE_WARPS, fewer where their softmax states
     would not fit in shared memory."""
-    return warps_fitting(SINGLE_WARPS, head_dim, group)
+    return warps_fitting("single", SINGLE_WARPS, head_dim, group)
 
 
-def single_pass(head_dim: int, group: int, kv: int = 1) -> tuple[str, int]:
+def single_pass(head_dim: int, group: int, kv: int) -> tuple[str, int]:
     """(pass type, positions per pass) of the one-launch variant; on CUDA cores its lanes hold
     fewer rows than the split's (SINGLE_ROWS): a short context's few rows spread over more lanes."""
     return pass_of("single", kv, head_dim, group, single_warps(head_dim, group), SINGLE_ROWS)
@@ -94,7 +107,7 @@ def single_until(head_dim: int, group: int) -> int:
     """Positions below which one block per KV head walking the whole context (attention_single,
     SINGLE_PASSES passes at most) replaces the split and combine launches: at short contexts the
     time is latency, and one launch has less of it than two."""
-    return SINGLE_PASSES * single_pass(head_dim, group)[1]
+    return SINGLE_PASSES * single_pass(head_dim, group, kv=1)[1]
 
 
 def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
@@ -111,8 +124,8 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
                           f"waiting for the previous kernel), not a computed value")
     kv = a["n_kv_heads"]
     split_type, chunk = chunk_shape(hd, group, kv)
-    if _softmax_smem(1, hd, group) > SMEM:
-        raise FuselmError(f"{n}: {group} query heads per KV head of {hd} need {_softmax_smem(1, hd, group)} "
+    if _softmax_smem("split", 1, hd, group) > SMEM:
+        raise FuselmError(f"{n}: {group} query heads per KV head of {hd} need {_softmax_smem('split', 1, hd, group)} "
                           f"bytes of shared memory per warp in the attention kernel; at most {SMEM} are supported")
     nchunk = -(-rows // chunk)
     record = (hd + 3) // 4 * 4 + 4                                      # Record<HD>::FLOATS
@@ -120,7 +133,7 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
             "nchunk": nchunk, "window": int(a.get("window") or 0), "scale": cexpr.float_literal(a["scale"]),
             "softcap": cexpr.float_literal(a.get("softcap") or 0.0), "threads": split_warps(hd, group) * 32,
             "combine_warps": COMBINE_WARPS, "combine_threads": COMBINE_WARPS * 32, "combine_group": COMBINE_GROUP,
-            "single_warps": single_warps(hd, group), "single_threads": single_warps(hd, group) * 32,
+            "single_threads": single_warps(hd, group) * 32,
             "single_pass": single_pass(hd, group, kv)[0],
             "single_until": min(single_until(hd, group), rows),
             "q": params.ref(q), "kc": params.ref(kc), "vc": params.ref(vc), "pos": params.ref(pos),

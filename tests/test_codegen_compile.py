@@ -212,7 +212,9 @@ def test_only_few_block_kernels_release_their_successor_before_waiting():
 @pytest.mark.parametrize("env,message", [
     ({"FUSELM_EARLY_RELEASE": "rowwise,bogus"}, "FUSELM_EARLY_RELEASE=rowwise,bogus: unknown kernel kinds ['bogus']"),
     ({"FUSELM_GEMV_WARPS": "3"}, "FUSELM_GEMV_WARPS=3: warps per GEMV block must be a power of 2 from 1 to 32"),
-    ({"FUSELM_ATTN_MMA": "split,combine"}, "FUSELM_ATTN_MMA=split,combine: unknown kernels ['combine']")])
+    ({"FUSELM_ATTN_MMA": "split,combine"}, "FUSELM_ATTN_MMA=split,combine: unknown kernels ['combine']"),
+    ({"FUSELM_ATTN_COMBINE_GROUP": "0"}, "FUSELM_ATTN_COMBINE_GROUP=0: must be 1 to 64"),
+    ({"FUSELM_ATTN_WARPS": "64"}, "FUSELM_ATTN_WARPS=64: must be 1 to 32")])
 def test_a_bad_codegen_knob_is_a_one_line_error_at_import(env, message):
     """The experiment knobs are read when fuselm.codegen is imported; a bad value stops it there."""
     import os
@@ -241,8 +243,9 @@ def test_attention_passes_run_on_tensor_cores_where_they_fit():
     assert pass_of("split", 8, 6, 2, 4, 8)[0].startswith("LanePass<")
     source = "\n".join(k.source for k in generate(compile_graph(build_graph(preset("llama-3.2-1b"))), rows=4608))
     assert "attention_chunk<32, 8, 64, MmaPass<8, 64, 8, 4>, 18>" in source
+    assert "attention_single<32, 8, 64, MmaPass<8, 64, 8, 4>>" in source
     code = ("from fuselm.codegen.attention import chunk_shape, single_pass; "
-            "print([chunk_shape(h, g) for h, g in ((64, 4), (128, 4), (64, 3), (128, 7))], single_pass(64, 4)[0])")
+            "print([chunk_shape(h, g, 1) for h, g in ((64, 4), (128, 4), (64, 3), (128, 7))], single_pass(64, 4, 1)[0])")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env={**os.environ, "FUSELM_ATTN_MMA": "0"}, check=True)
     assert r.stdout.strip() == ("[('LanePass<1, 64, 8, 8, 4>', 256), ('LanePass<1, 128, 8, 8, 4>', 128), "

@@ -4,7 +4,7 @@
 // Why: a pass on CUDA cores is a long chain of dependent shuffles, exponentials and FMAs per lane
 // (each row's score summed over 8 lanes, each head's values summed over the row groups), and at
 // 2-3 warps per scheduler that chain, not the cache bytes, sets the kernel's time. On tensor cores
-// a warp's 32 positions take 64 mma instructions and a few shuffles.
+// a warp's positions (32 for head size 64, 16 for 128) take 64 mma instructions and a few shuffles.
 //
 // Per warp and pass: S = Q K^T over NP positions, then O = P V. The query heads are the rows of the
 // 16-row A operand (rows G .. 15 are zero). The dot products over the head dim may take the dims
@@ -23,29 +23,34 @@
 #pragma once
 #include "attention_pass.cuh"
 
+// mma.sync on bf16 needs sm_80: MmaPass says so at compile time (FUSELM_ATTN_MMA=0 runs attention on
+// CUDA cores) instead of failing at the first step; the helpers below are empty before.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define FUSELM_MMA_ARCH 0
+#else
+#define FUSELM_MMA_ARCH 1
+#endif
+
 // d += a b for a 16x16 bf16 A (4 words), a 16x8 bf16 B (2 words), float accumulators.
 __device__ __forceinline__ void mma_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                           unsigned b0, unsigned b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if FUSELM_MMA_ARCH
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
                  "{%8, %9}, {%0, %1, %2, %3};"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
-    __trap();   // the engine picks MmaPass only for sm_80 and later
 #endif
 }
 
-// (x0, x1) as bf16 pairs hi + lo (x0 in the low half), rounded to nearest.
+// (x0, x1) as a bf16 pair (x0 in the low half), rounded to nearest.
 __device__ __forceinline__ unsigned pack_bf16x2(float x0, float x1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    unsigned r;
+    unsigned r = 0;
+#if FUSELM_MMA_ARCH
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
-    return r;
-#else
-    return f32_to_bf16(x0) | (unsigned)f32_to_bf16(x1) << 16;
 #endif
+    return r;
 }
+// The same pair as hi + lo, both bf16 pairs: lo holds what rounding x to hi left out.
 __device__ __forceinline__ void split_bf16x2(float x0, float x1, unsigned& hi, unsigned& lo) {
     hi = pack_bf16x2(x0, x1);
     lo = pack_bf16x2(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xffff0000u));
@@ -57,6 +62,7 @@ template <int KV, int HD, int WARPS, int G>
 struct MmaPass {
     static_assert(HD == 64 || HD == 128, "MmaPass: head size 64 or 128");
     static_assert(G <= 8, "MmaPass: at most 8 query heads per KV head");
+    static_assert(KV > 0 && FUSELM_MMA_ARCH, "MmaPass needs sm_80 or later: set FUSELM_ATTN_MMA=0");
     static constexpr int NP = 2048 / HD;         // positions per warp and pass: 16 loads of 16 bytes per lane
     static constexpr int CHUNK = WARPS * NP, W = KV * HD;
     static constexpr int NT = NP / 8, NU = NP / 16, KSTEPS = HD / 16, VDIMS = HD / 8;
@@ -192,7 +198,7 @@ struct MmaPass {
     // Lanes of heads r < G hold head r's dims [c HD/4, (c+1) HD/4).
     template <class Emit>
     __device__ __forceinline__ static void block_merge(const State& st, Emit emit) {
-        __shared__ WarpStates<G, HD, WARPS, HD + 4> ws;     // + 4: the lanes' slices fall in different banks
+        __shared__ WarpStates<G, HD, WARPS, HD + 4> ws;     // + 4: the heads' rows start in different banks
         const int warp = threadIdx.x >> 5;
         if (r() < G) {
 #pragma unroll

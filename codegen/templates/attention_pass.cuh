@@ -2,10 +2,10 @@
 // lanes and warps, and LanePass, one pass of a block over a range of cache rows on CUDA cores
 // (attention_mma.cuh has the tensor-core pass). attention.cuh assembles the kernels from a pass.
 //
-// A pass type P offers: CHUNK (positions per pass), State (this lane's softmax states),
-// load / before_wait / after_wait (issue the loads of a pass), load_queries, softmax (the
-// states over the loaded rows), merge (fold one state into another) and block_merge (the
-// warps' states meet in shared memory; emit(g, d, max, sum, weighted value) per head and dim).
+// A pass type P offers: CHUNK (positions per pass), State (this lane's softmax states, with
+// merge: fold in another pass's), load / before_wait / after_wait (issue the loads of a pass),
+// load_queries, softmax (the states over the loaded rows) and block_merge (the warps' states meet
+// in shared memory; emit(g, d, max, sum, weighted value) per head and dim).
 #pragma once
 #include "common.cuh"
 
