@@ -69,6 +69,7 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2) -> list[KernelSour
                          read, written, ctx.get("workspace_floats", 0))
         if launch["family"] == "attention":
             k.variants = _attention_variants(name, ctx, params.values)
+            k.notes["passes"] = {"split": ctx["split_pass"], "one launch": ctx["single_pass"]}
         out.append(k)
     return out
 

@@ -135,6 +135,11 @@ def _launch_label(function: str, kernel_name: str) -> str:
     return f"{kernel_name.split('_')[0]} {suffix}" if suffix else function
 
 
+def _pass_label(pass_type: str) -> str:
+    """A pass type with where it runs: MmaPass on tensor cores, LanePass on CUDA cores."""
+    return f"{pass_type} on {'tensor' if pass_type.startswith('MmaPass') else 'CUDA'} cores"
+
+
 def summary(G, kernels, rows: list[Row], ctx: int, position: int | None = None) -> list[str]:
     """Kernels and launches per layer (of a step at `position`, see schedule_rows), before and
     after the layers, and the arena."""
@@ -163,6 +168,10 @@ def summary(G, kernels, rows: list[Row], ctx: int, position: int | None = None) 
     variants = Counter((v.until, v.note) for k in kernels for v in k.variants)
     for (until, note), n in sorted(variants.items()):
         out.append(f"at positions below {until}: {note} ({n} kernel{'s' if n != 1 else ''})")
+    passes = Counter(tuple(k.notes["passes"].items()) for k in kernels if "passes" in k.notes)
+    for kinds, n in sorted(passes.items()):
+        out.append("attention passes: " + ", ".join(f"{what} {_pass_label(p)}" for what, p in kinds)
+                   + f" ({n} kernel{'s' if n != 1 else ''})")
     total_r, total_w = sum(r.bytes_read for r in rows), sum(r.bytes_written for r in rows)
     out.append(f"launches per token: {len(rows)} ({len(kernels)} kernels, "
                f"{len({k.name for k in kernels})} distinct)")

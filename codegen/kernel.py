@@ -35,7 +35,7 @@ class KernelSource:
     bytes_read: int = 0       # per token, weights + activations (+ KV cache at the planned context)
     bytes_written: int = 0
     workspace_floats: int = 0
-    notes: dict = field(default_factory=dict)
+    notes: dict = field(default_factory=dict)   # for `fuselm inspect`: attention's pass types
     # By increasing `until`; the runtime keeps one CUDA graph per range of positions.
     variants: list[Variant] = field(default_factory=list)
 

@@ -76,6 +76,9 @@ def test_table_lists_every_launch_and_the_summary(capsys):
     from fuselm.codegen.attention import single_until
     assert (f"at positions below {single_until(64, 4)}: attention in one launch per layer, a block per KV head "
             "(<kernel>_single) (16 kernels)") in out
+    assert ("attention passes: split MmaPass<8, 64, 8, 4> on tensor cores, one launch MmaPass<8, 64, 8, 4> "
+            "on tensor cores (16 kernels)") in out
+    assert insp._pass_label("LanePass<8, 256, 8, 8, 2>") == "LanePass<8, 256, 8, 8, 2> on CUDA cores"
     assert f"launches per token: {len(flat)} " in out
     assert f"{G.graph['arena_bytes']:,} bytes with buffer reuse, {G.graph['arena_bytes_no_reuse']:,} without" in out
     assert G.graph["arena_bytes"] < G.graph["arena_bytes_no_reuse"]
