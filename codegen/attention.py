@@ -2,35 +2,24 @@
 a one-launch variant for short contexts."""
 from __future__ import annotations
 
-import os
-
 import networkx as nx
 
 from ..errors import FuselmError
 from . import cexpr
+from .knobs import env_int, env_set
 from .params import Params, storage_of
 
-WARPS = int(os.environ.get("FUSELM_ATTN_WARPS", 8))      # per split block
-MAX_ROWS = int(os.environ.get("FUSELM_ATTN_ROWS", 8))    # cache rows per lane, at most (LanePass)
+WARPS = env_int("FUSELM_ATTN_WARPS", 8, 1, 32)                 # per split block
+MAX_ROWS = env_int("FUSELM_ATTN_ROWS", 8, 1, 32)               # cache rows per lane, at most (LanePass)
 MAX_SCORES = 32  # cache rows x query heads whose scores one lane keeps in registers (LanePass)
-COMBINE_WARPS = int(os.environ.get("FUSELM_ATTN_COMBINE_WARPS", 8))   # per combine block
-COMBINE_GROUP = int(os.environ.get("FUSELM_ATTN_COMBINE_GROUP", 4))   # chunks per combine warp per round of loads
-SINGLE_WARPS = 8                                          # per block of the one-launch short variant
-SINGLE_PASSES = int(os.environ.get("FUSELM_ATTN_SINGLE_PASSES", 2))   # its longest walk, in passes
-SINGLE_ROWS = int(os.environ.get("FUSELM_ATTN_SINGLE_ROWS", 4))       # its cache rows per lane, at most (LanePass)
+COMBINE_WARPS = env_int("FUSELM_ATTN_COMBINE_WARPS", 8, 1, 32)  # per combine block
+COMBINE_GROUP = env_int("FUSELM_ATTN_COMBINE_GROUP", 4, 1, 64)  # chunks per combine warp per round of loads
+SINGLE_WARPS = 8                                                # per block of the one-launch short variant
+SINGLE_PASSES = env_int("FUSELM_ATTN_SINGLE_PASSES", 2, 0, 64)  # its longest walk, in passes
+SINGLE_ROWS = env_int("FUSELM_ATTN_SINGLE_ROWS", 4, 1, 32)      # its cache rows per lane, at most (LanePass)
 # Kernels whose passes run on tensor cores (MmaPass: head size 64 or 128, at most 8 query heads
 # per KV head, sm_80 on), comma-separated: "split", "single"; "0" for none.
-_mma = os.environ.get("FUSELM_ATTN_MMA", "split,single")
-MMA = set() if _mma.strip() in ("", "0") else {k.strip() for k in _mma.split(",") if k.strip()}
-if MMA - {"split", "single"}:
-    raise ValueError(f"FUSELM_ATTN_MMA={_mma}: unknown kernels {sorted(MMA - {'split', 'single'})}; "
-                     f"known: split, single (or 0 for none)")
-for _knob, _value, _low, _high in (("FUSELM_ATTN_WARPS", WARPS, 1, 32), ("FUSELM_ATTN_COMBINE_WARPS", COMBINE_WARPS, 1, 32),
-                                   ("FUSELM_ATTN_COMBINE_GROUP", COMBINE_GROUP, 1, 64), ("FUSELM_ATTN_ROWS", MAX_ROWS, 1, 32),
-                                   ("FUSELM_ATTN_SINGLE_ROWS", SINGLE_ROWS, 1, 32),
-                                   ("FUSELM_ATTN_SINGLE_PASSES", SINGLE_PASSES, 0, 64)):
-    if not _low <= _value <= _high:
-        raise ValueError(f"{_knob}={_value}: must be {_low} to {_high}")
+MMA = env_set("FUSELM_ATTN_MMA", "split,single", {"split", "single"}, "kernels")
 SMEM = 48 * 1024   # static shared memory a kernel may use
 
 
@@ -72,7 +61,7 @@ def split_warps(head_dim: int, group: int) -> int:
     return warps_fitting("split", WARPS, head_dim, group)
 
 
-def chunk_shape(head_dim: int, group: int, kv: int) -> tuple[str, int]:
+def split_pass(head_dim: int, group: int, kv: int) -> tuple[str, int]:
     """(pass type, cache positions per split block): the chunk is what one pass of the block covers."""
     return pass_of("split", kv, head_dim, group, split_warps(head_dim, group), MAX_ROWS)
 
@@ -123,7 +112,7 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
         raise FuselmError(f"{n}: the position must be a graph input (the attention kernel reads it before "
                           f"waiting for the previous kernel), not a computed value")
     kv = a["n_kv_heads"]
-    split_type, chunk = chunk_shape(hd, group, kv)
+    split_type, chunk = split_pass(hd, group, kv)
     if _softmax_smem("split", 1, hd, group) > SMEM:
         raise FuselmError(f"{n}: {group} query heads per KV head of {hd} need {_softmax_smem('split', 1, hd, group)} "
                           f"bytes of shared memory per warp in the attention kernel; at most {SMEM} are supported")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -14,6 +13,7 @@ import numpy as np
 from ..dsl import Kind, get
 from . import attention, gemv, moe, rowwise
 from .kernel import KernelSource, Launch, Variant
+from .knobs import env_set
 from .params import Params, storage_of
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -24,12 +24,8 @@ FAMILIES = {"gemv": gemv, "rowwise": rowwise, "attention": attention, "moe": moe
 # faster, Gemma-2's post-norms 2%). Not the one-launch attention ("attention_single"): the O
 # projection's early loads then compete with its own (short contexts 1-2% slower).
 # FUSELM_EARLY_RELEASE lists them, comma-separated ("0": none).
-EARLY_RELEASE_KINDS = {"rowwise", "attention", "attention_single"}
-_early = os.environ.get("FUSELM_EARLY_RELEASE", "rowwise,attention")
-EARLY_RELEASE = set() if _early.strip() in ("", "0") else {k.strip() for k in _early.split(",")}
-if EARLY_RELEASE - EARLY_RELEASE_KINDS:
-    raise ValueError(f"FUSELM_EARLY_RELEASE={_early}: unknown kernel kinds {sorted(EARLY_RELEASE - EARLY_RELEASE_KINDS)}; "
-                     f"known: {', '.join(sorted(EARLY_RELEASE_KINDS))} (or 0 for none)")
+EARLY_RELEASE = env_set("FUSELM_EARLY_RELEASE", "rowwise,attention", {"rowwise", "attention", "attention_single"},
+                        "kernel kinds")
 
 
 @lru_cache(maxsize=1)

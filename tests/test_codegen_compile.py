@@ -234,18 +234,18 @@ def test_attention_passes_run_on_tensor_cores_where_they_fit():
     import subprocess
     import sys
 
-    from fuselm.codegen.attention import chunk_shape, pass_of, single_pass
-    assert chunk_shape(64, 4, kv=8) == ("MmaPass<8, 64, 8, 4>", 256)
-    assert chunk_shape(128, 7, kv=4) == ("MmaPass<4, 128, 8, 7>", 128)
+    from fuselm.codegen.attention import split_pass, pass_of, single_pass
+    assert split_pass(64, 4, kv=8) == ("MmaPass<8, 64, 8, 4>", 256)
+    assert split_pass(128, 7, kv=4) == ("MmaPass<4, 128, 8, 7>", 128)
     assert single_pass(128, 4, kv=8)[0] == "MmaPass<8, 128, 8, 4>"
-    assert chunk_shape(256, 2, kv=8)[0].startswith("LanePass<8, 256, 8, ")
-    assert chunk_shape(64, 12, kv=4) == ("LanePass<4, 64, 8, 2, 12>", 64)
+    assert split_pass(256, 2, kv=8)[0].startswith("LanePass<8, 256, 8, ")
+    assert split_pass(64, 12, kv=4) == ("LanePass<4, 64, 8, 2, 12>", 64)
     assert pass_of("split", 8, 6, 2, 4, 8)[0].startswith("LanePass<")
     source = "\n".join(k.source for k in generate(compile_graph(build_graph(preset("llama-3.2-1b"))), rows=4608))
     assert "attention_chunk<32, 8, 64, MmaPass<8, 64, 8, 4>, 18>" in source
     assert "attention_single<32, 8, 64, MmaPass<8, 64, 8, 4>>" in source
-    code = ("from fuselm.codegen.attention import chunk_shape, single_pass; "
-            "print([chunk_shape(h, g, 1) for h, g in ((64, 4), (128, 4), (64, 3), (128, 7))], single_pass(64, 4, 1)[0])")
+    code = ("from fuselm.codegen.attention import split_pass, single_pass; "
+            "print([split_pass(h, g, 1) for h, g in ((64, 4), (128, 4), (64, 3), (128, 7))], single_pass(64, 4, 1)[0])")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env={**os.environ, "FUSELM_ATTN_MMA": "0"}, check=True)
     assert r.stdout.strip() == ("[('LanePass<1, 64, 8, 8, 4>', 256), ('LanePass<1, 128, 8, 8, 4>', 128), "

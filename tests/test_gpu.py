@@ -262,11 +262,11 @@ def test_long_context_spans_attention_chunks(variant):
     them: one launch walking every position, and split + combine over two or more chunks (the
     sizes depend on the head layout), and as the engine picks them by position (switching
     mid-run); windows start mid-chunk."""
-    from fuselm.codegen.attention import chunk_shape, single_until
+    from fuselm.codegen.attention import split_pass, single_until
     rng = np.random.default_rng()
     cfg = DecoderConfig.from_hf({**TINY, **variant})
     group = cfg.num_heads // cfg.num_kv_heads
-    _, chunk = chunk_shape(cfg.head_dim, group, cfg.num_kv_heads)
+    _, chunk = split_pass(cfg.head_dim, group, cfg.num_kv_heads)
     steps = max(150, max(2 * chunk, single_until(cfg.head_dim, group)) + 22)
     graph = build_graph(cfg)
     weights, tokens = random_weights(graph, rng), rng.integers(0, cfg.vocab_size, steps)

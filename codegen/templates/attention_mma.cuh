@@ -66,20 +66,8 @@ struct MmaPass {
     static constexpr int NP = 2048 / HD;         // positions per warp and pass: 16 loads of 16 bytes per lane
     static constexpr int CHUNK = WARPS * NP, W = KV * HD;
     static constexpr int NT = NP / 8, NU = NP / 16, KSTEPS = HD / 16, VDIMS = HD / 8;
-    struct State {
-        float m = NEG_INF, l = 0.0f, acc[VDIMS][2] = {};   // head lane / 4; dims (2 (lane % 4) + e) HD/8 + w
-        __device__ __forceinline__ void merge(const State& o) {
-            const float mx = fmaxf(m, o.m);
-            if (mx == NEG_INF) return;
-            const float a = __expf(m - mx), b = __expf(o.m - mx);
-            l = l * a + o.l * b;
-#pragma unroll
-            for (int w = 0; w < VDIMS; w++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) acc[w][e] = acc[w][e] * a + o.acc[w][e] * b;
-            m = mx;
-        }
-    };
+    // Head lane / 4; acc[2 w + e]: dim (2 (lane % 4) + e) HD/8 + w (output tile w, column e).
+    using State = Softmax<2 * VDIMS>;
     uint4 k[NT][HD / 32];                        // K slice of position 8t + r: HD/4 dims
     uint4 v[NU][4][HD / 64];                     // V slices of positions 16u + {2c, 2c+1, 2c+8, 2c+9}: HD/8 dims
     unsigned qa[KSTEPS][2][2];                   // queries' A words [k-step][hi, lo][dims +0,1 | +2,3]
@@ -193,7 +181,7 @@ struct MmaPass {
             }
         }
 #pragma unroll
-        for (int w = 0; w < VDIMS; w++) { out.acc[w][0] = o[w][0]; out.acc[w][1] = o[w][1]; }
+        for (int w = 0; w < VDIMS; w++) { out.acc[2 * w] = o[w][0]; out.acc[2 * w + 1] = o[w][1]; }
     }
     // Lanes of heads r < G hold head r's dims [c HD/4, (c+1) HD/4).
     template <class Emit>
@@ -204,7 +192,7 @@ struct MmaPass {
 #pragma unroll
             for (int w = 0; w < VDIMS; w++)
 #pragma unroll
-                for (int e = 0; e < 2; e++) ws.acc[warp][r()][(2 * c() + e) * VDIMS + w] = st.acc[w][e];
+                for (int e = 0; e < 2; e++) ws.acc[warp][r()][(2 * c() + e) * VDIMS + w] = st.acc[2 * w + e];
             if (c() == 0) { ws.m[warp][r()] = st.m; ws.l[warp][r()] = st.l; }
         }
         __syncthreads();

@@ -54,9 +54,10 @@ __device__ __forceinline__ float lanes_max(float v) {
 }
 
 // Softmax state of one query head over the rows seen so far: max score, sum of exp(score - m),
-// and this lane's 8 dims of the exp-weighted sum of values.
+// and this lane's N dims of the exp-weighted sum of values.
+template <int N>
 struct Softmax {
-    float m = NEG_INF, l = 0.0f, acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    float m = NEG_INF, l = 0.0f, acc[N] = {};
 
     // Fold in another state (rescaling whichever has the smaller max).
     __device__ __forceinline__ void merge(const Softmax& o) {
@@ -65,7 +66,7 @@ struct Softmax {
         const float a = __expf(m - mx), b = __expf(o.m - mx);   // exp(-inf) = 0
         l = l * a + o.l * b;
 #pragma unroll
-        for (int i = 0; i < 8; i++) acc[i] = acc[i] * a + o.acc[i] * b;
+        for (int i = 0; i < N; i++) acc[i] = acc[i] * a + o.acc[i] * b;
         m = mx;
     }
 };
@@ -105,7 +106,7 @@ struct LanePass {
     using L = RowLanes<HD>;
     static constexpr int CHUNK = WARPS * L::PPL * J, W = KV * HD;
     struct State {
-        Softmax h[G];
+        Softmax<8> h[G];
         __device__ __forceinline__ void merge(const State& o) {
 #pragma unroll
             for (int g = 0; g < G; g++) h[g].merge(o.h[g]);
@@ -180,8 +181,8 @@ struct LanePass {
         }
 #pragma unroll
         for (int g = 0; g < G; g++) {
-            Softmax& o = out.h[g];
-            o = Softmax{};
+            Softmax<8>& o = out.h[g];
+            o = Softmax<8>{};
 #pragma unroll
             for (int j = 0; j < J; j++) o.m = fmaxf(o.m, s[j][g]);
             o.m = lanes_max<L::LPR>(o.m);
