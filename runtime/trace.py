@@ -1,0 +1,149 @@
+"""`python -m fuselm.runtime.trace MODEL`: when each kernel's blocks start, pass their wait for the
+previous kernel and end, inside decode steps replayed as CUDA graphs. Needs FUSELM_TRACE=1, which
+compiles the block timeline into every kernel (common.cuh, BlockTrace); the kernels are otherwise
+the same, so the step is only slightly slower than untraced.
+
+The profile (runtime/profile.py) says what each kernel costs; this says where a step's time goes
+between kernels: how long after its predecessor's last block a kernel's blocks start, how long
+they wait, and how far its last block trails the rest.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+
+import numpy as np
+
+from ..codegen import TRACE, module_source
+from ..errors import FuselmError
+
+EVENTS = 1 << 20   # FUSELM_TRACE_EVENTS in common.cuh
+_KERNEL = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(')
+
+
+def kernel_ids(source: str) -> list[str]:
+    """Kernel function names in module order: the id each one's TRACE_BLOCK records."""
+    return _KERNEL.findall(source)
+
+
+def record(engine, position: int, steps: int) -> np.ndarray:
+    """Block events [n, 4] (id|smid|block, start, waited, end in ns) of `steps` steps from `position`."""
+    if not TRACE:
+        raise FuselmError("the block timeline is compiled in only with FUSELM_TRACE=1 in the environment")
+    cp = engine.cp
+    count = engine.module.get_global("fuselm_trace_count")
+    engine.capture_graphs()
+    engine.reset()
+    engine.position = position
+    engine.feed(0)                                  # warm: the first replay of a graph is slower
+    engine.stream.synchronize()
+    cp.ndarray((1,), cp.uint32, count).fill(0)
+    cp.cuda.Device().synchronize()
+    for _ in range(steps):
+        engine.feed(0)
+    engine.stream.synchronize()
+    n = int(cp.ndarray((1,), cp.uint32, count).get()[0])
+    if n > EVENTS:
+        raise FuselmError(f"{n} block events do not fit the trace buffer of {EVENTS}: trace fewer steps")
+    return cp.ndarray((n, 4), cp.uint64, engine.module.get_global("fuselm_trace")).get()
+
+
+def launches(engine, events: np.ndarray, position: int, steps: int) -> list[dict]:
+    """One row per launch of each traced step, in step order: its blocks' start, wait and end
+    times (us from the step's first block start)."""
+    names = kernel_ids(module_source(engine.kernels))
+    schedule = engine.schedule_at(position)
+    ids = (events[:, 0] >> 48).astype(int)
+    by_function = {}
+    for f in dict.fromkeys(launch.function for _, launch, _ in schedule):
+        mine = events[ids == names.index(f)]
+        by_function[f] = mine[np.argsort(mine[:, 1], kind="stable")]
+    taken = dict.fromkeys(by_function, 0)
+    rows = []
+    for step in range(steps):
+        t0 = None
+        for kernel, launch, _ in schedule:
+            f = launch.function
+            blocks = int(np.prod([1 if g == "T" else g for g in launch.grid]))   # one token per step
+            ev = by_function[f][taken[f]:taken[f] + blocks]
+            taken[f] += blocks
+            if len(ev) != blocks:
+                raise FuselmError(f"{f}: {len(ev)} block events where {blocks} were launched")
+            start, waited, end = (ev[:, 1].astype(np.int64), ev[:, 2].astype(np.int64), ev[:, 3].astype(np.int64))
+            t0 = start.min() if t0 is None else t0
+            waits = waited[waited > 0]
+            us = lambda t: round(float(t - t0) / 1e3, 3)
+            rows.append({"step": step, "function": f, "family": kernel.family, "layer": kernel.layer,
+                         "blocks": blocks, "sms": len(set((ev[:, 0] >> 32 & 0xFFFF).tolist())),
+                         "first_start": us(start.min()), "median_start": us(np.median(start)),
+                         "last_start": us(start.max()),
+                         "median_waited": us(np.median(waits)) if len(waits) else None,
+                         "median_end": us(np.median(end)), "last_end": us(end.max())})
+    return rows
+
+
+def layer_pattern(rows: list[dict]) -> list[dict]:
+    """The launches of one middle layer, each time taken from the previous launch's last block end
+    and averaged over the middle layers of every step (the first and last layers are left out)."""
+    layers = sorted({r["layer"] for r in rows if r["layer"] is not None})
+    middle = set(layers[1:-1]) or set(layers)
+    per_position: dict[int, list[dict]] = {}
+    for step in {r["step"] for r in rows}:
+        mine = [r for r in rows if r["step"] == step]
+        for layer in middle:
+            idx = [i for i, r in enumerate(mine) if r["layer"] == layer]
+            for j, i in enumerate(idx):
+                prev_end = mine[i - 1]["last_end"]
+                r = mine[i]
+                rel = {k: (r[k] - prev_end if r[k] is not None else None)
+                       for k in ("first_start", "median_start", "last_start", "median_waited", "median_end", "last_end")}
+                per_position.setdefault(j, []).append({**r, **rel})
+    out = []
+    for j in sorted(per_position):
+        rs = per_position[j]
+        avg = {k: round(statistics.fmean(r[k] for r in rs if r[k] is not None), 3)
+               if any(r[k] is not None for r in rs) else None
+               for k in ("first_start", "median_start", "last_start", "median_waited", "median_end", "last_end")}
+        out.append({"function": rs[0]["function"], "family": rs[0]["family"], "blocks": rs[0]["blocks"],
+                    "sms": round(statistics.fmean(r["sms"] for r in rs)), **avg})
+    return out
+
+
+def _print(pattern: list[dict], position: int, step_us: float) -> None:
+    print(f"position {position}: step {step_us:.1f} us; per middle layer, us from the previous launch's last block end")
+    print(f"{'kernel':44} {'blocks':>6} {'SMs':>4} {'start 1st/med/last':>20} {'waited':>7} {'end med/last':>13}")
+    for p in pattern:
+        waited = f"{p['median_waited']:7.2f}" if p["median_waited"] is not None else "      -"
+        print(f"{p['function'][:44]:44} {p['blocks']:6d} {p['sms']:4d} {p['first_start']:6.2f} {p['median_start']:6.2f} "
+              f"{p['last_start']:6.2f} {waited} {p['median_end']:6.2f} {p['last_end']:6.2f}")
+    print(f"layer: {sum(p['last_end'] for p in pattern):.2f} us")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m fuselm.runtime.trace", description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", help="preset name (random weights made on the GPU)")
+    ap.add_argument("--positions", type=int, nargs="+", default=[100, 4100], help="positions to trace at")
+    ap.add_argument("--steps", type=int, default=3, help="steps traced at each position")
+    ap.add_argument("--json", help="write every launch's row here")
+    args = ap.parse_args(argv)
+    from ..models import build_graph
+    from ..models.presets import preset
+    from .cuda_engine import CudaEngine
+    from .random_weights import random_gpu_weights
+    graph = build_graph(preset(args.model))
+    engine = CudaEngine(graph, random_gpu_weights(graph), ctx=max(4608, max(args.positions) + args.steps + 1))
+    out = {}
+    for position in args.positions:
+        rows = launches(engine, record(engine, position, args.steps), position, args.steps)
+        steps = [max(r["last_end"] for r in rows if r["step"] == s) for s in range(args.steps)]
+        _print(layer_pattern(rows), position, statistics.median(steps))
+        out[position] = rows
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "launches": out}, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The block timeline (runtime/trace.py, FUSELM_TRACE=1) without a GPU: every kernel of a traced
+module records its own id, the traced module compiles with NVRTC, and block events made up here
+are read back into the launch rows and the per-layer pattern they describe."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import fuselm.codegen as codegen
+from fuselm.codegen import generate, headers, module_source, sampler
+from fuselm.codegen.nvrtc import compile_cubin, options
+from fuselm.compiler import compile_graph
+from fuselm.errors import FuselmError
+from fuselm.models import DecoderConfig, build_graph
+from fuselm.runtime import trace
+
+CONFIG = dict(architectures=["LlamaForCausalLM"], vocab_size=100, hidden_size=64, intermediate_size=96,
+              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    G = compile_graph(build_graph(DecoderConfig.from_hf(CONFIG, source="trace test")), tokens=1)
+    return generate(G, rows=512) + [sampler(CONFIG["vocab_size"])]
+
+
+def test_traced_module_numbers_its_kernels_in_order_and_compiles(kernels, monkeypatch):
+    monkeypatch.setattr(codegen, "TRACE", 1)
+    source = module_source(kernels)
+    assert source.startswith("#define FUSELM_TRACE 1")
+    names = trace.kernel_ids(source)
+    ids = [int(i) for i in re.findall(r"TRACE_BLOCK_AS\((\d+)\);", source)]
+    assert ids == list(range(len(names))) and len(set(names)) == len(names)
+    launched = {launch.function for k in kernels for launch in k.all_launches()}
+    assert launched == set(names)
+    cubin, _, _ = compile_cubin(source, headers(), options("sm_90"), use_cache=False)
+    assert cubin[:4] == b"\x7fELF"
+
+
+def test_untraced_module_has_no_timeline(kernels):
+    assert codegen.TRACE == 0, "run the test suite without FUSELM_TRACE"
+    source = module_source(kernels)
+    assert "TRACE_BLOCK_AS" not in source and "FUSELM_TRACE 1" not in source
+
+
+class FakeEngine:
+    """What trace.launches reads of an engine: its kernels and a step's schedule."""
+
+    def __init__(self, kernels, position):
+        self.kernels = kernels
+        self.entries = [(k, launch, None) for k in kernels for launch in k.launches_at(position)]
+
+    def schedule_at(self, position):
+        return self.entries
+
+
+def made_up_events(engine, steps, gap_ns=500, run_ns=1000, stagger_ns=10, wait_ns=200):
+    """Each launch's blocks start `stagger_ns` apart, wait `wait_ns` and run `run_ns`; the next
+    launch starts `gap_ns` after the last block's end. Returned shuffled, as the GPU's atomics would."""
+    names = trace.kernel_ids(module_source(engine.kernels))
+    rows, t = [], 10**9
+    for _ in range(steps):
+        for _, launch, _ in engine.schedule_at(0):
+            blocks = int(np.prod([1 if g == "T" else g for g in launch.grid]))
+            for b in range(blocks):
+                start = t + b * stagger_ns
+                rows.append([names.index(launch.function) << 48 | (b % 7) << 32 | b,
+                             start, start + wait_ns, start + run_ns])
+            t += run_ns + (blocks - 1) * stagger_ns + gap_ns
+    events = np.array(rows, np.uint64)
+    return events[np.random.default_rng(0).permutation(len(events))]
+
+
+def test_launch_rows_and_layer_pattern_from_block_events(kernels):
+    engine = FakeEngine(kernels, position=300)
+    rows = trace.launches(engine, made_up_events(engine, steps=2), 300, 2)
+    assert len(rows) == 2 * len(engine.entries)
+    assert [r["function"] for r in rows[:len(engine.entries)]] == [l.function for _, l, _ in engine.entries]
+    first = rows[0]
+    assert first["first_start"] == 0 and first["median_waited"] is not None
+    for r in rows:
+        assert r["last_start"] - r["first_start"] == pytest.approx((r["blocks"] - 1) * 0.01)
+        assert r["last_end"] - r["last_start"] == pytest.approx(1.0)
+        assert r["sms"] == min(7, r["blocks"])
+    pattern = trace.layer_pattern(rows)
+    per_layer = [k for k, _, _ in engine.entries if k.layer == 1]
+    assert [p["function"] for p in pattern] == [l.function for k, l, _ in engine.entries if k.layer == 1]
+    assert len(pattern) == len(per_layer)
+    for p in pattern:
+        assert p["first_start"] == pytest.approx(0.5)
+        assert p["median_waited"] - p["median_start"] == pytest.approx(0.2)
+        assert p["last_end"] == pytest.approx(0.5 + 1.0 + (p["blocks"] - 1) * 0.01)
+
+
+def test_missing_block_events_are_named(kernels):
+    engine = FakeEngine(kernels, position=300)
+    events = made_up_events(engine, steps=1)
+    with pytest.raises(FuselmError, match=r"block events where \d+ were launched"):
+        trace.launches(engine, events[1:], 300, 1)
+
+
+def test_record_refuses_an_untraced_build():
+    with pytest.raises(FuselmError, match="FUSELM_TRACE=1"):
+        trace.record(engine=None, position=0, steps=1)
