@@ -127,6 +127,7 @@ def main(argv=None) -> None:
     ap.add_argument("--positions", type=int, nargs="+", default=[100, 4100], help="positions to trace at")
     ap.add_argument("--steps", type=int, default=3, help="steps traced at each position")
     ap.add_argument("--json", help="write every launch's row here")
+    ap.add_argument("--events", help="write the raw block events (.npz, per position) here")
     args = ap.parse_args(argv)
     from ..models import build_graph
     from ..models.presets import preset
@@ -134,12 +135,15 @@ def main(argv=None) -> None:
     from .random_weights import random_gpu_weights
     graph = build_graph(preset(args.model))
     engine = CudaEngine(graph, random_gpu_weights(graph), ctx=max(4608, max(args.positions) + args.steps + 1))
-    out = {}
+    out, raw = {}, {}
     for position in args.positions:
-        rows = launches(engine, record(engine, position, args.steps), position, args.steps)
+        raw[f"events_{position}"] = record(engine, position, args.steps)
+        rows = launches(engine, raw[f"events_{position}"], position, args.steps)
         steps = [max(r["last_end"] for r in rows if r["step"] == s) for s in range(args.steps)]
         _print(layer_pattern(rows), position, statistics.median(steps))
         out[position] = rows
+    if args.events:
+        np.savez_compressed(args.events, kernels=np.array(kernel_ids(module_source(engine.kernels))), **raw)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "launches": out}, f)

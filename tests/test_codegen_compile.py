@@ -192,15 +192,17 @@ def test_attention_falls_back_to_fewer_warps_where_shared_memory_is_short():
 
 def test_only_few_block_kernels_release_their_successor_before_waiting():
     """Row-wise kernels and attention split + combine (a block per row, per KV head and chunk, per
-    query head) let the next kernel be scheduled before they wait, at the top of the entry point;
-    the one-launch attention, GEMVs and the sampler only after their wait."""
+    query head) let the next kernel be scheduled before they wait, at the top of the entry point
+    (after the block-timeline hook, a no-op unless FUSELM_TRACE=1); the one-launch attention,
+    GEMVs and the sampler only after their wait."""
     import re
     ks = generate(compile_graph(build_graph(preset("qwen3-8b"))), rows=4608) + [sampler(151936)]
     families = {k.family for k in ks}
     assert {"rowwise", "attention", "gemv"} <= families
     for k in ks:
-        entries = re.findall(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(.*?\{\n(.*?)\n',
+        entries = re.findall(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(.*?\{\n    TRACE_BLOCK\(\);\n(.*?)\n',
                              k.source, re.S)
+        assert len(entries) == k.source.count('extern "C"'), k.name
         assert entries, k.name
         for function, first in entries:
             early = k.family == "rowwise" or function.endswith(("_split", "_combine"))
