@@ -6,6 +6,7 @@
     fuselm inspect MODEL [--out DIR] [--json] [--compile] [--no-fuse] [--dump DIR]
                                             generated kernels and launch schedule (no GPU)
     fuselm bench [PRESET ...] [--no-fuse]   decode speed vs. the GPU's copy bandwidth
+    fuselm trace PRESET [--positions P ...] where a step's time goes between kernels (block timeline)
 
 Adding a subcommand: write `add_arguments(parser)` and `handler(args) -> int` in your own module,
 then add one line to COMMANDS below, importing your module inside a small wrapper so that
@@ -197,6 +198,21 @@ def _bench(args: argparse.Namespace) -> int:
     return bench.main(args)
 
 
+def _trace_arguments(p: argparse.ArgumentParser) -> None:
+    from .runtime import trace
+    trace.add_arguments(p)
+
+
+def _trace(args: argparse.Namespace) -> int:
+    """`fuselm trace`: the block timeline of decode steps (needs a GPU)."""
+    os.environ.setdefault("FUSELM_TRACE", "1")   # read when fuselm.codegen is first imported
+    from .runtime import cuda_engine
+    if not cuda_engine.gpu_available():
+        raise FuselmError("fuselm trace needs an NVIDIA GPU (none found)")
+    from .runtime import trace
+    return trace.main(args)
+
+
 COMMANDS: dict[str, Command] = {
     "run": Command("generate text from a prompt, or chat", add_run_arguments, run),
     "pull": Command("download the embedded default model (SmolLM2-135M-Instruct)",
@@ -205,6 +221,8 @@ COMMANDS: dict[str, Command] = {
                        _inspect_arguments, _inspect),
     "bench": Command("measure decode speed against the GPU's copy bandwidth (needs a GPU)",
                      _bench_arguments, _bench),
+    "trace": Command("show when each kernel's blocks start, wait and end inside a decode step (needs a GPU)",
+                     _trace_arguments, _trace),
 }
 
 

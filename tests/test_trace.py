@@ -104,3 +104,32 @@ def test_missing_block_events_are_named(kernels):
 def test_record_refuses_an_untraced_build():
     with pytest.raises(FuselmError, match="FUSELM_TRACE=1"):
         trace.record(engine=None, position=0, steps=1)
+
+
+def test_fuselm_trace_without_a_gpu_is_one_error_line(capsys, monkeypatch):
+    import fuselm.runtime.cuda_engine as cuda_engine
+    from fuselm import cli
+
+    monkeypatch.setenv("FUSELM_TRACE", "0")          # `fuselm trace` sets it only where unset
+    monkeypatch.setattr(cuda_engine, "gpu_available", lambda: False)
+    rc = cli.main(["trace", "llama-3.2-1b"])
+    out, err = capsys.readouterr()
+    assert rc == 1 and out == "" and err.strip() == "error: fuselm trace needs an NVIDIA GPU (none found)"
+
+
+def test_fuselm_trace_arguments_are_wired():
+    from fuselm import cli
+
+    args = cli.build_parser().parse_args(["trace", "smollm2-135m", "--positions", "10", "4000", "--steps", "2",
+                                          "--events", "e.npz"])
+    assert (args.model, args.positions, args.steps, args.events, args.json) == ("smollm2-135m", [10, 4000], 2,
+                                                                                "e.npz", None)
+
+
+@pytest.mark.parametrize("steps,positions", [(0, [100]), (2, [-1])])
+def test_bad_steps_or_positions_are_named_before_any_gpu_work(steps, positions):
+    import argparse
+
+    args = argparse.Namespace(model="llama-3.2-1b", positions=positions, steps=steps, json=None, events=None)
+    with pytest.raises(FuselmError, match=r"--steps must be at least 1 and --positions not negative"):
+        trace.main(args)
