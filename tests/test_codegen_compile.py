@@ -253,3 +253,25 @@ def test_attention_passes_run_on_tensor_cores_where_they_fit():
     assert r.stdout.strip() == ("[('LanePass<1, 64, 8, 8, 4>', 256), ('LanePass<1, 128, 8, 8, 4>', 128), "
                                 "('LanePass<1, 64, 8, 8, 3>', 256), ('LanePass<1, 128, 8, 4, 7>', 64)] "
                                 "LanePass<1, 64, 8, 4, 4>")
+
+
+RUNTIME_BUFFERS = {"workspace", "seen", "sampling_args", "ids", "pos", "sampler_scratch", "logits"}
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_kernel_argument_has_memory(name, fuse):
+    """What CudaEngine binds to each launch argument exists: a graph source (weight, constant,
+    input, KV cache), a value the buffer plan placed, or a runtime buffer. (A value a kernel names
+    but no launch writes has no memory: a KeyError when the engine is built.)"""
+    from fuselm.codegen.params import storage_of
+    cfg = CONFIGS[name]()
+    G = compile_graph(build_graph(cfg), fuse=fuse, tokens=1)
+    for k in generate(G, rows=min(cfg.max_position_embeddings, 4096)):
+        for launch in k.all_launches():
+            for a in launch.args:
+                if a in RUNTIME_BUFFERS:
+                    continue
+                store = storage_of(G, a)
+                assert G.nodes[store]["op"] in ("weight", "constant", "input", "state") \
+                    or store in G.graph["buffers"], f"{launch.function}: argument {a} has no memory"
