@@ -205,7 +205,6 @@ def _trace_arguments(p: argparse.ArgumentParser) -> None:
 
 def _trace(args: argparse.Namespace) -> int:
     """`fuselm trace`: the block timeline of decode steps (needs a GPU)."""
-    os.environ.setdefault("FUSELM_TRACE", "1")   # read when the engine generates its kernels
     from .runtime import cuda_engine
     if not cuda_engine.gpu_available():
         raise FuselmError("fuselm trace needs an NVIDIA GPU (none found)")

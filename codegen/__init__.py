@@ -8,6 +8,7 @@ from .emit import generate, headers, sampler
 from .knobs import env_int
 from .kernel import KernelSource, Launch
 
+
 def trace_enabled() -> bool:
     """FUSELM_TRACE=1: kernels record the block timeline (runtime/trace.py). Read at each call,
     unlike the import-time knobs, so that `fuselm trace` can set it for its own run."""

@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..codegen import generate, headers, module_source, sampler
+from ..codegen import generate, headers, module_source, sampler, trace_enabled
 from ..codegen.emit import sampler_scratch_words
 from ..codegen.nvrtc import cache_dir, compile_cubin, options
 from ..codegen.params import storage_of
@@ -83,6 +83,7 @@ class CudaEngine:
         vocab = self.G.nodes[self.logits_value]["shape"][-1] if self.logits_value else 1
         if self.logits_value:
             self.kernels.append(sampler(vocab))
+        self.traced = trace_enabled()     # kernels that record the block timeline (runtime/trace.py)
         cubin, _, self.compile_cached = compile_cubin(module_source(self.kernels), headers(), options(self.arch))
         self.compile_seconds = time.perf_counter() - t0
         self.module = _load_cubin(cupy, cubin)

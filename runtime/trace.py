@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 
 import numpy as np
 
-from ..codegen import module_source
+from ..codegen import module_source, trace_enabled
 from ..errors import FuselmError
 from ..models.presets import PRESETS
 
@@ -30,18 +31,19 @@ def kernel_ids(source: str) -> list[str]:
 
 
 def record(engine, position: int, steps: int) -> np.ndarray:
-    """Block events [n, 4] (id|smid|block, start, waited, end in ns) of `steps` steps from `position`."""
-    try:
-        count = engine.module.get_global("fuselm_trace_count")
-    except Exception:   # no such symbol (or no engine at all)
+    """Block events [n, 4] (id|smid|block, start, waited, end in ns) of the steps at positions
+    `position` .. `position` + `steps` - 1."""
+    if not getattr(engine, "traced", False):
         raise FuselmError("these kernels record no block timeline: build the engine with FUSELM_TRACE=1 "
-                          "in the environment (fuselm trace sets it)") from None
+                          "in the environment (fuselm trace sets it)")
     cp = engine.cp
+    count = engine.module.get_global("fuselm_trace_count")
     engine.capture_graphs()
     engine.reset()
     engine.position = position
     engine.feed(0)                                  # warm: the first replay of a graph is slower
     engine.stream.synchronize()
+    engine.position = position                      # the traced steps start at `position` again
     cp.ndarray((1,), cp.uint32, count).fill(0)
     cp.cuda.Device().synchronize()
     for _ in range(steps):
@@ -54,18 +56,19 @@ def record(engine, position: int, steps: int) -> np.ndarray:
 
 
 def launches(engine, events: np.ndarray, position: int, steps: int) -> list[dict]:
-    """One row per launch of each traced step, in step order: its blocks' start, wait and end
-    times (us from the step's first block start)."""
+    """One row per launch of each traced step (the step at `position` + step uses that position's
+    schedule), in step order: thread 0's start, wait and end times of its blocks, in us from the
+    step's first block start (the median wait over the blocks whose thread 0 waited)."""
     names = kernel_ids(module_source(engine.kernels))
-    schedule = engine.schedule_at(position)
+    schedules = [engine.schedule_at(position + step) for step in range(steps)]
     ids = (events[:, 0] >> 48).astype(int)
     by_function = {}
-    for f in dict.fromkeys(launch.function for _, launch, _ in schedule):
+    for f in dict.fromkeys(launch.function for schedule in schedules for _, launch, _ in schedule):
         mine = events[ids == names.index(f)]
         by_function[f] = mine[np.argsort(mine[:, 1], kind="stable")]
     taken = dict.fromkeys(by_function, 0)
     rows = []
-    for step in range(steps):
+    for step, schedule in enumerate(schedules):
         t0 = None
         for kernel, launch, _ in schedule:
             f = launch.function
@@ -77,22 +80,28 @@ def launches(engine, events: np.ndarray, position: int, steps: int) -> list[dict
             start, waited, end = (ev[:, 1].astype(np.int64), ev[:, 2].astype(np.int64), ev[:, 3].astype(np.int64))
             t0 = start.min() if t0 is None else t0
             waits = waited[waited > 0]
-            us = lambda t: round(float(t - t0) / 1e3, 3)
+
+            def us(t):
+                return round(float(t - t0) / 1e3, 3)
             rows.append({"step": step, "function": f, "family": kernel.family, "layer": kernel.layer,
                          "blocks": blocks, "sms": len(set((ev[:, 0] >> 32 & 0xFFFF).tolist())),
                          "first_start": us(start.min()), "median_start": us(np.median(start)),
                          "last_start": us(start.max()),
                          "median_waited": us(np.median(waits)) if len(waits) else None,
                          "median_end": us(np.median(end)), "last_end": us(end.max())})
+    left = sum(len(v) for v in by_function.values()) - sum(taken.values())
+    if left or sum(taken.values()) != len(events):
+        raise FuselmError(f"{len(events) - sum(taken.values())} block events belong to no launch of the traced steps")
     return rows
 
 
 def layer_pattern(rows: list[dict]) -> list[dict]:
     """The launches of one middle layer, each time taken from the previous launch's last block end
-    and averaged over the middle layers of every step (the first and last layers are left out)."""
+    and averaged over the middle layers of every step (the first and last layers are left out).
+    Layers whose kernels differ (Gemma-2's alternating windows) keep a row per kernel."""
     layers = sorted({r["layer"] for r in rows if r["layer"] is not None})
     middle = set(layers[1:-1]) or set(layers)
-    per_position: dict[int, list[dict]] = {}
+    per_position: dict[tuple[int, str], list[dict]] = {}
     for step in {r["step"] for r in rows}:
         mine = [r for r in rows if r["step"] == step]
         for layer in middle:
@@ -102,26 +111,45 @@ def layer_pattern(rows: list[dict]) -> list[dict]:
                 r = mine[i]
                 rel = {k: (r[k] - prev_end if r[k] is not None else None)
                        for k in ("first_start", "median_start", "last_start", "median_waited", "median_end", "last_end")}
-                per_position.setdefault(j, []).append({**r, **rel})
+                per_position.setdefault((j, r["function"]), []).append({**r, **rel})
     out = []
-    for j in sorted(per_position):
-        rs = per_position[j]
+    for key in sorted(per_position):
+        rs = per_position[key]
         avg = {k: round(statistics.fmean(r[k] for r in rs if r[k] is not None), 3)
                if any(r[k] is not None for r in rs) else None
                for k in ("first_start", "median_start", "last_start", "median_waited", "median_end", "last_end")}
-        out.append({"function": rs[0]["function"], "family": rs[0]["family"], "blocks": rs[0]["blocks"],
-                    "sms": round(statistics.fmean(r["sms"] for r in rs)), **avg})
+        out.append({"slot": key[0], "function": rs[0]["function"], "family": rs[0]["family"],
+                    "blocks": rs[0]["blocks"], "launches": len(rs), "sms": round(statistics.fmean(r["sms"] for r in rs)),
+                    **avg})
     return out
 
 
-def _print(pattern: list[dict], position: int, step_us: float) -> None:
-    print(f"position {position}: step {step_us:.1f} us; per middle layer, us from the previous launch's last block end")
+def by_schedule(rows: list[dict]) -> list[tuple[list[int], list[dict]]]:
+    """The rows split by the sequence of launches their step ran: (steps, rows) per schedule, as
+    steps that cross a variant's boundary (attention in one launch, then split) run two."""
+    groups: dict[tuple, list[int]] = {}
+    for step in dict.fromkeys(r["step"] for r in rows):
+        groups.setdefault(tuple(r["function"] for r in rows if r["step"] == step), []).append(step)
+    return [(steps, [r for r in rows if r["step"] in steps]) for steps in groups.values()]
+
+
+def layer_us(pattern: list[dict]) -> float:
+    """A middle layer's time: per slot, the launches' last ends averaged over the layers."""
+    slots: dict[int, list[dict]] = {}
+    for p in pattern:
+        slots.setdefault(p["slot"], []).append(p)
+    return sum(sum(p["last_end"] * p["launches"] for p in ps) / sum(p["launches"] for p in ps)
+               for ps in slots.values())
+
+
+def _print(pattern: list[dict], positions: str, step_us: float) -> None:
+    print(f"position {positions}: step {step_us:.1f} us; per middle layer, us from the previous launch's last block end")
     print(f"{'kernel':44} {'blocks':>6} {'SMs':>4} {'start 1st/med/last':>20} {'waited':>7} {'end med/last':>13}")
     for p in pattern:
         waited = f"{p['median_waited']:7.2f}" if p["median_waited"] is not None else "      -"
         print(f"{p['function'][:44]:44} {p['blocks']:6d} {p['sms']:4d} {p['first_start']:6.2f} {p['median_start']:6.2f} "
               f"{p['last_start']:6.2f} {waited} {p['median_end']:6.2f} {p['last_end']:6.2f}")
-    print(f"layer: {sum(p['last_end'] for p in pattern):.2f} us")
+    print(f"layer: {layer_us(pattern):.2f} us")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -134,21 +162,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Trace `args.model` at each of `args.positions` and print the middle layer's timeline."""
+    if args.steps < 1:
+        raise FuselmError(f"--steps {args.steps}: at least 1")
+    if min(args.positions) < 0:
+        raise FuselmError(f"--positions {min(args.positions)}: positions are not negative")
+    os.environ.setdefault("FUSELM_TRACE", "1")    # read when the engine generates its kernels
+    if not trace_enabled():
+        raise FuselmError("FUSELM_TRACE=0 in the environment: the kernels would record no block timeline")
     from ..models import build_graph
     from ..models.presets import preset
     from .cuda_engine import CudaEngine
     from .random_weights import random_gpu_weights
-    if args.steps < 1 or min(args.positions) < 0:
-        raise FuselmError(f"--steps must be at least 1 and --positions not negative (got {args.steps}, "
-                          f"{args.positions})")
     graph = build_graph(preset(args.model))
+    # The benchmark's context (4608 rows), or more: the attention kernels depend on it.
     engine = CudaEngine(graph, random_gpu_weights(graph), ctx=max(4608, max(args.positions) + args.steps + 1))
     out, raw = {}, {}
-    for position in args.positions:
+    for position in dict.fromkeys(args.positions):
         raw[f"events_{position}"] = record(engine, position, args.steps)
         rows = launches(engine, raw[f"events_{position}"], position, args.steps)
-        steps = [max(r["last_end"] for r in rows if r["step"] == s) for s in range(args.steps)]
-        _print(layer_pattern(rows), position, statistics.median(steps))
+        for steps, mine in by_schedule(rows):
+            where = f"{position + steps[0]}" + (f"-{position + steps[-1]}" if len(steps) > 1 else "")
+            step_us = statistics.median(max(r["last_end"] for r in mine if r["step"] == s) for s in steps)
+            _print(layer_pattern(mine), where, step_us)
         out[position] = rows
     if args.events:
         np.savez_compressed(args.events, kernels=np.array(kernel_ids(module_source(engine.kernels))), **raw)

@@ -47,23 +47,23 @@ def test_untraced_module_has_no_timeline(kernels, monkeypatch):
 
 
 class FakeEngine:
-    """What trace.launches reads of an engine: its kernels and a step's schedule."""
+    """What trace.launches reads of an engine: its kernels and the schedule of a step at a position."""
 
     def __init__(self, kernels, position):
         self.kernels = kernels
-        self.entries = [(k, launch, None) for k in kernels for launch in k.launches_at(position)]
+        self.entries = self.schedule_at(position)
 
     def schedule_at(self, position):
-        return self.entries
+        return [(k, launch, None) for k in self.kernels for launch in k.launches_at(position)]
 
 
-def made_up_events(engine, steps, gap_ns=500, run_ns=1000, stagger_ns=10, wait_ns=200):
+def made_up_events(engine, steps, position=300, gap_ns=500, run_ns=1000, stagger_ns=10, wait_ns=200):
     """Each launch's blocks start `stagger_ns` apart, wait `wait_ns` and run `run_ns`; the next
     launch starts `gap_ns` after the last block's end. Returned shuffled, as the GPU's atomics would."""
     names = trace.kernel_ids(module_source(engine.kernels))
     rows, t = [], 10**9
-    for _ in range(steps):
-        for _, launch, _ in engine.schedule_at(0):
+    for step in range(steps):
+        for _, launch, _ in engine.schedule_at(position + step):
             blocks = int(np.prod([1 if g == "T" else g for g in launch.grid]))
             for b in range(blocks):
                 start = t + b * stagger_ns
@@ -95,16 +95,44 @@ def test_launch_rows_and_layer_pattern_from_block_events(kernels):
         assert p["last_end"] == pytest.approx(0.5 + 1.0 + (p["blocks"] - 1) * 0.01)
 
 
-def test_missing_block_events_are_named(kernels):
+def test_the_printed_pattern_names_every_launch_and_sums_the_layer(kernels, capsys):
+    engine = FakeEngine(kernels, position=300)
+    pattern = trace.layer_pattern(trace.launches(engine, made_up_events(engine, steps=1), 300, 1))
+    trace._print(pattern, "300", 123.4)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("position 300: step 123.4 us")
+    assert [line.split()[0] for line in out[2:-1]] == [p["function"][:44] for p in pattern]
+    assert out[-1] == f"layer: {sum(p['last_end'] for p in pattern):.2f} us"   # one kernel per slot here
+
+
+def test_missing_or_extra_block_events_are_named(kernels):
     engine = FakeEngine(kernels, position=300)
     events = made_up_events(engine, steps=1)
     with pytest.raises(FuselmError, match=r"block events where \d+ were launched"):
         trace.launches(engine, events[1:], 300, 1)
+    with pytest.raises(FuselmError, match=r"^1 block events belong to no launch"):
+        trace.launches(engine, np.concatenate([events, events[:1]]), 300, 1)
+
+
+def test_steps_that_cross_a_variant_boundary_use_each_positions_schedule(kernels):
+    """The one-launch attention up to `until`, split + combine from there: a trace whose steps
+    cross it groups each step's events by that step's own launches."""
+    (until,) = {v.until for k in kernels for v in k.variants}
+    engine = FakeEngine(kernels, position=until - 1)
+    rows = trace.launches(engine, made_up_events(engine, steps=2, position=until - 1), until - 1, 2)
+    attention = [(r["step"], r["function"].rsplit("_", 1)[1]) for r in rows if r["family"] == "attention"]
+    layers = len({k.layer for k in kernels if k.family == "attention"})
+    assert attention == [(0, "single")] * layers + [(1, "split"), (1, "combine")] * layers
+    groups = trace.by_schedule(rows)
+    assert [steps for steps, _ in groups] == [[0], [1]]
+    assert all({r["step"] for r in mine} == set(steps) for steps, mine in groups)
 
 
 def test_record_refuses_an_untraced_build():
+    class Untraced:
+        traced = False
     with pytest.raises(FuselmError, match="no block timeline.*FUSELM_TRACE=1"):
-        trace.record(engine=None, position=0, steps=1)
+        trace.record(Untraced(), position=0, steps=1)
 
 
 def test_fuselm_trace_without_a_gpu_is_one_error_line(capsys, monkeypatch):
@@ -127,10 +155,27 @@ def test_fuselm_trace_arguments_are_wired():
                                                                                 "e.npz", None)
 
 
-@pytest.mark.parametrize("steps,positions", [(0, [100]), (2, [-1])])
-def test_bad_steps_or_positions_are_named_before_any_gpu_work(steps, positions):
+@pytest.mark.parametrize("steps,positions,message", [(0, [100], "--steps 0: at least 1"),
+                                                     (2, [-1], "--positions -1: positions are not negative")])
+def test_bad_steps_or_positions_are_named_before_any_gpu_work(steps, positions, message):
     import argparse
 
     args = argparse.Namespace(model="llama-3.2-1b", positions=positions, steps=steps, json=None, events=None)
-    with pytest.raises(FuselmError, match=r"--steps must be at least 1 and --positions not negative"):
+    with pytest.raises(FuselmError, match=message):
         trace.main(args)
+
+
+def test_trace_refuses_fuselm_trace_0_before_building(monkeypatch):
+    import argparse
+
+    monkeypatch.setenv("FUSELM_TRACE", "0")
+    args = argparse.Namespace(model="llama-3.2-1b", positions=[100], steps=1, json=None, events=None)
+    with pytest.raises(FuselmError, match="FUSELM_TRACE=0 in the environment"):
+        trace.main(args)
+
+
+def test_a_slot_with_two_kernels_counts_once_in_the_layer_time():
+    """Layers whose kernels differ in one slot (Gemma-2's alternating windows) average there."""
+    pattern = [{"slot": 0, "last_end": 3.0, "launches": 2}, {"slot": 0, "last_end": 6.0, "launches": 1},
+               {"slot": 1, "last_end": 1.5, "launches": 3}]
+    assert trace.layer_us(pattern) == pytest.approx(4.0 + 1.5)

@@ -81,10 +81,10 @@ __device__ __forceinline__ float rope_rotate(float self, float partner, bool sec
 
 __device__ __forceinline__ float rms_scale(float sum_sq, int n, float eps) { return rsqrtf(sum_sq / n + eps); }
 
-// Block timeline for `python -m fuselm.runtime.trace` (FUSELM_TRACE=1 compiles it in): thread 0 of
-// every block records when the block started, when its wait for the previous kernel returned and
-// when it finished. codegen's module_source numbers each kernel's TRACE_BLOCK() in module order
-// (TRACE_BLOCK_AS(id)): the id names the kernel.
+// Block timeline for `fuselm trace` (FUSELM_TRACE=1 compiles it in): thread 0 of every block
+// records its own times: when it started, when its wait for the previous kernel returned (0 if it
+// never waited) and when it left. codegen's module_source numbers each kernel's TRACE_BLOCK() in
+// module order (TRACE_BLOCK_AS(id)): the id names the kernel.
 #if FUSELM_TRACE
 #define FUSELM_TRACE_EVENTS (1 << 20)
 __device__ unsigned long long fuselm_trace[FUSELM_TRACE_EVENTS][4];   // [event] id|smid|block, start, waited, end
@@ -96,37 +96,43 @@ __device__ __forceinline__ unsigned long long global_ns() {
     return t;
 }
 
+// Thread 0's stamps, in shared memory: no register held through the kernel for them.
+__device__ __forceinline__ unsigned long long& trace_started() {
+    __shared__ unsigned long long t;
+    return t;
+}
+
 __device__ __forceinline__ unsigned long long& trace_waited() {
-    __shared__ unsigned long long t;   // thread 0's alone
+    __shared__ unsigned long long t;
     return t;
 }
 
 struct BlockTrace {
     unsigned id;
-    unsigned long long start;
-    __device__ explicit BlockTrace(unsigned kernel) : id(kernel), start(global_ns()) {
-        if (threadIdx.x == 0) trace_waited() = 0;
+    __device__ explicit BlockTrace(unsigned kernel) : id(kernel) {
+        if (threadIdx.x == 0) { trace_started() = global_ns(); trace_waited() = 0; }
     }
-    __device__ ~BlockTrace() {
+    __device__ ~BlockTrace() {   // also at an early return
         if (threadIdx.x != 0) return;
         const unsigned long long end = global_ns();
         const unsigned i = atomicAdd(&fuselm_trace_count, 1u);
-        if (i >= FUSELM_TRACE_EVENTS) return;
+        if (i >= FUSELM_TRACE_EVENTS) return;   // the host sees the count and refuses
         unsigned smid;
         asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
         const unsigned block = blockIdx.y * gridDim.x + blockIdx.x;
         fuselm_trace[i][0] = (unsigned long long)id << 48 | (unsigned long long)smid << 32 | block;
-        fuselm_trace[i][1] = start;
+        fuselm_trace[i][1] = trace_started();
         fuselm_trace[i][2] = trace_waited();
         fuselm_trace[i][3] = end;
     }
 };
 #define TRACE_BLOCK_AS(kernel) BlockTrace block_trace_(kernel)
 #define TRACE_WAITED() do { if (threadIdx.x == 0) trace_waited() = global_ns(); } while (0)
+#define TRACE_BLOCK() static_assert(false, "a TRACE_BLOCK() that module_source did not number")
 #else
 #define TRACE_WAITED() do {} while (0)
-#endif
 #define TRACE_BLOCK() do {} while (0)
+#endif
 
 // Programmatic dependent launch (Hopper and later; no-ops before sm_90 and when the launch did
 // not ask for it). A kernel launched that way may start while the previous one still runs: it
