@@ -189,11 +189,16 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     bench.add_arguments(p)
 
 
-def _bench(args: argparse.Namespace) -> int:
-    """`fuselm bench`: decode speed against the measured copy bandwidth (needs a GPU)."""
+def _require_gpu(command: str) -> None:
+    """The one-line error of a GPU-only command on a machine without one."""
     from .runtime import cuda_engine
     if not cuda_engine.gpu_available():
-        raise FuselmError("fuselm bench needs an NVIDIA GPU (none found)")
+        raise FuselmError(f"fuselm {command} needs an NVIDIA GPU (none found)")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """`fuselm bench`: decode speed against the measured copy bandwidth (needs a GPU)."""
+    _require_gpu("bench")
     from .runtime import bench
     return bench.main(args)
 
@@ -205,9 +210,7 @@ def _trace_arguments(p: argparse.ArgumentParser) -> None:
 
 def _trace(args: argparse.Namespace) -> int:
     """`fuselm trace`: the block timeline of decode steps (needs a GPU)."""
-    from .runtime import cuda_engine
-    if not cuda_engine.gpu_available():
-        raise FuselmError("fuselm trace needs an NVIDIA GPU (none found)")
+    _require_gpu("trace")
     from .runtime import trace
     return trace.main(args)
 

@@ -28,6 +28,10 @@ SAMPLING_ARGS = np.dtype([("temperature", "f4"), ("top_p", "f4"), ("min_p", "f4"
                           ("step", "i4"), ("pad", "i4")])   # mirrors SamplingArgs in sampling.cuh
 
 
+# Launch arguments that are the engine's own buffers (attributes of the same name), not graph values.
+RUNTIME_BUFFERS = ("workspace", "seen", "ids", "pos", "sampling_args", "sampler_scratch")
+
+
 def check_variant(kernels, variant: str | None) -> None:
     """A one-line error unless `variant` is None, "general" or the name of some kernel's variant."""
     known = {v.name for k in kernels for v in k.variants} | {"general"}
@@ -132,12 +136,10 @@ class CudaEngine:
     def buffer(self, value: str):
         """The device array holding graph value `value` (arena slices for activations)."""
         cp, G = self.cp, self.G
-        special = {"workspace": self.workspace, "seen": self.seen, "ids": self.ids, "pos": self.pos,
-                   "sampling_args": self.sampling_args, "sampler_scratch": self.sampler_scratch}
         if value == "logits":
             value = self.logits_value
-        if value in special:
-            return special[value]
+        if value in RUNTIME_BUFFERS:
+            return getattr(self, value)
         store = storage_of(G, value)
         op = G.nodes[store]["op"]
         if op == "weight":

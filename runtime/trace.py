@@ -22,6 +22,7 @@ from ..errors import FuselmError
 from ..models.presets import PRESETS
 
 EVENTS = 1 << 20   # FUSELM_TRACE_EVENTS in common.cuh
+TIMES = ("first_start", "median_start", "last_start", "median_waited", "median_end", "last_end")   # a row's, in us
 _KERNEL = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(')
 
 
@@ -89,8 +90,7 @@ def launches(engine, events: np.ndarray, position: int, steps: int) -> list[dict
                          "last_start": us(start.max()),
                          "median_waited": us(np.median(waits)) if len(waits) else None,
                          "median_end": us(np.median(end)), "last_end": us(end.max())})
-    left = sum(len(v) for v in by_function.values()) - sum(taken.values())
-    if left or sum(taken.values()) != len(events):
+    if sum(taken.values()) != len(events):
         raise FuselmError(f"{len(events) - sum(taken.values())} block events belong to no launch of the traced steps")
     return rows
 
@@ -109,15 +109,14 @@ def layer_pattern(rows: list[dict]) -> list[dict]:
             for j, i in enumerate(idx):
                 prev_end = mine[i - 1]["last_end"]
                 r = mine[i]
-                rel = {k: (r[k] - prev_end if r[k] is not None else None)
-                       for k in ("first_start", "median_start", "last_start", "median_waited", "median_end", "last_end")}
+                rel = {k: (r[k] - prev_end if r[k] is not None else None) for k in TIMES}
                 per_position.setdefault((j, r["function"]), []).append({**r, **rel})
     out = []
     for key in sorted(per_position):
         rs = per_position[key]
         avg = {k: round(statistics.fmean(r[k] for r in rs if r[k] is not None), 3)
                if any(r[k] is not None for r in rs) else None
-               for k in ("first_start", "median_start", "last_start", "median_waited", "median_end", "last_end")}
+               for k in TIMES}
         out.append({"slot": key[0], "function": rs[0]["function"], "family": rs[0]["family"],
                     "blocks": rs[0]["blocks"], "launches": len(rs), "sms": round(statistics.fmean(r["sms"] for r in rs)),
                     **avg})

@@ -255,9 +255,6 @@ def test_attention_passes_run_on_tensor_cores_where_they_fit():
                                 "LanePass<1, 64, 8, 4, 4>")
 
 
-RUNTIME_BUFFERS = {"workspace", "seen", "sampling_args", "ids", "pos", "sampler_scratch", "logits"}
-
-
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_every_kernel_argument_has_memory(name, fuse):
@@ -265,13 +262,16 @@ def test_every_kernel_argument_has_memory(name, fuse):
     input, KV cache), a value the buffer plan placed, or a runtime buffer. (A value a kernel names
     but no launch writes has no memory: a KeyError when the engine is built.)"""
     from fuselm.codegen.params import storage_of
+    from fuselm.runtime.cuda_engine import RUNTIME_BUFFERS
     cfg = CONFIGS[name]()
     G = compile_graph(build_graph(cfg), fuse=fuse, tokens=1)
-    for k in generate(G, rows=min(cfg.max_position_embeddings, 4096)):
+    logits = G.graph["outputs"]["logits"]
+    kernels = generate(G, rows=min(cfg.max_position_embeddings, 4096)) + [sampler(G.nodes[logits]["shape"][-1])]
+    for k in kernels:
         for launch in k.all_launches():
             for a in launch.args:
                 if a in RUNTIME_BUFFERS:
                     continue
-                store = storage_of(G, a)
+                store = storage_of(G, logits if a == "logits" else a)   # the sampler's "logits": the output
                 assert G.nodes[store]["op"] in ("weight", "constant", "input", "state") \
                     or store in G.graph["buffers"], f"{launch.function}: argument {a} has no memory"
