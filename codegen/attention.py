@@ -27,12 +27,6 @@ SELF_MERGE = env_int("FUSELM_ATTN_SELF_MERGE", 0, 0, 1)
 # Dynamic shared memory each split block asks for (bytes, 0: none): above half an SM's, one split
 # block per SM (an occupancy experiment: no SM takes two while others idle).
 SPLIT_SMEM = env_int("FUSELM_ATTN_SPLIT_SMEM", 0, 0, 227 * 1024)
-# 1: the split lets the next kernel be scheduled only once all its blocks have their scores
-# (experiment: the O projection's early weight loads then no longer compete with the cache rows).
-RELEASE_LATE = env_int("FUSELM_ATTN_RELEASE_LATE", 0, 0, 1)
-# Positions per warp in the split's MmaPass (0: 2048 / head size, 16 loads per lane): fewer make
-# each warp's dependent chain of mma, exp and shuffles shorter (experiment).
-SPLIT_NP = env_int("FUSELM_ATTN_SPLIT_NP", 0, 0, 32)
 
 
 def lanes_per_row(head_dim: int) -> int:
@@ -58,9 +52,7 @@ def pass_of(kernel: str, kv: int, head_dim: int, group: int, warps: int, row_lim
     warps per block. MmaPass where it fits and FUSELM_ATTN_MMA lists the kernel; else LanePass, whose
     lanes hold J <= row_limit rows each (J x group scores in registers)."""
     if _on_tensor_cores(kernel, head_dim, group):
-        np_ = SPLIT_NP if kernel == "split" and SPLIT_NP else 2048 // head_dim
-        extra = f", {np_}" if np_ != 2048 // head_dim else ""
-        return f"MmaPass<{kv}, {head_dim}, {warps}, {group}{extra}>", warps * np_   # MmaPass::CHUNK
+        return f"MmaPass<{kv}, {head_dim}, {warps}, {group}>", warps * (2048 // head_dim)   # MmaPass::CHUNK
     rows = _rows_per_lane(row_limit, group)
     return (f"LanePass<{kv}, {head_dim}, {warps}, {rows}, {group}>",
             warps * (32 // lanes_per_row(head_dim)) * rows)                                 # LanePass::CHUNK
@@ -142,7 +134,7 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
             "q": params.ref(q), "kc": params.ref(kc), "vc": params.ref(vc), "pos": params.ref(pos),
             "out": params.ref(n, written=True),
             "ws": params.extra("float*", "workspace"),
-            "self_merge": bool(SELF_MERGE), "split_smem": SPLIT_SMEM, "release_late": bool(RELEASE_LATE),
+            "self_merge": bool(SELF_MERGE), "split_smem": SPLIT_SMEM,
             "counts": params.extra("int*", "attention_counts") if SELF_MERGE else None,
             "counters": kv if SELF_MERGE else 0,
             "workspace_floats": a["n_heads"] * nchunk * record}

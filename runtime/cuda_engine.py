@@ -28,6 +28,7 @@ SAMPLING_ARGS = np.dtype([("temperature", "f4"), ("top_p", "f4"), ("min_p", "f4"
                           ("step", "i4"), ("pad", "i4")])   # mirrors SamplingArgs in sampling.cuh
 
 
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 # Launch arguments that are the engine's own buffers (attributes of the same name), not graph values.
 RUNTIME_BUFFERS = ("workspace", "attention_counts", "seen", "ids", "pos", "sampling_args", "sampler_scratch")
 
@@ -177,7 +178,7 @@ class CudaEngine:
         grid = tuple(1 if g == "T" else g for g in launch.grid)
         args = tuple(self.buffer(a) for a in launch.args)
         if launch.smem > 48 * 1024:     # more than a kernel gets without asking
-            fn.max_dynamic_shared_size_bytes = launch.smem
+            self.cp.cuda.driver.funcSetAttribute(fn.ptr, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, launch.smem)
         if self.pdl:
             return PdlLaunch(fn, grid, launch.block, args, launch.smem)
         return lambda stream: fn(grid, (launch.block,), args, stream=stream, shared_mem=launch.smem)

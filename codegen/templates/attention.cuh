@@ -22,9 +22,7 @@ struct Record {
 
 // Flash-decoding split: block (KV head, chunk blockIdx.y) leaves its chunk's softmax state of each
 // query head in the workspace for the merge; false for a chunk without positions (no records).
-// RELEASE_LATE: the next kernel is scheduled only once every block has its scores, so that its
-// early loads (the O projection's weights) do not compete with this kernel's cache rows.
-template <int H, int KV, int HD, class P, int NCHUNK, bool RELEASE_LATE = false>
+template <int H, int KV, int HD, class P, int NCHUNK>
 __device__ __forceinline__ bool attention_chunk(const float* q, const bf16_t* kc, const bf16_t* vc, const int* pos_p,
                                                 int window, float scale, float softcap, float* ws) {
     constexpr int G = H / KV;
@@ -37,12 +35,11 @@ __device__ __forceinline__ bool attention_chunk(const float* q, const bf16_t* kc
     if (start >= end) return false;             // the merge reads only chunks with positions
     P pass;
     pass.before_wait(kc, vc, c * P::CHUNK, start, end, pos);
-    if constexpr (RELEASE_LATE) grid_wait(); else grid_wait_then_release();
+    grid_wait_then_release();
     pass.after_wait(kc, vc, c * P::CHUNK, start, end, pos);
     pass.load_queries(q, scale);
     typename P::State st;
     pass.softmax(softcap, st);
-    if constexpr (RELEASE_LATE) grid_release();
     P::block_merge(st, [&](int g, int d, float m, float l, float a) {
         float* out = ws + ((size_t)(blockIdx.x * G + g) * NCHUNK + c) * Record<HD>::FLOATS;
         out[d] = a;

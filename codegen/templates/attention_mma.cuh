@@ -58,13 +58,12 @@ __device__ __forceinline__ void split_bf16x2(float x0, float x1, unsigned& hi, u
 
 __device__ __forceinline__ unsigned word_of(const uint4& q, int i) { return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w; }
 
-template <int KV, int HD, int WARPS, int G, int NP_ = 2048 / HD>
+template <int KV, int HD, int WARPS, int G>
 struct MmaPass {
     static_assert(HD == 64 || HD == 128, "MmaPass: head size 64 or 128");
     static_assert(G <= 8, "MmaPass: at most 8 query heads per KV head");
     static_assert(KV > 0 && FUSELM_MMA_ARCH, "MmaPass needs sm_80 or later: set FUSELM_ATTN_MMA=0");
-    static_assert(NP_ % 16 == 0 && NP_ <= 2048 / HD, "MmaPass: positions per warp a multiple of 16, at most 2048 / HD");
-    static constexpr int NP = NP_;               // positions per warp and pass: 16 loads of 16 bytes per lane at 2048 / HD
+    static constexpr int NP = 2048 / HD;         // positions per warp and pass: 16 loads of 16 bytes per lane
     static constexpr int CHUNK = WARPS * NP, W = KV * HD;
     static constexpr int NT = NP / 8, NU = NP / 16, KSTEPS = HD / 16, VDIMS = HD / 8;
     // Head lane / 4; acc[2 w + e]: dim (2 (lane % 4) + e) HD/8 + w (output tile w, column e).
