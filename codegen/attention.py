@@ -21,12 +21,6 @@ SINGLE_ROWS = env_int("FUSELM_ATTN_SINGLE_ROWS", 4, 1, 32)      # its cache rows
 # per KV head, sm_80 on), comma-separated: "split", "single"; "0" for none.
 MMA = env_set("FUSELM_ATTN_MMA", "split,single", {"split", "single"}, "kernels")
 SMEM = 48 * 1024   # static shared memory a kernel may use
-# How the split's chunks are merged: 0, a combine launch; 1, the split's last block per KV head
-# (attention_merge_last), one launch fewer per layer.
-SELF_MERGE = env_int("FUSELM_ATTN_SELF_MERGE", 0, 0, 1)
-# Dynamic shared memory each split block asks for (bytes, 0: none): above half an SM's, one split
-# block per SM (an occupancy experiment: no SM takes two while others idle).
-SPLIT_SMEM = env_int("FUSELM_ATTN_SPLIT_SMEM", 0, 0, 227 * 1024)
 
 
 def lanes_per_row(head_dim: int) -> int:
@@ -134,7 +128,4 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
             "q": params.ref(q), "kc": params.ref(kc), "vc": params.ref(vc), "pos": params.ref(pos),
             "out": params.ref(n, written=True),
             "ws": params.extra("float*", "workspace"),
-            "self_merge": bool(SELF_MERGE), "split_smem": SPLIT_SMEM,
-            "counts": params.extra("int*", "attention_counts") if SELF_MERGE else None,
-            "counters": kv if SELF_MERGE else 0,
             "workspace_floats": a["n_heads"] * nchunk * record}

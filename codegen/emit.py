@@ -53,13 +53,8 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2) -> list[KernelSour
         name = _name(launch["family"], ctx, body)
         body = body.replace("KERNEL", name)
         if launch["family"] == "attention":
-            if ctx["self_merge"]:
-                launches = [Launch(f"{name}_merge", (ctx["KV"], ctx["nchunk"]), ctx["threads"], params.values,
-                                   ctx["split_smem"])]
-            else:
-                launches = [Launch(f"{name}_split", (ctx["KV"], ctx["nchunk"]), ctx["threads"], params.values,
-                                   ctx["split_smem"]),
-                            Launch(f"{name}_combine", (ctx["H"], 1), ctx["combine_threads"], params.values)]
+            launches = [Launch(f"{name}_split", (ctx["KV"], ctx["nchunk"]), ctx["threads"], params.values),
+                        Launch(f"{name}_combine", (ctx["H"], 1), ctx["combine_threads"], params.values)]
         elif launch["family"] == "moe":
             launches = [Launch(f"{name}_up", (ctx["grid_up"], 1), ctx["threads"], params.values),
                         Launch(f"{name}_down", (ctx["grid_down"], 1), ctx["threads"], params.values)]
@@ -67,7 +62,7 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2) -> list[KernelSour
             launches = [Launch(name, (ctx["grid"], 1), ctx["threads"], params.values)]
         read, written = _traffic(G, launch, rows, weight_bytes)
         k = KernelSource(name, launch["family"], body, launch["nodes"], launches, launch["layer"],
-                         read, written, ctx.get("workspace_floats", 0), ctx.get("counters", 0))
+                         read, written, ctx.get("workspace_floats", 0))
         if launch["family"] == "attention":
             k.variants = _attention_variants(name, ctx, params.values)
             k.notes["passes"] = {"split": ctx["split_pass"], "one launch": ctx["single_pass"]}

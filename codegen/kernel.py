@@ -11,7 +11,6 @@ class Launch:
     grid: tuple[int, int]     # ("T" in the schedule becomes the token count at run time)
     block: int
     args: list[str]           # graph value names, or runtime buffers such as "workspace"
-    smem: int = 0             # dynamic shared memory, bytes
 
 
 @dataclass
@@ -36,7 +35,6 @@ class KernelSource:
     bytes_read: int = 0       # per token, weights + activations (+ KV cache at the planned context)
     bytes_written: int = 0
     workspace_floats: int = 0
-    counters: int = 0         # int32 counts it needs in "attention_counts" (zero between launches)
     notes: dict = field(default_factory=dict)   # for `fuselm inspect`: attention's pass types
     # By increasing `until`; the runtime keeps one CUDA graph per range of positions.
     variants: list[Variant] = field(default_factory=list)

@@ -28,9 +28,8 @@ SAMPLING_ARGS = np.dtype([("temperature", "f4"), ("top_p", "f4"), ("min_p", "f4"
                           ("step", "i4"), ("pad", "i4")])   # mirrors SamplingArgs in sampling.cuh
 
 
-CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 # Launch arguments that are the engine's own buffers (attributes of the same name), not graph values.
-RUNTIME_BUFFERS = ("workspace", "attention_counts", "seen", "ids", "pos", "sampling_args", "sampler_scratch")
+RUNTIME_BUFFERS = ("workspace", "seen", "ids", "pos", "sampling_args", "sampler_scratch")
 
 
 def check_variant(kernels, variant: str | None) -> None:
@@ -133,8 +132,6 @@ class CudaEngine:
         self.sampler_scratch = cp.zeros(sampler_scratch_words(), cp.uint32)
         ws = max([k.workspace_floats for k in self.kernels] + [1])
         self.workspace = cp.empty(ws, cp.float32)
-        # Counts that attention kernels raise and leave at zero again (attention_merge_last).
-        self.attention_counts = cp.zeros(max([k.counters for k in self.kernels] + [1]), cp.int32)
 
     def buffer(self, value: str):
         """The device array holding graph value `value` (arena slices for activations)."""
@@ -177,11 +174,9 @@ class CudaEngine:
         fn = self.module.get_function(launch.function)
         grid = tuple(1 if g == "T" else g for g in launch.grid)
         args = tuple(self.buffer(a) for a in launch.args)
-        if launch.smem > 48 * 1024:     # more than a kernel gets without asking
-            self.cp.cuda.driver.funcSetAttribute(fn.ptr, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, launch.smem)
         if self.pdl:
-            return PdlLaunch(fn, grid, launch.block, args, launch.smem)
-        return lambda stream: fn(grid, (launch.block,), args, stream=stream, shared_mem=launch.smem)
+            return PdlLaunch(fn, grid, launch.block, args)
+        return lambda stream: fn(grid, (launch.block,), args, stream=stream)
 
     def _schedule(self, position: int) -> tuple[int, list]:
         return next((start, calls) for start, calls in reversed(self._schedules) if position >= start)

@@ -107,28 +107,6 @@ def test_module_compiles_and_gemv_and_attention_kernels_do_not_spill(kernels_of,
     assert not spilling, f"{name} {arch}: gemv or attention kernels spill (bytes stored + loaded): {spilling}"
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_attention_self_merge_compiles_without_spills(name, monkeypatch):
-    """FUSELM_ATTN_SELF_MERGE=1: one split launch whose last block per KV head merges the chunks
-    (no combine launch), counting in "attention_counts" (one int per KV head); on sm_90 it must
-    compile without spills, and it lets its successor start early like the split."""
-    from fuselm.codegen import attention
-    monkeypatch.setattr(attention, "SELF_MERGE", 1)
-    cfg = CONFIGS[name]()
-    G = compile_graph(build_graph(cfg), tokens=1)
-    ks = [k for k in generate(G, rows=min(cfg.max_position_embeddings, 4096)) if k.family == "attention"]
-    assert ks
-    for k in ks:
-        (merge,) = k.launches
-        assert merge.function.endswith("_merge") and "attention_counts" in merge.args, merge
-        assert k.counters == cfg.num_kv_heads and "_combine" not in k.source
-        assert f"{merge.function}(" in k.source and "grid_release();" in k.source
-    _, log, _ = compile_cubin(module_source(ks), headers(), options("sm_90", verbose=True), use_cache=False)
-    report = spills(log)
-    assert {l.function for k in ks for l in k.all_launches()} <= set(report), log[:2000]
-    assert not any(report.values()), f"{name}: attention kernels spill: {report}"
-
-
 def test_random_graphs_compile_for_sm90():
     """Every hypothesis-drawn DSL graph (tests/graph_strategies.py) compiles, fused and not:
     the code generator has no shape or op combination it cannot emit."""
@@ -227,7 +205,7 @@ def test_only_few_block_kernels_release_their_successor_before_waiting():
         assert len(entries) == k.source.count('extern "C"'), k.name
         assert entries, k.name
         for function, first in entries:
-            early = k.family == "rowwise" or function.endswith(("_split", "_combine", "_merge"))
+            early = k.family == "rowwise" or function.endswith(("_split", "_combine"))
             assert (first.strip() == "grid_release();") == early, (function, first)
         if k.family not in ("rowwise", "attention"):
             assert "grid_release();" not in k.source

@@ -257,13 +257,11 @@ REAL_SHAPES = {"smollm2-135m": {}, "llama-3.2-1b": {}, "llama-3.1-8b": {},
                                      {"architectures": ["MistralForCausalLM"], "head_dim": 128, "sliding_window": 70},
                                      {"architectures": ["Gemma2ForCausalLM"], **ARCH_TINY["Gemma2ForCausalLM"],
                                       "head_dim": 256, "sliding_window": 70}])
-def test_long_context_spans_attention_chunks(variant, monkeypatch):
+def test_long_context_spans_attention_chunks(variant):
     """A conversation long enough for both attention variants to cover several passes, by each of
     them: one launch walking every position, and split + combine over two or more chunks (the
     sizes depend on the head layout), and as the engine picks them by position (switching
-    mid-run), also with the split merging its own chunks (FUSELM_ATTN_SELF_MERGE: its counts must
-    be left at zero for every later layer and step); windows start mid-chunk."""
-    from fuselm.codegen import attention as attention_codegen
+    mid-run); windows start mid-chunk."""
     from fuselm.codegen.attention import split_pass, single_until
     rng = np.random.default_rng()
     cfg = DecoderConfig.from_hf({**TINY, **variant})
@@ -277,11 +275,10 @@ def test_long_context_spans_attention_chunks(variant, monkeypatch):
     # whose bf16 rounding flips (float32 sums in another order) stays in the cache, and the flips
     # add up (one 534-step draw: 5.3e-3, others 5e-4 to 1e-3).
     tol = 1e-2 if steps > 300 else 5e-3
-    for attention in ("single", "general", None, "self-merge"):
-        monkeypatch.setattr(attention_codegen, "SELF_MERGE", int(attention == "self-merge"))
+    for attention in ("single", "general", None):
         runs[attention] = []
-        worst = compare_steps(graph, weights, tokens, ctx=steps + 42, tol=tol, logits=runs[attention],
-                              variant=None if attention == "self-merge" else attention)
+        worst = compare_steps(graph, weights, tokens, ctx=steps + 42, variant=attention, tol=tol,
+                              logits=runs[attention])
         line = f"long context {variant.get('architectures', ['Llama'])[0]}, {steps} steps, attention {attention}: " \
                f"worst rel logit error {worst:.2e}"
         if attention != "single":   # the variants run the same GEMVs on the same inputs: far closer
@@ -298,8 +295,7 @@ def test_long_context_spans_attention_chunks(variant, monkeypatch):
 def test_attention_at_long_context(heads, kv_heads, head_dim, window, softcap, cuda_cores, monkeypatch):
     """One step at position 3001 of caches filled with random bf16 rows, by both attention
     variants: one block per KV head walking every position, and dozens of chunks merged by the
-    combine kernel or by the split's last block per KV head (a thousand-row window: starting
-    mid-chunk); against the float64 reference.
+    combine kernel (a thousand-row window: starting mid-chunk); against the float64 reference.
     Head sizes 64 and 128 with up to 8 query heads per KV head run on tensor cores (MmaPass), the
     others on CUDA cores (LanePass), as do two of the former with tensor cores turned off
     (FUSELM_ATTN_MMA=0); a soft cap of 2 bends most scores (random rows, unit queries)."""
@@ -324,12 +320,10 @@ def test_attention_at_long_context(heads, kv_heads, head_dim, window, softcap, c
                                                  for n, w in (("q", heads * head_dim), ("k", kv_heads * head_dim),
                                                               ("v", kv_heads * head_dim))}}
     ref = run_graph(g, {}, feeds, {n: x.astype(np.float64) for n, x in state.items()})["out"]
-    for variant, merge, entry in (("single", 0, "_single"), ("general", 0, "_split"), ("general", 1, "_merge")):
-        monkeypatch.setattr(attention, "SELF_MERGE", merge)
+    for variant in ("single", "general"):
         eng = CudaEngine(g, {}, ctx=rows, variant=variant)
         launched = [launch.function for _, launch, _ in eng.schedule_at(at)]
-        assert any(f.endswith(entry) for f in launched), launched
-        variant += " self-merge" if merge else ""
+        assert any(f.endswith("_split" if variant == "general" else f"_{variant}") for f in launched), launched
         (source,) = [k.source for k in eng.kernels if k.family == "attention"]
         assert ("MmaPass<" in source, "LanePass<" in source) == (mma, not mma), "the pass the test means to run"
         for name, rows_ in state.items():
@@ -346,7 +340,6 @@ def test_attention_at_long_context(heads, kv_heads, head_dim, window, softcap, c
         print(f"attention h{heads} kv{kv_heads} d{head_dim} window {window} softcap {softcap} at {at}, {variant}, "
               f"{'tensor' if mma else 'CUDA'} cores: rel error {err:.2e}")
         assert err < 2e-5, f"{variant}: relative error {err:.2e}"   # measured: <= 3e-6 (tensor), 3e-7 (CUDA cores)
-        assert not eng.attention_counts.any(), f"{variant}: counts not left at zero"
 
 
 def test_gpu_sampling_filters_and_penalty_match_the_cpu_sampler():

@@ -3,8 +3,6 @@
 // - attention_chunk, the flash-decoding split: each block scores one chunk of positions for the
 //   query heads of one KV head and leaves (max, sum, weighted values) in a workspace;
 // - attention_combine merges the chunks of every query head;
-// - or, instead of the combine launch, attention_merge_last: the split's last block per KV head
-//   merges that head's chunks itself (FUSELM_ATTN_MERGE=last-block);
 // - attention_single, for short contexts: one block per KV head walks every position and writes
 //   the output itself, one launch instead of two.
 // Decode attention is short: at a few hundred positions its time is latency, not bytes. So each
@@ -21,9 +19,9 @@ struct Record {
 };
 
 // Flash-decoding split: block (KV head, chunk blockIdx.y) leaves its chunk's softmax state of each
-// query head in the workspace for the merge; false for a chunk without positions (no records).
+// query head in the workspace for attention_combine.
 template <int H, int KV, int HD, class P, int NCHUNK>
-__device__ __forceinline__ bool attention_chunk(const float* q, const bf16_t* kc, const bf16_t* vc, const int* pos_p,
+__device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc, const bf16_t* vc, const int* pos_p,
                                                 int window, float scale, float softcap, float* ws) {
     constexpr int G = H / KV;
     const int c = blockIdx.y;
@@ -32,7 +30,7 @@ __device__ __forceinline__ bool attention_chunk(const float* q, const bf16_t* kc
     const int pos = *pos_p;
     const int lo = window > 0 ? max(0, pos - window + 1) : 0;
     const int start = max(c * P::CHUNK, lo), end = min(c * P::CHUNK + P::CHUNK, pos + 1);
-    if (start >= end) return false;             // the merge reads only chunks with positions
+    if (start >= end) return;                   // the combine reads only chunks with positions
     P pass;
     pass.before_wait(kc, vc, c * P::CHUNK, start, end, pos);
     grid_wait_then_release();
@@ -45,7 +43,6 @@ __device__ __forceinline__ bool attention_chunk(const float* q, const bf16_t* kc
         out[d] = a;
         if (d == 0) { out[Record<HD>::MAX_AT] = m; out[Record<HD>::SUM_AT] = l; }
     });
-    return true;
 }
 
 // Short contexts: one block per KV head walks every position in passes and writes the attention
@@ -142,87 +139,5 @@ __device__ __forceinline__ void attention_combine(const float* ws, float* o, int
 #pragma unroll
         for (int w = 0; w < WARPS; w++) num = fmaf(wm[w] == NEG_INF ? 0.0f : __expf(wm[w] - mx), wacc[w][d], num);
         o[h * HD + d] = num / den;
-    }
-}
-
-// The split's own merge, instead of a combine launch (whose grid wait costs ~0.7 us on the H200):
-// a block that has written its records counts its chunk in, and the block that completes its KV
-// head's count (counts[blockIdx.x], left at 0 again for the next launch) merges that head's chunks
-// for its G query heads and writes the output. Its lanes work in groups of LANES, one float4 of a
-// record each; GPH groups per query head take every GPH-th chunk, ROUND at a time with all their
-// loads issued together (one round of L2 loads at 4k context on the 1B), and the groups' states
-// meet in shared memory.
-template <int H, int KV, int HD, int CHUNK, int NCHUNK, int THREADS>
-__device__ __forceinline__ void attention_merge_last(const float* ws, float* o, int* counts, int pos, int window) {
-    using R = Record<HD>;
-    constexpr int G = H / KV, LANES = R::MAX_AT / 4, GROUPS = THREADS / LANES;
-    static_assert(GROUPS > 0, "attention_merge_last: a record is wider than the block");
-    constexpr int GPH = GROUPS / G > 0 ? GROUPS / G : 1, SLOTS = GROUPS / GPH;   // heads merged at once
-    constexpr int ROUND = (NCHUNK + GPH - 1) / GPH < 8 ? (NCHUNK + GPH - 1) / GPH : 8;
-    __shared__ int last;
-    __shared__ float sm[G][GPH], sl[G][GPH], sacc[G][GPH][R::MAX_AT];
-    const int c0 = (window > 0 ? max(0, pos - window + 1) : 0) / CHUNK, c1 = pos / CHUNK;
-    __syncthreads();                                   // the block's records are written
-    if (threadIdx.x == 0) {
-        // After the barrier, thread 0's fence releases every thread's records (cumulativity),
-        // and the second fence orders the other blocks' records before the merge's loads.
-        __threadfence();
-        const bool done = atomicAdd(counts + blockIdx.x, 1) == c1 - c0;
-        if (done) counts[blockIdx.x] = 0;              // every chunk of this head has counted
-        __threadfence();
-        last = done;
-    }
-    __syncthreads();
-    if (!last) return;
-    const int gi = threadIdx.x / LANES, d = threadIdx.x % LANES * 4, part = gi % GPH;
-    if (gi < SLOTS * GPH) {
-        for (int g = gi / GPH; g < G; g += SLOTS) {
-            const float* recs = ws + (size_t)(blockIdx.x * G + g) * NCHUNK * R::FLOATS;
-            float m = NEG_INF, l = 0.0f, acc[4] = {};
-            for (int c = c0 + part; c <= c1; c += GPH * ROUND) {   // chunk c has positions: m finite
-                float4 st[ROUND], v[ROUND];                         // (max, sum, -, -), values d .. d+3
-#pragma unroll
-                for (int r = 0; r < ROUND; r++) {
-                    const int cc = c + r * GPH;
-                    const float* rec = recs + (size_t)cc * R::FLOATS;   // read through L2: other blocks wrote it
-                    st[r] = cc <= c1 ? __ldcg(reinterpret_cast<const float4*>(rec + R::MAX_AT))
-                                     : make_float4(NEG_INF, 0.0f, 0.0f, 0.0f);
-                    v[r] = cc <= c1 ? __ldcg(reinterpret_cast<const float4*>(rec + d)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                }
-                float mx = m;
-#pragma unroll
-                for (int r = 0; r < ROUND; r++) mx = fmaxf(mx, st[r].x);
-                const float rescale = __expf(m - mx);             // 0 on the first round (m = -inf)
-                l *= rescale;
-#pragma unroll
-                for (int i = 0; i < 4; i++) acc[i] *= rescale;
-#pragma unroll
-                for (int r = 0; r < ROUND; r++) {
-                    const float e = __expf(st[r].x - mx);         // 0 past c1
-                    l = fmaf(e, st[r].y, l);
-                    acc[0] = fmaf(e, v[r].x, acc[0]); acc[1] = fmaf(e, v[r].y, acc[1]);
-                    acc[2] = fmaf(e, v[r].z, acc[2]); acc[3] = fmaf(e, v[r].w, acc[3]);
-                }
-                m = mx;
-            }
-#pragma unroll
-            for (int i = 0; i < 4; i++) sacc[g][part][d + i] = acc[i];
-            if (d == 0) { sm[g][part] = m; sl[g][part] = l; }
-        }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < G * HD; i += THREADS) {
-        const int g = i / HD, dd = i % HD;
-        float mx = NEG_INF;
-#pragma unroll
-        for (int p = 0; p < GPH; p++) mx = fmaxf(mx, sm[g][p]);
-        float num = 0.0f, den = 0.0f;
-#pragma unroll
-        for (int p = 0; p < GPH; p++) {
-            const float e = sm[g][p] == NEG_INF ? 0.0f : __expf(sm[g][p] - mx);   // groups without chunks
-            den = fmaf(e, sl[g][p], den);
-            num = fmaf(e, sacc[g][p][dd], num);
-        }
-        o[(blockIdx.x * G + g) * HD + dd] = num / den;
     }
 }
