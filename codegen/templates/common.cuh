@@ -140,16 +140,10 @@ struct BlockTrace {
 // wait, which returns once the previous grid has finished and its writes are visible. A GEMV lets
 // its successor be scheduled right after its own wait (with its first weight loads in flight,
 // see warp_dot_rows), so it does not take SM slots from the blocks of the kernel before it.
-__device__ __forceinline__ void grid_wait() {
+__device__ __forceinline__ void grid_wait_then_release() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     TRACE_WAITED();
-#endif
-}
-
-__device__ __forceinline__ void grid_wait_then_release() {
-    grid_wait();
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 }
