@@ -20,11 +20,6 @@ def module_source(kernels: list[KernelSource]) -> str:
     with FUSELM_TRACE=1 the block timeline is compiled in (see runtime/trace.py)."""
     trace = trace_enabled()
     seen, parts = set(), ["#define FUSELM_TRACE 1"] if trace else []
-    import os
-    parts.append(f"#define SPLIT_STAMP {os.environ.get('SPLIT_STAMP', '0')}")
-    parts.append(f"#define RELEASE_AFTER_DATA {os.environ.get('RELEASE_AFTER_DATA', '0')}")
-    parts.append(f"#define PREFETCH_KV {os.environ.get('PREFETCH_KV', '0')}")
-    parts.append(f"#define PREFETCH_FROM {os.environ.get('PREFETCH_FROM', '512')}")
     for k in kernels:
         if k.name not in seen:
             seen.add(k.name)

@@ -69,16 +69,7 @@ def context(G: nx.DiGraph, launch: dict, params: Params) -> dict:
                      "epilogue": _epilogue(G, launch, z["linears"], z_epi, R, params)})
         start += tiles
         max_tile = max(max_tile, R * len(z["linears"]))
-    import os   # experiment: the cache rows this GEMV's attention will read, pulled toward L2 first
-    kv_prefetch = []
-    if os.environ.get("PREFETCH_KV", "0") != "0":
-        for n in epilogue:
-            if G.nodes[n]["kind"] is Kind.CACHE_WRITE:
-                cache, _, pos = G.nodes[n]["inputs"]
-                kv_prefetch.append({"cache": params.ref(cache, written=True), "pos": params.ref(pos),
-                                    "row_bytes": 2 * G.nodes[n]["shape"][-1]})
-    return {"kv_prefetch": kv_prefetch,
-            "K": K, "x": x, "prologue": pro, "zips": zips, "threads": WARPS * 32, "unroll": UNROLL, "ksplit": ksplit,
+    return {"K": K, "x": x, "prologue": pro, "zips": zips, "threads": WARPS * 32, "unroll": UNROLL, "ksplit": ksplit,
             "rows_per_warp": ROWS_PER_WARP,
             "max_tile": max_tile, "grid": start}
 

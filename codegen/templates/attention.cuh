@@ -33,37 +33,16 @@ __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc
     if (start >= end) return;                   // the combine reads only chunks with positions
     P pass;
     pass.before_wait(kc, vc, c * P::CHUNK, start, end, pos);
-#if RELEASE_AFTER_DATA
-    grid_wait();
-#else
     grid_wait_then_release();
-#endif
     pass.after_wait(kc, vc, c * P::CHUNK, start, end, pos);
     pass.load_queries(q, scale);
-#if RELEASE_AFTER_DATA
-    { unsigned t = pass.k[0][0].x ^ pass.v[0][0][0].x ^ pass.k[P::NT - 1][0].w ^ pass.v[P::NU - 1][3][0].w;
-      asm volatile("" :: "r"(t)); grid_release(); }
-#endif
-#if SPLIT_STAMP == 1
-    { float t = pass.qa[0][0][0]; asm volatile("" :: "f"(t)); __syncwarp(); TRACE_WAITED(); }
-#endif
     typename P::State st;
-#if SPLIT_STAMP == 4
-    { unsigned t = pass.k[0][0].x ^ pass.v[0][0][0].x ^ pass.k[P::NT - 1][0].w ^ pass.v[P::NU - 1][3][0].w;
-      asm volatile("" :: "r"(t)); __syncwarp(); TRACE_WAITED(); }
-#endif
     pass.softmax(softcap, st);
-#if SPLIT_STAMP == 2
-    { asm volatile("" :: "f"(st.acc[0]), "f"(st.l)); __syncwarp(); TRACE_WAITED(); }
-#endif
     P::block_merge(st, [&](int g, int d, float m, float l, float a) {
         float* out = ws + ((size_t)(blockIdx.x * G + g) * NCHUNK + c) * Record<HD>::FLOATS;
         out[d] = a;
         if (d == 0) { out[Record<HD>::MAX_AT] = m; out[Record<HD>::SUM_AT] = l; }
     });
-#if SPLIT_STAMP == 3
-    TRACE_WAITED();
-#endif
 }
 
 // Short contexts: one block per KV head walks every position in passes and writes the attention

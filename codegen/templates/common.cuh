@@ -140,29 +140,10 @@ struct BlockTrace {
 // wait, which returns once the previous grid has finished and its writes are visible. A GEMV lets
 // its successor be scheduled right after its own wait (with its first weight loads in flight,
 // see warp_dot_rows), so it does not take SM slots from the blocks of the kernel before it.
-// Pull rows [0, n) of a row-major table (row_bytes each) toward L2, the grid's threads sharing
-// its 128-byte lines (experiment: PREFETCH_KV=2 marks them evict_last).
-__device__ __forceinline__ void prefetch_rows_l2(const void* base, int row_bytes, int n) {
-    const size_t lines = ((size_t)n * row_bytes + 127) / 128;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < lines; i += (size_t)gridDim.x * blockDim.x) {
-#if PREFETCH_KV == 2
-        asm volatile("prefetch.global.L2::evict_last [%0];" :: "l"((const char*)base + i * 128));
-#else
-        asm volatile("prefetch.global.L2 [%0];" :: "l"((const char*)base + i * 128));
-#endif
-    }
-}
-
-__device__ __forceinline__ void grid_wait() {
+__device__ __forceinline__ void grid_wait_then_release() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     TRACE_WAITED();
-#endif
-}
-
-__device__ __forceinline__ void grid_wait_then_release() {
-    grid_wait();
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 }
