@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import networkx as nx
 
-from ..compiler.kernels import attention_projection
 from ..errors import FuselmError
-from . import cexpr, gemv
+from . import cexpr
 from .knobs import env_int, env_set
 from .params import Params, storage_of
 
@@ -22,10 +21,6 @@ SINGLE_ROWS = env_int("FUSELM_ATTN_SINGLE_ROWS", 4, 1, 32)      # its cache rows
 # per KV head, sm_80 on), comma-separated: "split", "single"; "0" for none.
 MMA = env_set("FUSELM_ATTN_MMA", "split,single", {"split", "single"}, "kernels")
 SMEM = 48 * 1024   # static shared memory a kernel may use
-# A fused output projection (attention_project) re-reads its KV head's chunk records in every
-# block; above this many bytes of such reads per step it runs as combine + GEMV instead.
-PROJECT_MAX_BYTES = env_int("FUSELM_ATTN_PROJECT_MAX_MB", 8, 0, 1 << 20) << 20
-PROJECT_UINT4 = 16   # weight pieces (16 bytes) a lane of attention_project holds before its wait
 
 
 def lanes_per_row(head_dim: int) -> int:
@@ -105,10 +100,8 @@ def single_until(head_dim: int, group: int) -> int:
 
 
 def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
-    """Template variables of one attention launch over a cache of `rows` positions (with the
-    output projection's when the compiler fused it in: `project`, or `oproj` where it runs as a
-    GEMV of its own after the combine)."""
-    n = launch["nodes"][0]
+    """Template variables of one attention launch over a cache of `rows` positions."""
+    (n,) = launch["nodes"]
     d = G.nodes[n]
     q, kc, vc, pos = d["inputs"]
     a = d["attrs"]
@@ -125,7 +118,7 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
                           f"bytes of shared memory per warp in the attention kernel; at most {SMEM} are supported")
     nchunk = -(-rows // chunk)
     record = (hd + 3) // 4 * 4 + 4                                      # Record<HD>::FLOATS
-    ctx = {"H": a["n_heads"], "KV": a["n_kv_heads"], "HD": hd, "chunk": chunk, "split_pass": split_type,
+    return {"H": a["n_heads"], "KV": a["n_kv_heads"], "HD": hd, "chunk": chunk, "split_pass": split_type,
             "nchunk": nchunk, "window": int(a.get("window") or 0), "scale": cexpr.float_literal(a["scale"]),
             "softcap": cexpr.float_literal(a.get("softcap") or 0.0), "threads": split_warps(hd, group) * 32,
             "combine_warps": COMBINE_WARPS, "combine_threads": COMBINE_WARPS * 32, "combine_group": COMBINE_GROUP,
@@ -135,27 +128,4 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
             "q": params.ref(q), "kc": params.ref(kc), "vc": params.ref(vc), "pos": params.ref(pos),
             "out": params.ref(n, written=True),
             "ws": params.extra("float*", "workspace"),
-            "workspace_floats": a["n_heads"] * nchunk * record, "project": None, "oproj": None}
-    fused = attention_projection(G, launch["nodes"])
-    if fused:
-        ctx.update(_projection(G, launch, fused, params, ctx))
-    return ctx
-
-
-def _projection(G: nx.DiGraph, launch: dict, fused: tuple, params: Params, ctx: dict) -> dict:
-    """The fused output projection: `project` (attention_project's shape) where its blocks'
-    re-reads of the chunk records stay under PROJECT_MAX_BYTES, and in any case `oproj`, the
-    projection as a GEMV kernel of its own (after the one-launch variant, or after the combine)."""
-    a, lin, add, residual = fused
-    N, group = G.nodes[lin]["shape"][-1], ctx["H"] // ctx["KV"]
-    pieces = -(-(group * ctx["HD"] // 8) // 32)                 # 16-byte pieces per lane and row
-    rw = max(1, PROJECT_UINT4 // pieces)                          # rows per warp
-    tiles = -(-N // (8 * rw))
-    rereads = ctx["KV"] * tiles * group * ctx["nchunk"] * 4 * ((ctx["HD"] + 3) // 4 * 4 + 4)
-    sub = {"nodes": [lin, add], "reads": [a, *G.nodes[lin]["inputs"][1:], residual], "writes": [add],
-           "scratch": [], "family": "gemv", "layer": launch["layer"]}
-    out = {"oproj": gemv.context(G, sub, params), "project": None}
-    if rereads <= PROJECT_MAX_BYTES:
-        out["project"] = {"N": N, "rw": rw, "tiles": tiles, "W": params.ref(G.nodes[lin]["inputs"][1]),
-                          "out": params.ref(add, written=True), "residual": params.ref(residual)}
-    return out
+            "workspace_floats": a["n_heads"] * nchunk * record}

@@ -50,18 +50,11 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2) -> list[KernelSour
         ctx = mod.context(G, launch, params, rows) if mod is attention else mod.context(G, launch, params)
         body = environment().get_template(f"{launch['family']}.cu.j2").render(
             name="KERNEL", params=params.decls, early_release=EARLY_RELEASE, **ctx)
-        if ctx.get("oproj"):    # attention with its output projection fused in: also as a GEMV
-            body += environment().get_template("gemv.cu.j2").render(
-                name="KERNEL_oproj", params=params.decls, early_release=EARLY_RELEASE, **ctx["oproj"])
         name = _name(launch["family"], ctx, body)
         body = body.replace("KERNEL", name)
         if launch["family"] == "attention":
-            launches = [Launch(f"{name}_split", (ctx["KV"], ctx["nchunk"]), ctx["threads"], params.values)]
-            if ctx["project"]:
-                launches.append(Launch(f"{name}_project", (ctx["KV"], ctx["project"]["tiles"]), 256, params.values))
-            else:
-                launches.append(Launch(f"{name}_combine", (ctx["H"], 1), ctx["combine_threads"], params.values))
-                launches += _oproj(name, ctx, params.values)
+            launches = [Launch(f"{name}_split", (ctx["KV"], ctx["nchunk"]), ctx["threads"], params.values),
+                        Launch(f"{name}_combine", (ctx["H"], 1), ctx["combine_threads"], params.values)]
         elif launch["family"] == "moe":
             launches = [Launch(f"{name}_up", (ctx["grid_up"], 1), ctx["threads"], params.values),
                         Launch(f"{name}_down", (ctx["grid_down"], 1), ctx["threads"], params.values)]
@@ -78,19 +71,11 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2) -> list[KernelSour
 
 
 def _attention_variants(name: str, ctx: dict, args: list[str]) -> list[Variant]:
-    """Below single_until, one launch walking the whole context replaces split + combine (and a
-    fused output projection runs as a GEMV after it)."""
+    """Below single_until, one launch walking the whole context replaces split + combine."""
     if ctx["single_until"] <= 0:
         return []
-    return [Variant("single", ctx["single_until"],
-                    [Launch(f"{name}_single", (ctx["KV"], 1), ctx["single_threads"], args), *_oproj(name, ctx, args)],
+    return [Variant("single", ctx["single_until"], [Launch(f"{name}_single", (ctx["KV"], 1), ctx["single_threads"], args)],
                     "attention in one launch per layer, a block per KV head (<kernel>_single)")]
-
-
-def _oproj(name: str, ctx: dict, args: list[str]) -> list[Launch]:
-    """The fused output projection's GEMV launch, where there is one."""
-    g = ctx.get("oproj")
-    return [Launch(f"{name}_oproj", (g["grid"], 1), g["threads"], args)] if g else []
 
 
 SAMPLER_BLOCKS = 32   # blocks sharing the argmax over the vocabulary (one block took 26 us/token)

@@ -4,9 +4,7 @@ Families (each one a CUDA template in codegen/):
 - "gemv":      one or more LINEAR nodes reading the same vector, optionally a NORM prologue that
                produces that vector, and an epilogue of ELEMENTWISE / ROW_LOCAL / CACHE_WRITE nodes
                computed on the tile of output rows each block owns;
-- "attention": one ATTENTION node (split over the context, then combined), or one followed by
-               its output projection: a LINEAR reading it and a residual add (the merge of the
-               split's chunks feeds the projection directly; see fuse_attention_output.py);
+- "attention": one ATTENTION node (split over the context, then combined);
 - "moe":       one MOE node (gate/up of the routed experts, then their weighted down projection);
 - "rowwise":   any other ops (EMBEDDING, NORM, ELEMENTWISE, ROW_LOCAL, CACHE_WRITE, REDUCTION),
                one block per token row, op after op.
@@ -74,7 +72,7 @@ def family(G: nx.DiGraph, nodes: list[str]) -> str:
     kinds = [G.nodes[n]["kind"] for n in nodes]
     for kind, fam in ((Kind.ATTENTION, "attention"), (Kind.MOE, "moe")):
         if kind in kinds:
-            if len(nodes) != 1 and not (fam == "attention" and attention_projection(G, nodes)):
+            if len(nodes) != 1:
                 raise ValueError(f"{fam} cannot share a kernel: {nodes}")
             return fam
     if Kind.LINEAR in kinds:
@@ -84,22 +82,6 @@ def family(G: nx.DiGraph, nodes: list[str]) -> str:
     if bad:
         raise ValueError(f"no kernel family runs {bad}")
     return "rowwise"
-
-
-def attention_projection(G: nx.DiGraph, nodes: list[str]) -> tuple[str, str, str, str] | None:
-    """(attention, linear, add, residual) when `nodes` are an attention, the linear that reads
-    it (its output projection) and an add of that linear and another value (the residual)."""
-    if len(nodes) != 3:
-        return None
-    a, lin, add = nodes
-    d_lin, d_add = G.nodes[lin], G.nodes[add]
-    if (G.nodes[a]["kind"] is not Kind.ATTENTION or d_lin["kind"] is not Kind.LINEAR
-            or d_lin["inputs"][0] != a or d_add["op"] != "add" or lin not in d_add["inputs"]):
-        return None
-    others = [i for i in d_add["inputs"] if i != lin]
-    if len(others) != 1 or G.nodes[others[0]]["shape"] != d_add["shape"]:
-        return None
-    return a, lin, add, others[0]
 
 
 def gemv_parts(G: nx.DiGraph, nodes: list[str]) -> tuple[str | None, list[str], list[str]]:
@@ -190,11 +172,8 @@ def materialized(G: nx.DiGraph, nodes: list[str]) -> list[str]:
     A row-wise kernel runs its ops one after another over the whole row, so every value a later
     op reads at other positions (norms, row-local ops, reductions read whole rows) is stored;
     elementwise values read only by elementwise ops are inlined as C expressions instead.
-    GEMV epilogues and attention keep their intermediates on chip, but for the output of an
-    attention fused with its projection: the one-launch variant writes it for the projection.
+    GEMV epilogues and attention keep their intermediates on chip.
     """
-    if attention_projection(G, nodes):
-        return [nodes[0]]
     if family(G, nodes) != "rowwise":
         return []
     inside = set(nodes)

@@ -13,7 +13,6 @@ import networkx as nx
 
 from ..dsl import Graph
 from .dump import dump as dump_graph
-from .fuse_attention_output import fuse_attention_output
 from .fuse_elementwise import fuse_elementwise
 from .fuse_epilogue import fuse_epilogue
 from .fuse_horizontal import fuse_horizontal
@@ -26,8 +25,7 @@ from .validate import validate
 
 Pass = Callable[[nx.DiGraph], nx.DiGraph]
 
-FUSION_PASSES: list[Pass] = [fuse_horizontal, fuse_prologue, fuse_epilogue, fuse_elementwise,
-                             fuse_attention_output]
+FUSION_PASSES: list[Pass] = [fuse_horizontal, fuse_prologue, fuse_epilogue, fuse_elementwise]
 
 
 def passes(fuse: bool = True, tokens: int = 1) -> list[Pass]:
