@@ -9,6 +9,9 @@ from .knobs import env_int
 from .kernel import KernelSource, Launch
 
 
+TRACE_EVENTS = 1 << 20   # block events the timeline buffer holds (fuselm_trace in common.cuh)
+
+
 def trace_enabled() -> bool:
     """FUSELM_TRACE=1: kernels record the block timeline (runtime/trace.py). Read at each call,
     unlike the import-time knobs, so that `fuselm trace` can set it for its own run."""
@@ -19,7 +22,7 @@ def module_source(kernels: list[KernelSource]) -> str:
     """One translation unit holding every distinct kernel (layers with one structure share one);
     with FUSELM_TRACE=1 the block timeline is compiled in (see runtime/trace.py)."""
     trace = trace_enabled()
-    seen, parts = set(), ["#define FUSELM_TRACE 1"] if trace else []
+    seen, parts = set(), [f"#define FUSELM_TRACE 1\n#define FUSELM_TRACE_EVENTS {TRACE_EVENTS}"] if trace else []
     for k in kernels:
         if k.name not in seen:
             seen.add(k.name)
@@ -31,4 +34,5 @@ def module_source(kernels: list[KernelSource]) -> str:
     return source
 
 
-__all__ = ["generate", "headers", "sampler", "module_source", "trace_enabled", "KernelSource", "Launch"]
+__all__ = ["generate", "headers", "sampler", "module_source", "trace_enabled", "TRACE_EVENTS", "KernelSource",
+           "Launch"]

@@ -17,11 +17,10 @@ import statistics
 
 import numpy as np
 
-from ..codegen import module_source, trace_enabled
+from ..codegen import TRACE_EVENTS, module_source, trace_enabled
 from ..errors import FuselmError
 from ..models.presets import PRESETS
 
-EVENTS = 1 << 20   # FUSELM_TRACE_EVENTS in common.cuh
 TIMES = ("first_start", "median_start", "last_start", "median_waited", "median_end", "last_end")   # a row's, in us
 _KERNEL = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(')
 
@@ -51,8 +50,8 @@ def record(engine, position: int, steps: int) -> np.ndarray:
         engine.feed(0)
     engine.stream.synchronize()
     n = int(cp.ndarray((1,), cp.uint32, count).get()[0])
-    if n > EVENTS:
-        raise FuselmError(f"{n} block events do not fit the trace buffer of {EVENTS}: trace fewer steps")
+    if n > TRACE_EVENTS:
+        raise FuselmError(f"{n} block events do not fit the trace buffer of {TRACE_EVENTS}: trace fewer steps")
     return cp.ndarray((n, 4), cp.uint64, engine.module.get_global("fuselm_trace")).get()
 
 

@@ -84,9 +84,9 @@ __device__ __forceinline__ float rms_scale(float sum_sq, int n, float eps) { ret
 // Block timeline for `fuselm trace` (FUSELM_TRACE=1 compiles it in): thread 0 of every block
 // records its own times: when it started, when its wait for the previous kernel returned (0 if it
 // never waited) and when it left. codegen's module_source numbers each kernel's TRACE_BLOCK() in
-// module order (TRACE_BLOCK_AS(id)): the id names the kernel.
+// module order (TRACE_BLOCK_AS(id)): the id names the kernel, and defines FUSELM_TRACE_EVENTS
+// (codegen.TRACE_EVENTS), the events the buffer holds.
 #if FUSELM_TRACE
-#define FUSELM_TRACE_EVENTS (1 << 20)
 __device__ unsigned long long fuselm_trace[FUSELM_TRACE_EVENTS][4];   // [event] id|smid|block, start, waited, end
 __device__ unsigned fuselm_trace_count;
 
