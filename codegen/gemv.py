@@ -15,7 +15,6 @@ ROWS_PER_WARP = env_int("FUSELM_GEMV_ROWS", 2, 1, 8)  # rows a warp streams at o
 # busy; 32 split more than needed (measured: Llama-3.1-8B 249 -> 252, 3.2-1B 1248 -> 1277 tok/s).
 MIN_WARPS = env_int("FUSELM_GEMV_MIN_WARPS", 132 * 16, 1, 1 << 20)
 UNROLL = env_int("FUSELM_GEMV_UNROLL", 4, 1, 16)      # 16-byte loads in flight per lane and row
-TILE_ITERS = env_int("FUSELM_GEMV_TILE_ITERS", 1, 1, 64)  # rows of its tile each warp streams, in rounds of ROWS_PER_WARP
 
 
 if WARPS not in (1, 2, 4, 8, 16, 32):
@@ -24,7 +23,7 @@ if WARPS not in (1, 2, 4, 8, 16, 32):
 
 def _slots(ksplit: int, members: int, pairs: bool) -> int:
     """Rows per member in one block's tile: each group of `ksplit` warps takes ROWS_PER_WARP rows."""
-    r = max(1, WARPS // ksplit * ROWS_PER_WARP * TILE_ITERS // members)
+    r = max(1, WARPS // ksplit * ROWS_PER_WARP // members)
     return max(2, r + (r & 1)) if pairs else r
 
 
