@@ -141,9 +141,9 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
 
 def _prefetch(G: nx.DiGraph, weights: list[str], params: Params, kb: int) -> list[tuple[str, int]]:
     """(C name, bytes) of each weight to prefetch: an equal share of `kb` kB, at most the whole
-    weight, in whole 128-byte lines (see l2_prefetch_part)."""
+    weight, in whole 512-byte pieces (16 bytes per lane of the issuing warp, see l2_prefetch_part)."""
     out = []
     for w in weights if kb else []:
         whole = 2 * int(np.prod(G.nodes[w]["shape"]))       # bf16 or f16 on the GPU
-        out.append((params.ref(w), min(kb * 1024 // len(weights), whole) // 128 * 128))
+        out.append((params.ref(w), min(kb * 1024 // len(weights), whole) // 512 * 512))
     return out

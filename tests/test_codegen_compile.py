@@ -211,10 +211,11 @@ def test_only_few_block_kernels_release_their_successor_before_waiting():
             assert "grid_release();" not in k.source
 
 
-def test_attention_prefetches_the_planned_weights_in_whole_lines(monkeypatch):
+def test_attention_prefetches_the_planned_weights_in_512_byte_pieces(monkeypatch):
     """With FUSELM_PREFETCH_SPLIT_KB / _SINGLE_KB set, each attention kernel asks L2 for an equal
     share of that budget of each weight plan_prefetch named (at most the whole weight, in whole
-    128-byte lines), and the module still compiles for sm_80 and sm_90; with both at 0, no kernel prefetches."""
+    512-byte pieces), and the module still compiles for sm_80 (where the prefetch is a no-op) and
+    sm_90; with both at 0, no kernel prefetches."""
     import re
 
     from fuselm.codegen import attention

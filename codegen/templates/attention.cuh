@@ -19,7 +19,7 @@ struct Record {
 };
 
 // Flash-decoding split: block (KV head, chunk blockIdx.y) leaves its chunk's softmax state of each
-// query head in the workspace for attention_combine. Once a warp's cache rows are in, it calls
+// query head in the workspace for attention_combine. Once warp 0's cache rows are in, it calls
 // `prefetch(part, parts)` (l2_prefetch_part for the weights plan_prefetch named), the block's part
 // of the chunks that hold positions: HBM idles from then on until the MLP's weight stream.
 template <int H, int KV, int HD, class P, int NCHUNK, class Prefetch>
@@ -41,7 +41,7 @@ __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc
     pass.load_queries(q, scale);
     typename P::State st;
     pass.softmax(softcap, st);
-    {
+    if (threadIdx.x < 32) {
         const int c0 = lo / P::CHUNK, chunks = pos / P::CHUNK - c0 + 1;
         prefetch((c - c0) * KV + blockIdx.x, chunks * KV);
     }
@@ -54,7 +54,7 @@ __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc
 
 // Short contexts: one block per KV head walks every position in passes and writes the attention
 // output itself; no workspace, no combine launch. The first pass's loads go out before the wait;
-// after that pass, each warp calls `prefetch(part, parts)` as in attention_chunk.
+// after that pass, warp 0 calls `prefetch(part, parts)` as in attention_chunk.
 template <int H, int KV, int HD, class P, class Prefetch>
 __device__ __forceinline__ void attention_single(const float* q, const bf16_t* kc, const bf16_t* vc, const int* pos_p,
                                                  int window, float scale, float softcap, float* o,
@@ -70,7 +70,7 @@ __device__ __forceinline__ void attention_single(const float* q, const bf16_t* k
     pass.load_queries(q, scale);
     typename P::State st, part;
     pass.softmax(softcap, st);
-    prefetch(blockIdx.x, KV);
+    if (threadIdx.x < 32) prefetch(blockIdx.x, KV);
     for (base += P::CHUNK; base <= pos; base += P::CHUNK) {
         pass.load(kc, vc, base, base, min(base + P::CHUNK, pos + 1), -1);
         pass.softmax(softcap, part);

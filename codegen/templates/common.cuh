@@ -148,15 +148,17 @@ __device__ __forceinline__ void grid_wait_then_release() {
 #endif
 }
 
-// Ask L2 for part `part` of `parts` equal parts of bytes [0, bytes) at `p`, without waiting for
-// them: the calling block's threads each issue prefetches of a few 128-byte lines. Per-line
-// prefetches, not one bulk prefetch: a block cannot retire while its bulk copies are in flight.
-// A hint only: no result depends on it.
+// Ask L2 for part `part` of `parts` equal parts of bytes [0, bytes) at `p` (bytes a multiple of
+// 512), without waiting for them: each lane of the calling warp issues one bulk prefetch of its
+// 16-byte-aligned piece. A hint only (sm_90 on; nothing before): no result depends on it.
 __device__ __forceinline__ void l2_prefetch_part(const void* p, unsigned bytes, int part, int parts) {
-    const unsigned lines = (bytes + 127) / 128, per_block = (lines + parts - 1) / parts;
-    const unsigned end = min(lines, (part + 1) * per_block);
-    for (unsigned i = part * per_block + threadIdx.x; i < end; i += blockDim.x)
-        asm volatile("prefetch.global.L2 [%0];" :: "l"(static_cast<const char*>(p) + 128ull * i));
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const unsigned lanes = 32u * parts, piece = (bytes / 16 + lanes - 1) / lanes * 16;
+    const unsigned begin = (32u * part + (threadIdx.x & 31)) * piece;
+    if (begin < bytes)
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
+                     :: "l"(static_cast<const char*>(p) + begin), "r"(min(piece, bytes - begin)) : "memory");
+#endif
 }
 
 // Kernels of a few blocks (row-wise, attention) let their successor be scheduled at once, before
