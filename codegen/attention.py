@@ -3,7 +3,6 @@ a one-launch variant for short contexts."""
 from __future__ import annotations
 
 import networkx as nx
-import numpy as np
 
 from ..errors import FuselmError
 from . import cexpr
@@ -22,10 +21,6 @@ SINGLE_ROWS = env_int("FUSELM_ATTN_SINGLE_ROWS", 4, 1, 32)      # its cache rows
 # per KV head, sm_80 on), comma-separated: "split", "single"; "0" for none.
 MMA = env_set("FUSELM_ATTN_MMA", "split,single", {"split", "single"}, "kernels")
 SMEM = 48 * 1024   # static shared memory a kernel may use
-# Leading bytes of the weights named by the plan_prefetch pass that the split (long contexts) and
-# the one-launch kernel (short ones) ask L2 for once their cache rows are in, in kB; 0: none.
-PREFETCH_KB = {"split": env_int("FUSELM_PREFETCH_SPLIT_KB", 0, 0, 1 << 20),
-               "single": env_int("FUSELM_PREFETCH_SINGLE_KB", 0, 0, 1 << 20)}
 
 
 def lanes_per_row(head_dim: int) -> int:
@@ -123,27 +118,14 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
                           f"bytes of shared memory per warp in the attention kernel; at most {SMEM} are supported")
     nchunk = -(-rows // chunk)
     record = (hd + 3) // 4 * 4 + 4                                      # Record<HD>::FLOATS
-    ctx = {"H": a["n_heads"], "KV": a["n_kv_heads"], "HD": hd, "chunk": chunk, "split_pass": split_type,
-           "nchunk": nchunk, "window": int(a.get("window") or 0), "scale": cexpr.float_literal(a["scale"]),
-           "softcap": cexpr.float_literal(a.get("softcap") or 0.0), "threads": split_warps(hd, group) * 32,
-           "combine_warps": COMBINE_WARPS, "combine_threads": COMBINE_WARPS * 32, "combine_group": COMBINE_GROUP,
-           "single_threads": single_warps(hd, group) * 32,
-           "single_pass": single_pass(hd, group, kv)[0],
-           "single_until": min(single_until(hd, group), rows),
-           "q": params.ref(q), "kc": params.ref(kc), "vc": params.ref(vc), "pos": params.ref(pos),
-           "out": params.ref(n, written=True),
-           "ws": params.extra("float*", "workspace"),
-           "workspace_floats": a["n_heads"] * nchunk * record}
-    for kernel, kb in PREFETCH_KB.items():
-        ctx[f"prefetch_{kernel}"] = _prefetch(G, launch.get("prefetch", []), params, kb)
-    return ctx
-
-
-def _prefetch(G: nx.DiGraph, weights: list[str], params: Params, kb: int) -> list[tuple[str, int]]:
-    """(C name, bytes) of each weight to prefetch: an equal share of `kb` kB, at most the whole
-    weight, in whole 512-byte pieces (16 bytes per lane of the issuing warp, see l2_prefetch_part)."""
-    out = []
-    for w in weights if kb else []:
-        whole = 2 * int(np.prod(G.nodes[w]["shape"]))       # bf16 or f16 on the GPU
-        out.append((params.ref(w), min(kb * 1024 // len(weights), whole) // 512 * 512))
-    return out
+    return {"H": a["n_heads"], "KV": a["n_kv_heads"], "HD": hd, "chunk": chunk, "split_pass": split_type,
+            "nchunk": nchunk, "window": int(a.get("window") or 0), "scale": cexpr.float_literal(a["scale"]),
+            "softcap": cexpr.float_literal(a.get("softcap") or 0.0), "threads": split_warps(hd, group) * 32,
+            "combine_warps": COMBINE_WARPS, "combine_threads": COMBINE_WARPS * 32, "combine_group": COMBINE_GROUP,
+            "single_threads": single_warps(hd, group) * 32,
+            "single_pass": single_pass(hd, group, kv)[0],
+            "single_until": min(single_until(hd, group), rows),
+            "q": params.ref(q), "kc": params.ref(kc), "vc": params.ref(vc), "pos": params.ref(pos),
+            "out": params.ref(n, written=True),
+            "ws": params.extra("float*", "workspace"),
+            "workspace_floats": a["n_heads"] * nchunk * record}

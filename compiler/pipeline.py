@@ -20,7 +20,6 @@ from .fuse_prologue import fuse_prologue
 from .infer_shapes import infer_shapes
 from .lower import to_networkx
 from .plan_buffers import plan_buffers
-from .plan_prefetch import plan_prefetch
 from .schedule import schedule
 from .validate import validate
 
@@ -30,9 +29,8 @@ FUSION_PASSES: list[Pass] = [fuse_horizontal, fuse_prologue, fuse_epilogue, fuse
 
 
 def passes(fuse: bool = True, tokens: int = 1) -> list[Pass]:
-    """The pass list, in order: shapes, the fusion passes (unless fuse=False), schedule, L2
-    prefetches, buffers."""
-    return [infer_shapes, *(FUSION_PASSES if fuse else []), schedule, plan_prefetch,
+    """The pass list, in order: shapes, the fusion passes (unless fuse=False), schedule, buffers."""
+    return [infer_shapes, *(FUSION_PASSES if fuse else []), schedule,
             partial(plan_buffers, tokens=tokens)]
 
 

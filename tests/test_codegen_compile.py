@@ -211,28 +211,6 @@ def test_only_few_block_kernels_release_their_successor_before_waiting():
             assert "grid_release();" not in k.source
 
 
-def test_attention_prefetches_the_planned_weights_in_512_byte_pieces(monkeypatch):
-    """With FUSELM_PREFETCH_SPLIT_KB / _SINGLE_KB set, each attention kernel asks L2 for an equal
-    share of that budget of each weight plan_prefetch named (at most the whole weight, in whole
-    512-byte pieces), and the module still compiles for sm_80 (where the prefetch is a no-op) and
-    sm_90; with both at 0, no kernel prefetches."""
-    import re
-
-    from fuselm.codegen import attention
-    cfg = tiny(intermediate_size=4096)                     # gate, up: 4096 x 64 bf16 = 512 kB each
-    G = compile_graph(build_graph(cfg))
-    monkeypatch.setattr(attention, "PREFETCH_KB", {"split": 300, "single": 2048})
-    ks = generate(G, rows=300)
-    [att] = {k.name: k for k in ks if k.family == "attention"}.values()
-    split, single = (re.search(rf"{att.name}_{v}\(.*?\n}}\n", att.source, re.S).group(0) for v in ("split", "single"))
-    assert re.findall(r"l2_prefetch_part\(p\d+, (\d+)u, part, parts\);", split) == ["153600", "153600"]   # 150 kB
-    assert re.findall(r"l2_prefetch_part\(p\d+, (\d+)u, part, parts\);", single) == ["524288", "524288"]  # whole
-    for arch in ARCHS:
-        compile_cubin(module_source(ks), headers(), options(arch), use_cache=False)
-    monkeypatch.setattr(attention, "PREFETCH_KB", {"split": 0, "single": 0})
-    assert all("l2_prefetch_part(p" not in k.source for k in generate(G, rows=300))
-
-
 @pytest.mark.parametrize("env,message", [
     ({"FUSELM_EARLY_RELEASE": "rowwise,bogus"}, "FUSELM_EARLY_RELEASE=rowwise,bogus: unknown kernel kinds ['bogus']"),
     ({"FUSELM_GEMV_WARPS": "3"}, "FUSELM_GEMV_WARPS=3: warps per GEMV block must be a power of 2 from 1 to 32"),

@@ -23,9 +23,8 @@ from fuselm.compiler.fuse_prologue import fuse_prologue
 from fuselm.compiler.infer_shapes import infer_shapes
 from fuselm.compiler.kernels import family, kernel_graph, members
 from fuselm.compiler.lower import to_networkx
-from fuselm.compiler.pipeline import FUSION_PASSES, passes
+from fuselm.compiler.pipeline import passes
 from fuselm.compiler.plan_buffers import plan_buffers
-from fuselm.compiler.plan_prefetch import plan_prefetch
 from fuselm.compiler.schedule import schedule
 from fuselm.compiler.validate import InvalidGraph, validate
 from fuselm.dsl import REGISTRY, Graph, Kind, OpDef, register
@@ -196,34 +195,6 @@ def test_launches_per_layer(h, graph):
     assert last["layer"] is None and [G.nodes[n]["op"] for n in last["nodes"]] == ["rmsnorm", "linear"]
     assert len(sched) == 3 * 5 + 2
     assert run_both(h, graph, compile_graph(graph, tokens=1), tokens=1, rows=1) < 1e-5
-
-
-# ---- L2 prefetch ---------------------------------------------------------------------------------
-
-def test_prefetch_names_the_mlp_weights_after_each_attention():
-    before = compile_graph(tiny_llama(2), tokens=1, pass_list=[infer_shapes, *FUSION_PASSES, schedule])
-    assert all("prefetch" not in l for l in before.graph["schedule"])
-    after = plan_prefetch(before)
-    for l in after.graph["schedule"]:
-        if l["family"] == "attention":   # the O projection's weights are in flight already: skipped
-            assert sorted(l["prefetch"]) == [p(l["layer"], "mlp.gate_proj"), p(l["layer"], "mlp.up_proj")]
-        else:
-            assert l["prefetch"] == []
-    assert [l["nodes"] for l in after.graph["schedule"]] == [l["nodes"] for l in before.graph["schedule"]]
-
-
-def test_prefetch_needs_a_second_gemv_after_the_attention_in_its_layer():
-    g = Graph("attention_then_one_gemv")
-    x, pos = g.input("x", ("T", 8)), g.input("pos", ("T",), "i32")
-    q = g.op("linear", x, g.weight("model.layers.0.q.weight", (8, 8)))
-    kc = g.op("kv_write", g.state("cache.0.k", ("S", 4)), g.op("linear", x, g.weight("model.layers.0.k.weight", (4, 8))), pos)
-    vc = g.op("kv_write", g.state("cache.0.v", ("S", 4)), g.op("linear", x, g.weight("model.layers.0.v.weight", (4, 8))), pos)
-    att = g.op("attention", q, kc, vc, pos, n_heads=2, n_kv_heads=1, head_dim=4, scale=0.5)
-    y = g.op("linear", att, g.weight("model.layers.0.o.weight", (8, 8)))
-    g.output(y=g.op("linear", y, g.weight("model.layers.1.next.weight", (8, 8))))   # another layer's
-    G = compile_graph(g, tokens=1)
-    [attention] = [l for l in G.graph["schedule"] if l["family"] == "attention"]
-    assert attention["prefetch"] == []
 
 
 # ---- purity --------------------------------------------------------------------------------------

@@ -19,13 +19,10 @@ struct Record {
 };
 
 // Flash-decoding split: block (KV head, chunk blockIdx.y) leaves its chunk's softmax state of each
-// query head in the workspace for attention_combine. Once warp 0's cache rows are in, it calls
-// `prefetch(part, parts)` (l2_prefetch_part for the weights plan_prefetch named), the block's part
-// of the chunks that hold positions: HBM idles from then on until the MLP's weight stream.
-template <int H, int KV, int HD, class P, int NCHUNK, class Prefetch>
+// query head in the workspace for attention_combine.
+template <int H, int KV, int HD, class P, int NCHUNK>
 __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc, const bf16_t* vc, const int* pos_p,
-                                                int window, float scale, float softcap, float* ws,
-                                                Prefetch prefetch) {
+                                                int window, float scale, float softcap, float* ws) {
     constexpr int G = H / KV;
     const int c = blockIdx.y;
     // A graph input, read before the wait: the previous step's sampler wrote it, and has finished,
@@ -41,10 +38,6 @@ __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc
     pass.load_queries(q, scale);
     typename P::State st;
     pass.softmax(softcap, st);
-    if (threadIdx.x < 32) {
-        const int c0 = lo / P::CHUNK, chunks = pos / P::CHUNK - c0 + 1;
-        prefetch((c - c0) * KV + blockIdx.x, chunks * KV);
-    }
     P::block_merge(st, [&](int g, int d, float m, float l, float a) {
         float* out = ws + ((size_t)(blockIdx.x * G + g) * NCHUNK + c) * Record<HD>::FLOATS;
         out[d] = a;
@@ -53,12 +46,10 @@ __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc
 }
 
 // Short contexts: one block per KV head walks every position in passes and writes the attention
-// output itself; no workspace, no combine launch. The first pass's loads go out before the wait;
-// after that pass, warp 0 calls `prefetch(part, parts)` as in attention_chunk.
-template <int H, int KV, int HD, class P, class Prefetch>
+// output itself; no workspace, no combine launch. The first pass's loads go out before the wait.
+template <int H, int KV, int HD, class P>
 __device__ __forceinline__ void attention_single(const float* q, const bf16_t* kc, const bf16_t* vc, const int* pos_p,
-                                                 int window, float scale, float softcap, float* o,
-                                                 Prefetch prefetch) {
+                                                 int window, float scale, float softcap, float* o) {
     constexpr int G = H / KV;
     const int pos = *pos_p;                      // see attention_chunk
     const int lo = window > 0 ? max(0, pos - window + 1) : 0;
@@ -70,7 +61,6 @@ __device__ __forceinline__ void attention_single(const float* q, const bf16_t* k
     pass.load_queries(q, scale);
     typename P::State st, part;
     pass.softmax(softcap, st);
-    if (threadIdx.x < 32) prefetch(blockIdx.x, KV);
     for (base += P::CHUNK; base <= pos; base += P::CHUNK) {
         pass.load(kc, vc, base, base, min(base + P::CHUNK, pos + 1), -1);
         pass.softmax(softcap, part);

@@ -148,19 +148,6 @@ __device__ __forceinline__ void grid_wait_then_release() {
 #endif
 }
 
-// Ask L2 for part `part` of `parts` equal parts of bytes [0, bytes) at `p` (bytes a multiple of
-// 512), without waiting for them: each lane of the calling warp issues one bulk prefetch of its
-// 16-byte-aligned piece. A hint only (sm_90 on; nothing before): no result depends on it.
-__device__ __forceinline__ void l2_prefetch_part(const void* p, unsigned bytes, int part, int parts) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const unsigned lanes = 32u * parts, piece = (bytes / 16 + lanes - 1) / lanes * 16;
-    const unsigned begin = (32u * part + (threadIdx.x & 31)) * piece;
-    if (begin < bytes)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
-                     :: "l"(static_cast<const char*>(p) + begin), "r"(min(piece, bytes - begin)) : "memory");
-#endif
-}
-
 // Kernels of a few blocks (row-wise, attention) let their successor be scheduled at once, before
 // they wait: the GEMV after them then starts its weight stream while they, and the kernel before
 // them, still run. Safe however many kernels run ahead: each waits for its predecessor, which
