@@ -99,8 +99,9 @@ def single_until(head_dim: int, group: int) -> int:
     return SINGLE_PASSES * single_pass(head_dim, group, kv=1)[1]
 
 
-def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
-    """Template variables of one attention launch over a cache of `rows` positions."""
+def context(G: nx.DiGraph, launch: dict, params: Params, rows: int, tokens: int = 1) -> dict:
+    """Template variables of one attention launch over a cache of `rows` positions, for steps of
+    `tokens` tokens (more than one: the prefill kernel alone)."""
     (n,) = launch["nodes"]
     d = G.nodes[n]
     q, kc, vc, pos = d["inputs"]
@@ -128,4 +129,4 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int) -> dict:
             "q": params.ref(q), "kc": params.ref(kc), "vc": params.ref(vc), "pos": params.ref(pos),
             "out": params.ref(n, written=True),
             "ws": params.extra("float*", "workspace"),
-            "workspace_floats": a["n_heads"] * nchunk * record}
+            "workspace_floats": a["n_heads"] * nchunk * record, "tokens": tokens}

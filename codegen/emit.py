@@ -11,13 +11,13 @@ import networkx as nx
 import numpy as np
 
 from ..dsl import Kind, get
-from . import attention, gemv, moe, rowwise
+from . import attention, gemm, gemv, moe, rowwise
 from .kernel import KernelSource, Launch, Variant
 from .knobs import env_set
 from .params import Params, storage_of
 
 TEMPLATES = Path(__file__).parent / "templates"
-FAMILIES = {"gemv": gemv, "rowwise": rowwise, "attention": attention, "moe": moe}
+FAMILIES = {"gemv": gemv, "gemm": gemm, "rowwise": rowwise, "attention": attention, "moe": moe}
 # Kernels that let the next one be scheduled before they wait (common.cuh: grid_release): row-wise
 # and attention split + combine have few blocks, so the next kernel's blocks take no SM slots they
 # would need, and the GEMV after them starts its weight stream sooner (measured: 4k context 1-2%
@@ -41,18 +41,28 @@ def headers() -> dict[str, str]:
     return {p.name: p.read_text() for p in sorted(TEMPLATES.glob("*.cuh"))}
 
 
-def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2) -> list[KernelSource]:
-    """CUDA for every launch of the compiled graph `G`, with a KV cache of `rows` positions."""
+def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2, tokens: int = 1) -> list[KernelSource]:
+    """CUDA for every launch of the compiled graph `G`, with a KV cache of `rows` positions, for
+    steps of `tokens` tokens: 1 (decode), or a chunk of a prompt (batched prefill: gemv kernels
+    in their gemm form, attention one block per KV head and token; see prefill_unsupported)."""
     out = []
     for launch in G.graph["schedule"]:
         params = Params(G)
-        mod = FAMILIES[launch["family"]]
-        ctx = mod.context(G, launch, params, rows) if mod is attention else mod.context(G, launch, params)
-        body = environment().get_template(f"{launch['family']}.cu.j2").render(
+        family = "gemm" if launch["family"] == "gemv" and tokens > 1 else launch["family"]
+        mod = FAMILIES[family]
+        if mod is attention:
+            ctx = mod.context(G, launch, params, rows, tokens)
+        elif mod is gemm:
+            ctx = mod.context(G, launch, params, tokens)
+        else:
+            ctx = mod.context(G, launch, params)
+        body = environment().get_template(f"{family}.cu.j2").render(
             name="KERNEL", params=params.decls, early_release=EARLY_RELEASE, **ctx)
-        name = _name(launch["family"], ctx, body)
+        name = _name(family, ctx, body)
         body = body.replace("KERNEL", name)
-        if launch["family"] == "attention":
+        if family == "attention" and tokens > 1:
+            launches = [Launch(f"{name}_prefill", (ctx["KV"], "T"), ctx["single_threads"], params.values)]
+        elif family == "attention":
             launches = [Launch(f"{name}_split", (ctx["KV"], ctx["nchunk"]), ctx["threads"], params.values),
                         Launch(f"{name}_combine", (ctx["H"], 1), ctx["combine_threads"], params.values)]
         elif launch["family"] == "moe":
@@ -61,13 +71,23 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2) -> list[KernelSour
         else:
             launches = [Launch(name, (ctx["grid"], 1), ctx["threads"], params.values)]
         read, written = _traffic(G, launch, rows, weight_bytes)
-        k = KernelSource(name, launch["family"], body, launch["nodes"], launches, launch["layer"],
-                         read, written, ctx.get("workspace_floats", 0))
-        if launch["family"] == "attention":
+        k = KernelSource(name, family, body, launch["nodes"], launches, launch["layer"],
+                         read, written, ctx.get("workspace_floats", 0) if tokens == 1 else 0)
+        if family == "attention" and tokens == 1:
             k.variants = _attention_variants(name, ctx, params.values)
             k.notes["passes"] = {"split": ctx["split_pass"], "one launch": ctx["single_pass"]}
         out.append(k)
     return out
+
+
+def prefill_unsupported(G: nx.DiGraph) -> str | None:
+    """Why the compiled graph `G` cannot run steps of several tokens (generate(tokens > 1)), or None."""
+    for launch in G.graph["schedule"]:
+        if launch["family"] == "moe":
+            return f"{launch['kernel']}: mixture-of-experts kernels run one token at a time"
+        if launch["family"] == "gemv" and (why := gemm.unsupported(G, launch)):
+            return f"{launch['kernel']}: {why}"
+    return None
 
 
 def _attention_variants(name: str, ctx: dict, args: list[str]) -> list[Variant]:
@@ -100,9 +120,9 @@ def sampler_scratch_words() -> int:
 def _name(family: str, ctx: dict, body: str) -> str:
     """family + its main shape constants + a hash of the body: same structure, same name."""
     digest = hashlib.sha1(body.encode()).hexdigest()[:8]
-    if family == "gemv":
+    if family in ("gemv", "gemm"):
         shape = f"k{ctx['K']}_" + "_".join(f"{len(z['members'])}x{z['N']}" for z in ctx["zips"])
-        shape = ("norm_" if ctx["prologue"] else "") + shape
+        shape = ("norm_" if ctx["prologue"] else "") + shape + (f"_t{ctx['tokens']}" if family == "gemm" else "")
     elif family == "attention":
         shape = f"h{ctx['H']}_kv{ctx['KV']}_d{ctx['HD']}"
     elif family == "moe":

@@ -45,33 +45,45 @@ def _ksplit(sets: list[dict], K: int) -> int:
 
 def context(G: nx.DiGraph, launch: dict, params: Params) -> dict:
     """Template variables of one gemv kernel: prologue, zip sets with their tiles and epilogues."""
-    nodes = launch["nodes"]
-    prologue, linears, epilogue = gemv_parts(G, nodes)
+    vec = input_vector(G, launch, params)
+    ksplit = _ksplit(zip_sets(G, launch["nodes"]), vec["K"])
+    zips, grid = zip_contexts(G, launch, params, lambda members, pairs: _slots(ksplit, members, pairs))
+    return {**vec, "zips": zips, "threads": WARPS * 32, "unroll": UNROLL, "ksplit": ksplit,
+            "rows_per_warp": ROWS_PER_WARP,
+            "max_tile": max(z["R"] * len(z["members"]) for z in zips), "grid": grid}
+
+
+def input_vector(G: nx.DiGraph, launch: dict, params: Params) -> dict:
+    """The vector a gemv kernel's linears read: `x` (its C name), its width `K`, and the norm
+    `prologue` that produces it from x inside the kernel (weight, eps, offset) or None."""
+    prologue, linears, _ = gemv_parts(G, launch["nodes"])
     x_value = G.nodes[prologue]["inputs"][0] if prologue else G.nodes[linears[0]]["inputs"][0]
     x = params.ref(x_value)
-    K = G.nodes[x_value]["shape"][-1]
     pro = None
     if prologue:
         a = G.nodes[prologue]["attrs"]
         pro = {"weight": params.ref(G.nodes[prologue]["inputs"][1]), "eps": cexpr.float_literal(a["eps"]),
                "offset": cexpr.float_literal(a.get("offset", 0.0))}
-    zips, start, max_tile = [], 0, 0
-    sets = zip_sets(G, nodes)
-    ksplit = _ksplit(sets, K)
-    for z in sets:
+    return {"x": x, "K": G.nodes[x_value]["shape"][-1], "prologue": pro}
+
+
+def zip_contexts(G: nx.DiGraph, launch: dict, params: Params, slots, batched: bool = False) -> tuple[list[dict], int]:
+    """Template variables of each zip set of a gemv kernel's nodes, whose tiles hold
+    `slots(members, pairs)` rows of each member, and the grid: one block per tile, zip after zip."""
+    nodes = launch["nodes"]
+    _, _, epilogue = gemv_parts(G, nodes)
+    zips, start = [], 0
+    for z in zip_sets(G, nodes):
         hd, interleaved = z["pairs"] or (0, False)
-        R = _slots(ksplit, len(z["linears"]), bool(hd))
+        R = slots(len(z["linears"]), bool(hd))
         tiles = _tiles(z["width"], R, bool(hd))
         z_epi = [n for n in epilogue if _zip_of(G, n, z["linears"], set(nodes))]
         zips.append({"N": z["width"], "R": R, "hd": hd, "interleaved": str(interleaved).lower(),
                      "start": start, "end": start + tiles,
                      "members": [params.ref(G.nodes[l]["inputs"][1]) for l in z["linears"]],
-                     "epilogue": _epilogue(G, launch, z["linears"], z_epi, R, params)})
+                     "epilogue": _epilogue(G, launch, z["linears"], z_epi, R, params, batched)})
         start += tiles
-        max_tile = max(max_tile, R * len(z["linears"]))
-    return {"K": K, "x": x, "prologue": pro, "zips": zips, "threads": WARPS * 32, "unroll": UNROLL, "ksplit": ksplit,
-            "rows_per_warp": ROWS_PER_WARP,
-            "max_tile": max_tile, "grid": start}
+    return zips, start
 
 
 def _zip_of(G, node, linears, inside) -> bool:
@@ -85,10 +97,15 @@ def _zip_of(G, node, linears, inside) -> bool:
     return False
 
 
-def _epilogue(G, launch, linears, epilogue, R, params) -> str:
-    """C statements run by thread `s` < R for its slot `row`: every epilogue op, then the writes."""
-    var = {l: f"(tile_out[{i} * R + s] * pscale)" for i, l in enumerate(linears)}
-    partner = {l: f"(tile_out[{i} * R + (s ^ 1)] * pscale)" for i, l in enumerate(linears)}
+def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False) -> str:
+    """C statements run by thread `s` < R for its slot `row`: every epilogue op, then the writes.
+    `batched` (the gemm family, tokens > 1): for token `t` of the step, whose dot products
+    tile_out holds as [member][slot][token] (TT tokens) and whose partner slot s ^ 1 sits in the
+    neighbouring thread."""
+    tile = (lambda i, slot: f"tile_out[({i} * R + {slot}) * TT + t]") if batched else (lambda i, slot: f"tile_out[{i} * R + {slot}]")
+    token = "t" if batched else "0"
+    var = {l: f"({tile(i, 's')} * pscale)" for i, l in enumerate(linears)}
+    partner = {l: f"({tile(i, '(s ^ 1)')} * pscale)" for i, l in enumerate(linears)}
     decls, body = [], []
     inside = set(launch["nodes"])
     for n in epilogue:
@@ -98,31 +115,37 @@ def _epilogue(G, launch, linears, epilogue, R, params) -> str:
         if kind is Kind.CACHE_WRITE:
             cache, src, pos = d["inputs"]
             width = d["shape"][-1]
-            body.append(f"if (active) {params.ref(cache, written=True)}[(size_t){params.ref(pos)}[0] * "
+            body.append(f"if (active) {params.ref(cache, written=True)}[(size_t){params.ref(pos)}[{token}] * "
                         f"{width} + row] = f32_to_bf16({var[src]});")
             continue
         decls.append(f"float {v} = 0.0f;")
         if kind is Kind.ELEMENTWISE:
-            ops = [var[i] if i in inside else _external(G, i, params) for i in d["inputs"]]
+            ops = [var[i] if i in inside else _external(G, i, params, batched) for i in d["inputs"]]
             body.append(f"if (active) {v} = {cexpr.elementwise(G, n, ops)};")
         elif kind is Kind.ROW_LOCAL:   # RoPE: the only row-local op; its pair is in slot s ^ 1
             src, pos, inv_freq = d["inputs"]
             if src not in partner:     # an epilogue value: share it through shared memory first
-                body += [f"__shared__ float t{v}[R];", f"if (active) t{v}[s] = {var[src]};", "__syncthreads();"]
-                partner[src] = f"t{v}[s ^ 1]"
-            angle = f"(float){params.ref(pos)}[0] * {params.ref(inv_freq)}[pair]"
+                me = "threadIdx.x" if batched else "s"   # batched: slot s ^ 1 is thread ^ 1's
+                size = "THREADS" if batched else "R"
+                body += [f"__shared__ float t{v}[{size}];", f"if (active) t{v}[{me}] = {var[src]};", "__syncthreads();"]
+                partner[src] = f"t{v}[{me} ^ 1]"
+            angle = f"(float){params.ref(pos)}[{token}] * {params.ref(inv_freq)}[pair]"
             body.append(f"if (active) {v} = rope_rotate({var[src]}, {partner[src]}, s & 1, {angle});")
         var[n] = v
     for n in launch["writes"]:
         if n in var and get(G.nodes[n]["op"]).inplace_of is None:
-            body.append(f"if (active) {params.ref(n, written=True)}[row] = {var[n]};")
+            at = f"t * {G.nodes[n]['shape'][-1]} + row" if batched else "row"
+            body.append(f"if (active) {params.ref(n, written=True)}[{at}] = {var[n]};")
     return "\n".join("        " + line for line in decls + body)
 
 
-def _external(G, value, params) -> str:
-    """An operand computed by an earlier kernel (or a weight): its element for this row."""
+def _external(G, value, params, batched: bool = False) -> str:
+    """An operand computed by an earlier kernel (or a weight): its element for this row (and
+    token t of the step, where `batched` and it has a token dimension)."""
     d = G.nodes[value]
     p = params.ref(value)
     if len(d["shape"]) == 0:
         return f"{p}[0]"
-    return f"w2f({p}[row])" if d["op"] == "weight" else f"{p}[row]"
+    if d["op"] == "weight":
+        return f"w2f({p}[row])"
+    return f"{p}[t * {d['shape'][-1]} + row]" if batched and d["shape"][0] == "T" else f"{p}[row]"

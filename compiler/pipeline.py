@@ -18,6 +18,7 @@ from .fuse_epilogue import fuse_epilogue
 from .fuse_horizontal import fuse_horizontal
 from .fuse_prologue import fuse_prologue
 from .infer_shapes import infer_shapes
+from .keep_state import keep_state
 from .lower import to_networkx
 from .plan_buffers import plan_buffers
 from .schedule import schedule
@@ -28,20 +29,22 @@ Pass = Callable[[nx.DiGraph], nx.DiGraph]
 FUSION_PASSES: list[Pass] = [fuse_horizontal, fuse_prologue, fuse_epilogue, fuse_elementwise]
 
 
-def passes(fuse: bool = True, tokens: int = 1) -> list[Pass]:
-    """The pass list, in order: shapes, the fusion passes (unless fuse=False), schedule, buffers."""
-    return [infer_shapes, *(FUSION_PASSES if fuse else []), schedule,
+def passes(fuse: bool = True, tokens: int = 1, state_only: bool = False) -> list[Pass]:
+    """The pass list, in order: what the state needs (state_only: a prompt's prefill), shapes,
+    the fusion passes (unless fuse=False), schedule, buffers."""
+    return [*([keep_state] if state_only else []), infer_shapes, *(FUSION_PASSES if fuse else []), schedule,
             partial(plan_buffers, tokens=tokens)]
 
 
 def compile_graph(graph: Graph, fuse: bool = True, tokens: int = 1, dump: str | Path | None = None,
-                  pass_list: list[Pass] | None = None) -> nx.DiGraph:
-    """Run the pipeline on `graph`; the result carries G.graph["schedule"] and ["buffers"]."""
+                  pass_list: list[Pass] | None = None, state_only: bool = False) -> nx.DiGraph:
+    """Run the pipeline on `graph` for `tokens` tokens per step (state_only: only what the KV
+    caches need, see keep_state); the result carries G.graph["schedule"] and ["buffers"]."""
     G = to_networkx(graph)
     validate(G)
     if dump:
         dump_graph(G, dump, 0, "lower")
-    for i, p in enumerate(pass_list if pass_list is not None else passes(fuse, tokens), start=1):
+    for i, p in enumerate(pass_list if pass_list is not None else passes(fuse, tokens, state_only), start=1):
         G = p(G)
         validate(G)
         if dump:

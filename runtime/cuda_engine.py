@@ -22,6 +22,7 @@ from ..dsl import Graph
 from ..errors import FuselmError
 from .engine import SamplingParams
 from .launch import PdlLaunch, pdl_wanted
+from .prefill import Prefill, build as prefill_build
 
 SAMPLING_ARGS = np.dtype([("temperature", "f4"), ("top_p", "f4"), ("min_p", "f4"),
                           ("repetition_penalty", "f4"), ("top_k", "i4"), ("seed", "i4"),
@@ -69,7 +70,8 @@ class CudaEngine:
     device = "cuda"
 
     def __init__(self, graph: Graph, weights: Mapping[str, object], ctx: int = 4096, fuse: bool = True,
-                 use_graph: bool = True, arch: str | None = None, pass_list=None, variant: str | None = None):
+                 use_graph: bool = True, arch: str | None = None, pass_list=None, variant: str | None = None,
+                 batched_prefill: bool = True):
         import cupy
         self.cp, self.graph, self.max_context, self.use_graph = cupy, graph, ctx, use_graph
         # None: each kernel's variant by position; a name ("single", or "general" for the launches
@@ -89,12 +91,16 @@ class CudaEngine:
             self.kernels.append(sampler(vocab))
         self.traced = trace_enabled()     # kernels that record the block timeline (runtime/trace.py)
         cubin, _, self.compile_cached = compile_cubin(module_source(self.kernels), headers(), options(self.arch))
+        # A prompt's tokens but the last go through the batched prefill graph where the model has
+        # one (and this engine runs the whole model: no forced variant), else one step each.
+        prefill = prefill_build(graph, ctx, self.arch) if batched_prefill and variant is None else None
         self.compile_seconds = time.perf_counter() - t0
         self.module = _load_cubin(cupy, cubin)
         self._allocate(weights, vocab)
         self._bind()
-        cupy.cuda.Device().synchronize()   # zero-filled buffers (counters) ready before any launch
         self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.batched_prefill = Prefill(self, prefill) if prefill else None
+        cupy.cuda.Device().synchronize()   # zero-filled buffers (counters) ready before any launch
         self._sampling: SamplingParams | None = None
         self._on_device: tuple[int, int] | None = None   # (id, position) the sampler left in ids, pos
 
@@ -272,7 +278,16 @@ class CudaEngine:
         seen = self.seen.get(stream=self.stream)
         self.stream.synchronize()
         seen[np.asarray(ids, np.int64)] = 1
-        for t in ids[:-1]:
+        rest = list(ids[:-1])
+        if self.batched_prefill and rest:
+            # whole steps of the prefill graph, the last one padded, as far as the context holds them
+            steps = min(-(-len(rest) // self.batched_prefill.tokens),
+                        (self.max_context - self.position) // self.batched_prefill.tokens)
+            batch, rest = rest[:steps * self.batched_prefill.tokens], rest[steps * self.batched_prefill.tokens:]
+            self.batched_prefill.run(batch, self.position)
+            self.position += len(batch)
+            self._on_device = None
+        for t in rest:
             self.feed(int(t))
         self.seen.set(seen, stream=self.stream)
         self.feed(int(ids[-1]))

@@ -107,6 +107,35 @@ def test_module_compiles_and_gemv_and_attention_kernels_do_not_spill(kernels_of,
     assert not spilling, f"{name} {arch}: gemv or attention kernels spill (bytes stored + loaded): {spilling}"
 
 
+PREFILL_UNSUPPORTED = {"mixtral-8x7b": "mixture-of-experts kernels run one token at a time",
+                       "tiny-hidden36": "rows of 36 weights are not a multiple of 32",
+                       "tiny-headdim40": "rows of 200 weights are not a multiple of 32"}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_prefill_module_compiles_and_does_not_spill(name):
+    """The batched-prefill module (state only, steps of TOKENS tokens: gemm kernels and one
+    attention block per KV head and token) of every config compiles for sm_90 without spills in
+    its gemm and attention kernels, or prefill_unsupported names why it has none."""
+    from fuselm.codegen.emit import prefill_unsupported
+    from fuselm.runtime.prefill import TOKENS
+    cfg = CONFIGS[name]()
+    G = compile_graph(build_graph(cfg), tokens=TOKENS, state_only=True)
+    why = prefill_unsupported(G)
+    if name in PREFILL_UNSUPPORTED:
+        assert why and PREFILL_UNSUPPORTED[name] in why
+        return
+    assert why is None
+    ks = generate(G, rows=min(cfg.max_position_embeddings, 4096), tokens=TOKENS)
+    assert {k.family for k in ks} <= {"gemm", "attention", "rowwise"} and "gemm" in {k.family for k in ks}
+    cubin, log, _ = compile_cubin(module_source(ks), headers(), options("sm_90", verbose=True), use_cache=False)
+    functions = {launch.function for k in ks for launch in k.all_launches()}
+    assert all(f.encode() in cubin for f in functions)
+    report = spills(log)
+    spilling = {f: report[f] for f in functions if report[f] and not f.startswith("rowwise")}
+    assert not spilling, f"{name}: prefill kernels spill: {spilling}"
+
+
 def test_random_graphs_compile_for_sm90():
     """Every hypothesis-drawn DSL graph (tests/graph_strategies.py) compiles, fused and not:
     the code generator has no shape or op combination it cannot emit."""

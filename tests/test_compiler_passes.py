@@ -21,6 +21,7 @@ from fuselm.compiler.fuse_epilogue import fuse_epilogue
 from fuselm.compiler.fuse_horizontal import fuse_horizontal
 from fuselm.compiler.fuse_prologue import fuse_prologue
 from fuselm.compiler.infer_shapes import infer_shapes
+from fuselm.compiler.keep_state import keep_state
 from fuselm.compiler.kernels import family, kernel_graph, members
 from fuselm.compiler.lower import to_networkx
 from fuselm.compiler.pipeline import passes
@@ -197,6 +198,49 @@ def test_launches_per_layer(h, graph):
     assert run_both(h, graph, compile_graph(graph, tokens=1), tokens=1, rows=1) < 1e-5
 
 
+# ---- state only (batched prefill) ----------------------------------------------------------------
+
+def test_keep_state_drops_what_no_cache_write_needs():
+    g = tiny_llama(2)
+    before = to_networkx(g)
+    after = keep_state(before)
+    assert after.graph["outputs"] == {} and before.graph["outputs"]      # before is untouched
+    dropped = set(before) - set(after)
+    assert lin(before, "lm_head.weight" if "lm_head.weight" in before else "model.embed_tokens.weight") in dropped
+    assert "model.norm.weight" in dropped                                    # the final norm's gain
+    for w in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.o_proj", "self_attn.q_proj"):
+        assert lin(before, p(1, w)) in dropped and lin(before, p(0, w)) in after   # the last layer's
+    for w in ("self_attn.k_proj", "self_attn.v_proj"):
+        assert lin(before, p(1, w)) in after
+    writes = [n for n, d in after.nodes(data=True) if d["kind"] is Kind.CACHE_WRITE]
+    assert len(writes) == 4
+    for n, d in after.nodes(data=True):      # every compute node left feeds some cache write
+        if d["kind"] is not Kind.SOURCE:
+            assert n in writes or nx.descendants(after, n) & set(writes), n
+    validate(after)
+
+
+@pytest.mark.parametrize("graph", [tiny_llama(2), tiny_llama(2, bias=True),
+                                   tiny_llama(2, arch="MistralForCausalLM", sliding_window=3)],
+                         ids=["llama", "llama-bias", "mistral"])
+def test_a_state_only_step_of_several_tokens_fills_the_caches_like_one_token_steps(h, graph):
+    """The prefill graph (state_only, T tokens per step) leaves the KV caches the full graph
+    leaves when fed the same tokens one step at a time."""
+    tokens, rows = 6, 8
+    G = compile_graph(graph, tokens=tokens, state_only=True)
+    assert G.graph["outputs"] == {} and all(l["family"] != "moe" for l in G.graph["schedule"])
+    weights = model_weights(graph, 1)
+    ids = np.random.default_rng(1).integers(0, 29, tokens).astype(np.int32)
+    batched = new_state(graph, rows)
+    run_schedule(G, weights, {"ids": ids, "pos": np.arange(tokens, dtype=np.int32)}, batched)
+    stepped = new_state(graph, rows)
+    for t in range(tokens):
+        run_graph(graph, weights, {"ids": ids[t:t + 1], "pos": np.array([t], np.int32)}, stepped)
+    for name in stepped:
+        assert np.abs(stepped[name][:tokens]).max() > 0
+        assert h.rel_err(batched[name], stepped[name]) < 1e-5, name
+
+
 # ---- purity --------------------------------------------------------------------------------------
 
 def snapshot(G: nx.DiGraph):
@@ -207,9 +251,9 @@ def snapshot(G: nx.DiGraph):
                           for n, d in G.nodes(data=True)], sorted(G.edges))
 
 
-def _assert_pure(G0):
+def _assert_pure(G0, state_only=False):
     G = G0
-    for pss in passes(fuse=True, tokens=2):
+    for pss in passes(fuse=True, tokens=2, state_only=state_only):
         before = snapshot(G)
         out = pss(G)
         assert out is not G
@@ -220,6 +264,7 @@ def _assert_pure(G0):
 
 def test_every_pass_is_pure_on_a_model():
     _assert_pure(to_networkx(tiny_llama(2, bias=True)))
+    _assert_pure(to_networkx(tiny_llama(2, bias=True)), state_only=True)
 
 
 @given(case=random_graphs())

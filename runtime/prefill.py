@@ -1,0 +1,95 @@
+"""Batched prefill: a prompt's tokens, TOKENS at a time, through one CUDA graph that only fills
+the KV caches.
+
+A prompt's tokens but the last are run for the cache rows they leave, not for logits, so the
+prefill graph is the model's graph compiled for steps of TOKENS tokens and cut down to what the
+caches need (compiler: state_only). Its GEMVs become GEMMs that stream each weight once per chunk
+instead of once per token (codegen's gemm family), and attention runs one block per KV head and
+token. It shares the decode engine's weights, constants and caches; it has its own arena and its
+own ids / positions. A prompt's last chunk is padded: the padding's cache rows lie past the prompt,
+where the decode steps overwrite each row before any step reads it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..codegen import generate, headers, module_source
+from ..codegen.emit import prefill_unsupported
+from ..codegen.knobs import env_int
+from ..codegen.nvrtc import compile_cubin, options
+from ..codegen.params import storage_of
+from ..compiler import compile_graph
+from .launch import PdlLaunch
+
+TOKENS = env_int("FUSELM_PREFILL_TOKENS", 32, 8, 64)   # tokens per prefill step (a multiple of 8)
+if TOKENS % 8:
+    raise ValueError(f"FUSELM_PREFILL_TOKENS={TOKENS}: must be a multiple of 8")
+
+
+def build(graph, ctx: int, arch: str):
+    """(compiled graph, kernels, cubin) of `graph`'s prefill for a cache of `ctx` rows, or None
+    where the model has none (prefill_unsupported says why)."""
+    G = compile_graph(graph, tokens=TOKENS, state_only=True)
+    if prefill_unsupported(G) or not G.graph["schedule"]:
+        return None
+    kernels = generate(G, rows=ctx, tokens=TOKENS)
+    cubin, _, _ = compile_cubin(module_source(kernels), headers(), options(arch))
+    return G, kernels, cubin
+
+
+class Prefill:
+    """The prefill graph of a CudaEngine's model, bound to the engine's buffers (see the module
+    docstring); `built` comes from build()."""
+
+    def __init__(self, engine, built):
+        from .cuda_engine import _load_cubin
+        cp = engine.cp
+        G, kernels, cubin = built
+        self.engine, self.G, self.kernels, self.tokens = engine, G, kernels, TOKENS
+        self.module = _load_cubin(cp, cubin)
+        self.arena = cp.empty(max(G.graph["arena_bytes"], 256), cp.uint8)
+        self.ids = cp.zeros(TOKENS, cp.int32)         # [TOKENS] token ids of the step
+        self.pos = cp.zeros(TOKENS, cp.int32)         # [TOKENS] their positions
+        self.calls = [self._call(l) for k in self.kernels for l in k.launches]
+        self._graph = None
+
+    def buffer(self, value: str):
+        """The device array of `value`: the engine's weights, constants and caches; the step's
+        ids and positions; activations in this graph's own arena."""
+        cp, G = self.engine.cp, self.G
+        store = storage_of(G, value)
+        op = G.nodes[store]["op"]
+        if op == "input":
+            return {"ids": self.ids, "pos": self.pos}[store]
+        if op in ("weight", "constant", "state"):
+            return self.engine.buffer(store)
+        offset, nbytes = G.graph["buffers"][store]
+        view = self.arena[offset:offset + nbytes]
+        return view.view(cp.int32 if G.nodes[store]["dtype"] == "i32" else cp.float32)
+
+    def _call(self, launch):
+        fn = self.module.get_function(launch.function)
+        grid = tuple(self.tokens if g == "T" else g for g in launch.grid)
+        args = tuple(self.buffer(a) for a in launch.args)
+        if self.engine.pdl:
+            return PdlLaunch(fn, grid, launch.block, args)
+        return lambda stream: fn(grid, (launch.block,), args, stream=stream)
+
+    def run(self, ids, start: int) -> None:
+        """Queue the steps that put `ids` into the caches at positions start, start + 1, ...
+        (start + a whole number of steps must fit the context; see CudaEngine.prefill)."""
+        stream = self.engine.stream
+        for first in range(0, len(ids), self.tokens):
+            chunk = np.zeros(self.tokens, np.int32)
+            part = np.asarray(ids[first:first + self.tokens], np.int32)
+            chunk[:len(part)] = part
+            with stream:
+                self.ids.set(chunk, stream=stream)
+                self.pos.set(np.arange(start + first, start + first + self.tokens, dtype=np.int32), stream=stream)
+                if not self.engine.use_graph:
+                    for call in self.calls:
+                        call(stream)
+                    continue
+                if self._graph is None:
+                    self._graph = self.engine.capture([(None, None, c) for c in self.calls])
+                self._graph.launch(stream)
