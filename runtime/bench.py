@@ -3,7 +3,7 @@
 For each model (a preset name with random weights made on the GPU, or a checkpoint path) it
 prints and returns: copy bandwidth, decode tok/s (median of runs of 128 tokens) and ms/token,
 bytes per token and the fraction of the bandwidth achieved, time to first token for 32- and
-512-token prompts, decode tok/s at 4k context, compile time cold and warm, load time, peak GPU
+512-token prompts (prompts through the batched prefill where the model has one), decode tok/s at 4k context, compile time cold and warm, load time, peak GPU
 memory, optionally per-kernel-family time and each kernel's marginal time inside the step
 (`--profile`), and Hugging Face transformers on the same shapes (`--peers hf`).
 """
@@ -26,6 +26,7 @@ from ..compiler import compile_graph
 from ..models import build_graph
 from ..models.presets import PRESETS, preset
 from .engine import SamplingParams
+from .prefill import build as prefill_build
 from .profile import kernel_profile, step_ablation
 
 GREEDY = SamplingParams()
@@ -51,7 +52,8 @@ def copy_bandwidth(gib: int = 4) -> float:
 
 
 def compile_times(graph, ctx: int, arch: str) -> tuple[float, float]:
-    """Seconds from graph to cubin with an empty kernel cache, then with it warm."""
+    """Seconds from graph to cubins (decode and batched prefill) with an empty kernel cache, then
+    with it warm."""
     import os
     out = []
     with tempfile.TemporaryDirectory() as d:
@@ -63,6 +65,7 @@ def compile_times(graph, ctx: int, arch: str) -> tuple[float, float]:
                 G = compile_graph(graph, tokens=1)
                 ks = generate(G, rows=ctx) + [sampler(G.nodes[next(iter(G.graph["outputs"].values()))]["shape"][-1])]
                 compile_cubin(module_source(ks), headers(), options(arch))
+                prefill_build(graph, ctx, arch)
                 out.append(time.perf_counter() - t0)
         finally:
             if old is None:
@@ -150,7 +153,8 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
            "compile_cold_s": _round(cold, 1, 2), "compile_warm_s": _round(warm, 1, 2),
            "load_s": round(load, 2), "peak_gpu_GiB": round(cp.get_default_memory_pool().total_bytes() / 2**30, 2),
            "launches_per_token": len(engine.schedule_at(32 + tokens // 2)),
-           "launches_per_token_at_4k": len(engine.schedule_at(4096)), "pdl": engine.pdl}
+           "launches_per_token_at_4k": len(engine.schedule_at(4096)), "pdl": engine.pdl,
+           "prefill_tokens_per_step": engine.batched_prefill.tokens if engine.batched_prefill else 1}
     if copy_Bps:
         res["bandwidth_fraction"] = round(bytes_per_token * tok_s / copy_Bps, 3)
         res["bandwidth_limit_tok_s"] = round(copy_Bps / bytes_per_token, 1)

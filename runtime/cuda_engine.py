@@ -200,6 +200,8 @@ class CudaEngine:
         with self.stream:
             for start, calls in self._schedules:
                 self._graph_of(start, calls)
+        if self.batched_prefill:
+            self.batched_prefill.capture()
 
     def _graph_of(self, start: int, calls):
         """The CUDA graph of the schedule starting at `start`, captured on first use."""

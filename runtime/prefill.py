@@ -75,6 +75,12 @@ class Prefill:
             return PdlLaunch(fn, grid, launch.block, args)
         return lambda stream: fn(grid, (launch.block,), args, stream=stream)
 
+    def capture(self) -> None:
+        """Capture the step's CUDA graph now (run() otherwise does on first use)."""
+        if self.engine.use_graph and self._graph is None:
+            with self.engine.stream:
+                self._graph = self.engine.capture([(None, None, c) for c in self.calls])
+
     def run(self, ids, start: int) -> None:
         """Queue the steps that put `ids` into the caches at positions start, start + 1, ...
         (start + a whole number of steps must fit the context; see CudaEngine.prefill)."""
@@ -90,6 +96,5 @@ class Prefill:
                     for call in self.calls:
                         call(stream)
                     continue
-                if self._graph is None:
-                    self._graph = self.engine.capture([(None, None, c) for c in self.calls])
+                self.capture()
                 self._graph.launch(stream)

@@ -126,6 +126,72 @@ def test_architectures_match_reference(arch, fuse):
     print(f"{arch} fuse={fuse}: worst rel logit error {worst:.2e}")
 
 
+def cache_rows(eng, rows: int) -> dict[str, np.ndarray]:
+    """The first `rows` rows of every KV cache of `eng`, as float32."""
+    import cupy as cp
+    eng.stream.synchronize()
+    return {n: (cp.asnumpy(c[:rows]).astype(np.uint32) << 16).view(np.float32) for n, c in eng.states.items()}
+
+
+PREFILL_ARCHS = {"LlamaForCausalLM": {}, **{a: v for a, v in ARCH_TINY.items() if a != "MixtralForCausalLM"}}
+
+
+@pytest.mark.parametrize("arch", sorted(PREFILL_ARCHS))
+def test_batched_prefill_matches_the_reference_and_one_token_steps(arch):
+    """A 77-token prompt through the batched prefill (steps of TOKENS tokens, the last one padded;
+    its arena poisoned with NaN first) leaves the caches that one-token decode steps leave, and the
+    logits of the prompt's last token match the numpy reference run over the whole prompt (bf16 KV
+    cache on both sides); the decode steps after it agree too."""
+    import cupy as cp
+    rng = np.random.default_rng()
+    cfg = DecoderConfig.from_hf({**TINY, "architectures": [arch], **PREFILL_ARCHS[arch]})
+    graph = build_graph(cfg)
+    weights = random_weights(graph, rng)
+    prompt = rng.integers(0, cfg.vocab_size, 77).tolist()
+    batched = engine_for(graph, weights, ctx=256)
+    stepped = engine_for(graph, weights, ctx=256, batched_prefill=False)
+    assert batched.batched_prefill is not None and stepped.batched_prefill is None
+    with batched.stream:
+        batched.batched_prefill.arena.view(cp.float32).fill(cp.nan)
+    batched.prefill(prompt, SamplingParams())
+    stepped.prefill(prompt, SamplingParams())
+    a, b = cache_rows(batched, len(prompt)), cache_rows(stepped, len(prompt))
+    cache_err = max(rel(a[n], b[n]) for n in a)
+    assert all(np.isfinite(a[n]).all() for n in a) and cache_err < 5e-3, f"caches differ: {cache_err:.2e}"
+    out = next(iter(graph.outputs))
+    with bf16_kv_cache():
+        ref = run_graph(graph, weights, {"ids": np.array(prompt, np.int32), "pos": np.arange(77, dtype=np.int32)},
+                        new_state(graph, 256))[out][-1]
+    errs = [rel(batched.logits(), ref), rel(batched.logits(), stepped.logits())]
+    for t in rng.integers(0, cfg.vocab_size, 8):
+        batched.decode(int(t), SamplingParams())
+        stepped.decode(int(t), SamplingParams())
+        errs.append(rel(batched.logits(), stepped.logits()))
+    print(f"{arch} batched prefill: caches {cache_err:.2e} from one-token steps; last prompt token's logits "
+          f"{errs[0]:.2e} from the reference, {errs[1]:.2e} from one-token steps; next 8 steps at most {max(errs[2:]):.2e}")
+    assert max(errs) < 5e-3, errs
+
+
+def test_batched_prefill_of_a_long_prompt_at_real_shapes():
+    """SmolLM2's shapes, a 700-token prompt: the per-token attention walks several passes of the
+    cache, and 22 steps of the prefill graph replay one CUDA graph; caches and logits as one-token
+    steps leave them."""
+    rng = np.random.default_rng()
+    cfg = DecoderConfig.from_hf(PRESETS["smollm2-135m"])
+    graph = build_graph(cfg)
+    weights = random_weights(graph, rng, std=0.02)
+    prompt = rng.integers(0, cfg.vocab_size, 700).tolist()
+    batched = engine_for(graph, weights, ctx=1024)
+    stepped = engine_for(graph, weights, ctx=1024, batched_prefill=False)
+    batched.prefill(prompt, SamplingParams())
+    stepped.prefill(prompt, SamplingParams())
+    a, b = cache_rows(batched, len(prompt)), cache_rows(stepped, len(prompt))
+    cache_err = max(rel(a[n], b[n]) for n in a)
+    logit_err = rel(batched.logits(), stepped.logits())
+    print(f"smollm2 shapes, 700-token batched prefill: caches {cache_err:.2e}, logits {logit_err:.2e} from one-token steps")
+    assert cache_err < 5e-3 and logit_err < 5e-3
+
+
 def test_epilogue_bias_interleaved_rope_softcap():
     """Ops no Llama uses: bias + interleaved RoPE + GELU + soft-capping fused after GEMVs; softmax row-wise."""
     g = Graph("custom")
