@@ -128,5 +128,5 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int, tokens: int 
             "single_until": min(single_until(hd, group), rows),
             "q": params.ref(q), "kc": params.ref(kc), "vc": params.ref(vc), "pos": params.ref(pos),
             "out": params.ref(n, written=True),
-            "ws": params.extra("float*", "workspace"),
+            "ws": params.extra("float*", "workspace") if tokens == 1 else None,   # the split's records
             "workspace_floats": a["n_heads"] * nchunk * record, "tokens": tokens}

@@ -91,9 +91,12 @@ class CudaEngine:
             self.kernels.append(sampler(vocab))
         self.traced = trace_enabled()     # kernels that record the block timeline (runtime/trace.py)
         cubin, _, self.compile_cached = compile_cubin(module_source(self.kernels), headers(), options(self.arch))
-        # A prompt's tokens but the last go through the batched prefill graph where the model has
-        # one (and this engine runs the whole model: no forced variant), else one step each.
-        prefill = prefill_build(graph, ctx, self.arch) if batched_prefill and variant is None else None
+        # A language model's prompt tokens but the last go through the batched prefill graph where
+        # it has one (and this engine runs its whole model: no forced variant or pass list), else
+        # one step each.
+        lm = self.logits_value and {n.name for n in graph.sources("input")} == {"ids", "pos"}
+        prefill = (prefill_build(graph, ctx, self.arch)
+                   if batched_prefill and lm and variant is None and pass_list is None else None)
         self.compile_seconds = time.perf_counter() - t0
         self.module = _load_cubin(cupy, cubin)
         self._allocate(weights, vocab)
