@@ -29,5 +29,5 @@ def context(G: nx.DiGraph, launch: dict, params: Params, tokens: int) -> dict:
     K = vec["K"]
     zips, grid = zip_contexts(G, launch, params, lambda members, pairs: SLOTS, batched=True)
     return {**vec, "zips": zips, "threads": WARPS * 32, "tokens": tokens,
-            "kc": next(kc for kc in (128, 64, 32) if K % kc == 0),     # k per staged chunk
+            "kc": next(kc for kc in (64, 32) if K % kc == 0),     # k per staged chunk (two in flight)
             "max_tile": max(z["R"] * len(z["members"]) for z in zips), "grid": grid}

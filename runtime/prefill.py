@@ -11,6 +11,8 @@ where the decode steps overwrite each row before any step reads it.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from ..codegen import generate, headers, module_source
@@ -45,7 +47,9 @@ class Prefill:
         from .cuda_engine import _load_cubin
         cp = engine.cp
         G, kernels, cubin = built
-        self.engine, self.G, self.kernels, self.tokens = engine, G, kernels, TOKENS
+        # A weak reference: the engine holds this object, and a cycle would keep both (and every
+        # weight) alive after the engine is dropped, until the garbage collector ran.
+        self.engine, self.G, self.kernels, self.tokens = weakref.proxy(engine), G, kernels, TOKENS
         self.module = _load_cubin(cp, cubin)
         self.arena = cp.empty(max(G.graph["arena_bytes"], 256), cp.uint8)
         self.ids = cp.zeros(TOKENS, cp.int32)         # [TOKENS] token ids of the step

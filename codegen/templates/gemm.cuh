@@ -23,6 +23,53 @@ struct StagedX {
     uint4 hi[TT][STRIDE], lo[TT][STRIDE];
 };
 
+// Rows r and r + 8 of every member, k [kc + 32 s + 8c, + 8) for each span s: one chunk's A words.
+template <int M, int SPANS>
+__device__ __forceinline__ void load_chunk(const weight_t* const (&wa)[M], const weight_t* const (&wb)[M], int kc,
+                                           uint4 (&qa)[M][SPANS], uint4 (&qb)[M][SPANS]) {
+#pragma unroll
+    for (int m = 0; m < M; m++)
+#pragma unroll
+        for (int s = 0; s < SPANS; s++) {
+            qa[m][s] = __ldcs(reinterpret_cast<const uint4*>(wa[m] + kc + 32 * s));
+            qb[m][s] = __ldcs(reinterpret_cast<const uint4*>(wb[m] + kc + 32 * s));
+        }
+}
+
+// Stage x[t][kc .. kc + KC) of every token into xs (times the norm gain where NORMED, the sum of
+// squares gathered into sumsq: entry g = threadIdx.x + i THREADS is the thread's i-th).
+template <int K, int TT, int KC, bool NORMED, int THREADS>
+__device__ __forceinline__ void stage_x(const float* x, const weight_t* gain, float gain_offset, int kc,
+                                        StagedX<TT, KC>& xs, float (&sumsq)[(TT * (KC / 8) + THREADS - 1) / THREADS]) {
+    constexpr int ENTRIES = KC / 8, GROUPS = (TT * ENTRIES + THREADS - 1) / THREADS;
+#pragma unroll
+    for (int i = 0; i < GROUPS; i++) {
+        const int g = threadIdx.x + i * THREADS, t = g / ENTRIES, e = g % ENTRIES, k = kc + 8 * e;
+        if (g < TT * ENTRIES) {
+            // plain loads: x is the previous kernel's output (see gemv.cuh)
+            const float4 a = *reinterpret_cast<const float4*>(x + (size_t)t * K + k);
+            const float4 b = *reinterpret_cast<const float4*>(x + (size_t)t * K + k + 4);
+            float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            if constexpr (NORMED) {
+                float gv[8];
+                unpack8(__ldg(reinterpret_cast<const uint4*>(gain + k)), gv);
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    sumsq[i] = fmaf(v[j], v[j], sumsq[i]);
+                    v[j] *= gv[j] + gain_offset;
+                }
+            }
+            uint4 h, l;
+            split_bf16x2(v[0], v[1], h.x, l.x);
+            split_bf16x2(v[2], v[3], h.y, l.y);
+            split_bf16x2(v[4], v[5], h.z, l.z);
+            split_bf16x2(v[6], v[7], h.w, l.w);
+            xs.hi[t][e] = h;
+            xs.lo[t][e] = l;
+        }
+    }
+}
+
 // The block's tile (R slots of each of M members, slot s of member m in rows slot_row(tile, s))
 // against the TT vectors of x [TT, K] (times the norm gain where NORMED): tile_out[(m R + s) TT +
 // t] = dot product of slot s of member m with token t, and, where NORMED, ss[t] = sum of x[t]^2
@@ -48,43 +95,16 @@ __device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int til
     }
     float acc[M][NT][4] = {};
     float sumsq[GROUPS] = {};
-    for (int kc = 0; kc < K; kc += KC) {
-        uint4 qa[M][SPANS], qb[M][SPANS];   // the chunk's weights, in flight while x is staged
-#pragma unroll
-        for (int m = 0; m < M; m++)
-#pragma unroll
-            for (int s = 0; s < SPANS; s++) {
-                qa[m][s] = __ldcs(reinterpret_cast<const uint4*>(wa[m] + kc + 32 * s));
-                qb[m][s] = __ldcs(reinterpret_cast<const uint4*>(wb[m] + kc + 32 * s));
-            }
+    // The chunk's weights, two chunks deep: chunk i + 1's loads are issued before chunk i's
+    // products, so HBM streams while the tensor cores and the staging work. (Two named buffers
+    // that swap roles: registers cannot be indexed at run time.)
+    uint4 qa0[M][SPANS], qb0[M][SPANS], qa1[M][SPANS], qb1[M][SPANS];
+    auto chunk = [&](int kc, const uint4 (&qa)[M][SPANS], const uint4 (&qb)[M][SPANS],
+                     uint4 (&next_a)[M][SPANS], uint4 (&next_b)[M][SPANS]) {
         __syncthreads();                    // the previous chunk's products are done with xs
-#pragma unroll
-        for (int i = 0; i < GROUPS; i++) {
-            const int g = threadIdx.x + i * THREADS, t = g / ENTRIES, e = g % ENTRIES, k = kc + 8 * e;
-            if (g < TT * ENTRIES) {
-                // plain loads: x is the previous kernel's output (see gemv.cuh)
-                const float4 a = *reinterpret_cast<const float4*>(x + (size_t)t * K + k);
-                const float4 b = *reinterpret_cast<const float4*>(x + (size_t)t * K + k + 4);
-                float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-                if constexpr (NORMED) {
-                    float gv[8];
-                    unpack8(__ldg(reinterpret_cast<const uint4*>(gain + k)), gv);
-#pragma unroll
-                    for (int j = 0; j < 8; j++) {
-                        sumsq[i] = fmaf(v[j], v[j], sumsq[i]);
-                        v[j] *= gv[j] + gain_offset;
-                    }
-                }
-                uint4 h, l;
-                split_bf16x2(v[0], v[1], h.x, l.x);
-                split_bf16x2(v[2], v[3], h.y, l.y);
-                split_bf16x2(v[4], v[5], h.z, l.z);
-                split_bf16x2(v[6], v[7], h.w, l.w);
-                xs.hi[t][e] = h;
-                xs.lo[t][e] = l;
-            }
-        }
+        stage_x<K, TT, KC, NORMED, THREADS>(x, gain, gain_offset, kc, xs, sumsq);
         __syncthreads();
+        if (kc + KC < K) load_chunk<M, SPANS>(wa, wb, kc + KC, next_a, next_b);
 #pragma unroll
         for (int s = 0; s < SPANS; s++)
 #pragma unroll
@@ -99,6 +119,11 @@ __device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int til
                     mma_16816(acc[m][nt], a.z, b.z, a.w, b.w, l.z, l.w);
                 }
             }
+    };
+    load_chunk<M, SPANS>(wa, wb, 0, qa0, qb0);
+    for (int kc = 0; kc < K; kc += 2 * KC) {
+        chunk(kc, qa0, qb0, qa1, qb1);
+        if (kc + KC < K) chunk(kc + KC, qa1, qb1, qa0, qb0);
     }
     __syncthreads();                        // xs is read no more: tile_out may take its place
 #pragma unroll
