@@ -73,13 +73,22 @@ def load_config(model: str):
                       f"(presets: {', '.join(sorted(PRESETS))})")
 
 
-def build(cfg, fuse: bool = True, ctx: int | None = None, dump: str | Path | None = None):
-    """(compiled graph, kernels in launch order with the sampler last, ctx) as the runtime has them."""
+def build(cfg, fuse: bool = True, ctx: int | None = None, dump: str | Path | None = None, prefill: bool = False):
+    """(compiled graph, kernels in launch order with the sampler last, ctx) as the runtime has them;
+    with `prefill`, the batched-prefill graph's (runtime/prefill.py: steps of TOKENS tokens, what
+    the KV caches need), or a one-line error saying why the model has none."""
     from ..compiler import compile_graph
     from ..models import build_graph
-    from .emit import generate, sampler
+    from .emit import generate, prefill_unsupported, sampler
 
     ctx = ctx or min(cfg.max_position_embeddings, DEFAULT_CTX)
+    if prefill:
+        from ..runtime.prefill import TOKENS
+        G = compile_graph(build_graph(cfg), fuse=fuse, tokens=TOKENS, state_only=True, dump=dump)
+        why = prefill_unsupported(G)
+        if why:
+            raise FuselmError(f"{cfg.architecture} has no batched prefill (prompts go one token at a time): {why}")
+        return G, generate(G, rows=ctx, tokens=TOKENS), ctx
     G = compile_graph(build_graph(cfg), fuse=fuse, tokens=1, dump=dump)
     kernels = generate(G, rows=ctx)
     logits = next(iter(G.graph["outputs"].values()))       # as CudaEngine: the first output
@@ -87,8 +96,8 @@ def build(cfg, fuse: bool = True, ctx: int | None = None, dump: str | Path | Non
     return G, kernels, ctx
 
 
-def schedule_rows(kernels, position: int | None = None) -> list[Row]:
-    """One Row per launch, in launch order (T in a grid is 1: one decode token): the launches of a
+def schedule_rows(kernels, position: int | None = None, tokens: int = 1) -> list[Row]:
+    """One Row per launch, in launch order (T in a grid is the step's `tokens`): the launches of a
     step at `position` (attention runs in one launch at short contexts), or with None the
     long-context schedule."""
     rows = []
@@ -99,7 +108,7 @@ def schedule_rows(kernels, position: int | None = None) -> list[Row]:
         for j, launch in enumerate(launches):
             read = (k.bytes_read if j == 0 else 0) + (workspace if j > 0 else 0)
             written = (k.bytes_written if j == n - 1 else 0) + (workspace if j < n - 1 else 0)
-            grid = tuple(1 if g == "T" else int(g) for g in launch.grid)
+            grid = tuple(tokens if g == "T" else int(g) for g in launch.grid)
             rows.append(Row(len(rows), k.name, launch.function, k.family, k.layer, grid,
                             int(launch.block), read, written, list(k.nodes)))
     return rows
@@ -140,9 +149,10 @@ def _pass_label(pass_type: str) -> str:
     return f"{pass_type} on {'tensor' if pass_type.startswith('MmaPass') else 'CUDA'} cores"
 
 
-def summary(G, kernels, rows: list[Row], ctx: int, position: int | None = None) -> list[str]:
+def summary(G, kernels, rows: list[Row], ctx: int, position: int | None = None, prefill: bool = False) -> list[str]:
     """Kernels and launches per layer (of a step at `position`, see schedule_rows), before and
-    after the layers, and the arena."""
+    after the layers, and the arena; bytes per token for a decode step (not for a `prefill` step,
+    whose codegen byte counts are per token)."""
     layers = sorted({k.layer for k in kernels if k.layer is not None})
     per_layer = {}
     for L in layers:
@@ -173,10 +183,11 @@ def summary(G, kernels, rows: list[Row], ctx: int, position: int | None = None) 
         out.append("attention passes: " + ", ".join(f"{what} {_pass_label(p)}" for what, p in kinds)
                    + f" ({n} kernel{'s' if n != 1 else ''})")
     total_r, total_w = sum(r.bytes_read for r in rows), sum(r.bytes_written for r in rows)
-    out.append(f"launches per token: {len(rows)} ({len(kernels)} kernels, "
+    out.append(f"launches per {'step' if prefill else 'token'}: {len(rows)} ({len(kernels)} kernels, "
                f"{len({k.name for k in kernels})} distinct)")
-    out.append(f"bytes per token: {fmt_bytes(total_r)} read, {fmt_bytes(total_w)} written "
-               f"(KV cache counted at {ctx} positions)")
+    if not prefill:
+        out.append(f"bytes per token: {fmt_bytes(total_r)} read, {fmt_bytes(total_w)} written "
+                   f"(KV cache counted at {ctx} positions)")
     out.append(f"activation arena: {G.graph['arena_bytes']:,} bytes with buffer reuse, "
                f"{G.graph['arena_bytes_no_reuse']:,} without")
     return out
@@ -263,6 +274,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "for (default min(model's maximum, 4096))")
     p.add_argument("--position", type=int, metavar="P", help="the schedule of a step at position P "
                    "(attention's launches depend on it; default: the long-context schedule)")
+    p.add_argument("--prefill", action="store_true", help="the batched-prefill graph (a step of a "
+                   "prompt's tokens, what the KV caches need) instead of the decode step")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -273,13 +286,18 @@ def main(args: argparse.Namespace) -> int:
     if not re.fullmatch(r"sm_\d+[a-z]?", args.arch):
         raise FuselmError(f"--arch must look like sm_90, got '{args.arch}'")
     cfg, source = load_config(args.model)
-    G, kernels, ctx = build(cfg, fuse=not args.no_fuse, ctx=args.ctx, dump=args.dump)
-    rows = schedule_rows(kernels, args.position)
+    G, kernels, ctx = build(cfg, fuse=not args.no_fuse, ctx=args.ctx, dump=args.dump, prefill=args.prefill)
+    if args.prefill:
+        from ..runtime.prefill import TOKENS as tokens
+    else:
+        tokens = 1
+    rows = schedule_rows(kernels, args.position, tokens)
     at = f" at position {args.position}" if args.position is not None else ""
+    step = f"a prefill step of {tokens} tokens" if args.prefill else "one decode token"
     title = (f"{source}: {cfg.architecture}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
              f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads of {cfg.head_dim}, vocab {cfg.vocab_size}; "
-             f"{'fused' if not args.no_fuse else 'unfused'}, ctx {ctx}; one decode token{at}")
-    lines = summary(G, kernels, rows, ctx, args.position)
+             f"{'fused' if not args.no_fuse else 'unfused'}, ctx {ctx}; {step}{at}")
+    lines = summary(G, kernels, rows, ctx, args.position, args.prefill)
     rep = compile_report(kernels, args.arch) if args.compile else None
     if args.out:
         out = Path(args.out)
@@ -291,7 +309,7 @@ def main(args: argparse.Namespace) -> int:
                                                      *(compile_lines(rep) if rep else [])]) + "\n")
     if args.json:
         doc = {"model": source, "architecture": cfg.architecture, "fused": not args.no_fuse, "ctx": ctx,
-               "tokens": 1, "position": args.position, "launches": [r.as_json() for r in rows],
+               "tokens": tokens, "position": args.position, "launches": [r.as_json() for r in rows],
                "arena_bytes": G.graph["arena_bytes"], "arena_bytes_no_reuse": G.graph["arena_bytes_no_reuse"]}
         if rep:
             doc["compile"] = rep

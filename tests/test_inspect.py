@@ -313,3 +313,30 @@ def test_bench_arguments_are_wired():
     assert args.models == ["smollm2-135m"] and args.no_fuse and args.runs == 2
     args = cli.build_parser().parse_args(["inspect", "x", "--no-fuse", "--compile"])
     assert args.no_fuse and args.compile and args.arch == "sm_90" and not args.json
+
+
+def test_prefill_shows_the_batched_prefill_graph(capsys, tmp_path):
+    """--prefill: the state-only graph of a prompt step, its GEMVs as gemm kernels over TOKENS
+    tokens and attention a block per KV head and token; the last layer keeps only its K and V
+    projections; --out writes those kernels."""
+    from fuselm.runtime.prefill import TOKENS
+    rc, out, _ = run_main(capsys, "inspect", "smollm2-135m", "--prefill", "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["tokens"] == TOKENS
+    launches = doc["launches"]
+    assert {l["family"] for l in launches} == {"rowwise", "gemm", "attention"}
+    assert all(l["grid"][1] == TOKENS for l in launches if l["family"] == "attention")
+    last = [l for l in launches if l["layer"] == 29]
+    assert len(last) == 1 and last[0]["family"] == "gemm"
+    assert sum(n.startswith("linear_") for n in last[0]["nodes"]) == 2                    # K and V only
+    assert sum(n.startswith("kv_write_") for n in last[0]["nodes"]) == 2
+    assert len(launches) == 1 + 29 * 5 + 1          # embedding, 29 whole layers, the last one's K and V
+    rc, out, _ = run_main(capsys, "inspect", "smollm2-135m", "--prefill", "--out", str(tmp_path))
+    assert rc == 0 and f"a prefill step of {TOKENS} tokens" in out
+    assert any(f.name.startswith("gemm_") for f in tmp_path.iterdir())
+
+
+def test_prefill_of_a_model_without_one_is_one_error_line(capsys):
+    assert_one_line_error(*run_main(capsys, "inspect", "mixtral-8x7b", "--prefill"),
+                          "MixtralForCausalLM has no batched prefill")
