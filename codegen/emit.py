@@ -11,6 +11,7 @@ import networkx as nx
 import numpy as np
 
 from ..dsl import Kind, get
+from ..errors import FuselmError
 from . import attention, gemm, gemv, moe, rowwise
 from .kernel import KernelSource, Launch, Variant
 from .knobs import env_set
@@ -45,6 +46,8 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2, tokens: int = 1) -
     """CUDA for every launch of the compiled graph `G`, with a KV cache of `rows` positions, for
     steps of `tokens` tokens: 1 (decode), or a chunk of a prompt (batched prefill: gemv kernels
     in their gemm form, attention one block per KV head and token; see prefill_unsupported)."""
+    if tokens > 1 and (why := prefill_unsupported(G, tokens)):
+        raise FuselmError(f"no steps of {tokens} tokens: {why}")
     out = []
     for launch in G.graph["schedule"]:
         params = Params(G)
@@ -65,7 +68,7 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2, tokens: int = 1) -
         elif family == "attention":
             launches = [Launch(f"{name}_split", (ctx["KV"], ctx["nchunk"]), ctx["threads"], params.values),
                         Launch(f"{name}_combine", (ctx["H"], 1), ctx["combine_threads"], params.values)]
-        elif launch["family"] == "moe":
+        elif family == "moe":
             launches = [Launch(f"{name}_up", (ctx["grid_up"], 1), ctx["threads"], params.values),
                         Launch(f"{name}_down", (ctx["grid_down"], 1), ctx["threads"], params.values)]
         else:
@@ -80,12 +83,12 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2, tokens: int = 1) -
     return out
 
 
-def prefill_unsupported(G: nx.DiGraph) -> str | None:
-    """Why the compiled graph `G` cannot run steps of several tokens (generate(tokens > 1)), or None."""
+def prefill_unsupported(G: nx.DiGraph, tokens: int) -> str | None:
+    """Why the compiled graph `G` cannot run steps of `tokens` tokens (generate(tokens > 1)), or None."""
     for launch in G.graph["schedule"]:
         if launch["family"] == "moe":
             return f"{launch['kernel']}: mixture-of-experts kernels run one token at a time"
-        if launch["family"] == "gemv" and (why := gemm.unsupported(G, launch)):
+        if launch["family"] == "gemv" and (why := gemm.unsupported(G, launch, tokens)):
             return f"{launch['kernel']}: {why}"
     return None
 

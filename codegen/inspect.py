@@ -79,16 +79,16 @@ def build(cfg, fuse: bool = True, ctx: int | None = None, dump: str | Path | Non
     the KV caches need), or a one-line error saying why the model has none."""
     from ..compiler import compile_graph
     from ..models import build_graph
-    from .emit import generate, prefill_unsupported, sampler
+    from .emit import generate, sampler
 
     ctx = ctx or min(cfg.max_position_embeddings, DEFAULT_CTX)
     if prefill:
-        from ..runtime.prefill import TOKENS
-        G = compile_graph(build_graph(cfg), fuse=fuse, tokens=TOKENS, state_only=True, dump=dump)
-        why = prefill_unsupported(G)
-        if why:
-            raise FuselmError(f"{cfg.architecture} has no batched prefill (prompts go one token at a time): {why}")
-        return G, generate(G, rows=ctx, tokens=TOKENS), ctx
+        from ..runtime.prefill import prefill_kernels
+        try:
+            G, kernels = prefill_kernels(build_graph(cfg), ctx, fuse)
+        except FuselmError as e:
+            raise FuselmError(f"{cfg.architecture} has no batched prefill (prompts go one token at a time): {e}") from None
+        return G, kernels, ctx
     G = compile_graph(build_graph(cfg), fuse=fuse, tokens=1, dump=dump)
     kernels = generate(G, rows=ctx)
     logits = next(iter(G.graph["outputs"].values()))       # as CudaEngine: the first output

@@ -15,13 +15,13 @@ import numpy as np
 
 from ..codegen import generate, headers, module_source, sampler, trace_enabled
 from ..codegen.emit import sampler_scratch_words
-from ..codegen.nvrtc import cache_dir, compile_cubin, options
+from ..codegen.nvrtc import compile_cubin, options
 from ..codegen.params import storage_of
 from ..compiler import compile_graph
 from ..dsl import Graph
 from ..errors import FuselmError
 from .engine import SamplingParams
-from .launch import PdlLaunch, pdl_wanted
+from .launch import bind_launch, load_cubin, pdl_wanted
 from .prefill import Prefill, build as prefill_build
 
 SAMPLING_ARGS = np.dtype([("temperature", "f4"), ("top_p", "f4"), ("min_p", "f4"),
@@ -95,14 +95,20 @@ class CudaEngine:
         # it has one (and this engine runs its whole model: no forced variant or pass list), else
         # one step each.
         lm = self.logits_value and {n.name for n in graph.sources("input")} == {"ids", "pos"}
-        prefill = (prefill_build(graph, ctx, self.arch)
-                   if batched_prefill and lm and variant is None and pass_list is None else None)
+        if not batched_prefill:
+            prefill = "turned off (batched_prefill=False)"
+        elif not lm or variant is not None or pass_list is not None:
+            prefill = "not a whole language model (a test graph, a forced variant or pass list)"
+        else:
+            prefill = prefill_build(graph, ctx, self.arch, fuse)     # or why there is none
         self.compile_seconds = time.perf_counter() - t0
-        self.module = _load_cubin(cupy, cubin)
+        self.module = load_cubin(cupy, cubin)
         self._allocate(weights, vocab)
         self._bind()
         self.stream = cupy.cuda.Stream(non_blocking=True)
-        self.batched_prefill = Prefill(self, prefill) if prefill else None
+        # why prompts go one token at a time, or None
+        self.prefill_refused = prefill if isinstance(prefill, str) else None
+        self.batched_prefill = None if self.prefill_refused else Prefill(self, prefill)
         cupy.cuda.Device().synchronize()   # zero-filled buffers (counters) ready before any launch
         self._sampling: SamplingParams | None = None
         self._on_device: tuple[int, int] | None = None   # (id, position) the sampler left in ids, pos
@@ -180,12 +186,7 @@ class CudaEngine:
         self._graph_execs: dict[int, object] = {}   # first position of a schedule -> its CUDA graph
 
     def _call(self, launch):
-        fn = self.module.get_function(launch.function)
-        grid = tuple(1 if g == "T" else g for g in launch.grid)
-        args = tuple(self.buffer(a) for a in launch.args)
-        if self.pdl:
-            return PdlLaunch(fn, grid, launch.block, args)
-        return lambda stream: fn(grid, (launch.block,), args, stream=stream)
+        return bind_launch(self.module, launch, self.buffer, self.pdl)
 
     def _schedule(self, position: int) -> tuple[int, list]:
         return next((start, calls) for start, calls in reversed(self._schedules) if position >= start)
@@ -286,17 +287,25 @@ class CudaEngine:
         rest = list(ids[:-1])
         if self.batched_prefill and rest:
             # whole steps of the prefill graph, the last one padded, as far as the context holds them
-            steps = min(-(-len(rest) // self.batched_prefill.tokens),
-                        (self.max_context - self.position) // self.batched_prefill.tokens)
-            batch, rest = rest[:steps * self.batched_prefill.tokens], rest[steps * self.batched_prefill.tokens:]
-            self.batched_prefill.run(batch, self.position)
-            self.position += len(batch)
+            n = self.batched_prefill.fitting(len(rest), self.position)
+            self.batched_prefill.run(rest[:n], self.position)
+            rest = rest[n:]
+            self.position += n
             self._on_device = None
+            self._advance_sampler(n)
         for t in rest:
             self.feed(int(t))
         self.seen.set(seen, stream=self.stream)
         self.feed(int(ids[-1]))
         return self.next_token()
+
+    def _advance_sampler(self, steps: int) -> None:
+        """Move the sampler's step counter on by `steps` decode steps that did not run (tokens the
+        batched prefill fed): its random stream is then the same with and without it."""
+        at = SAMPLING_ARGS.fields["step"][1]
+        with self.stream:
+            step = self.sampling_args[at:at + 4].view(self.cp.int32)
+            step += steps
 
     def decode(self, token: int, sampling: SamplingParams) -> int:
         self._set_sampling(sampling)
@@ -328,16 +337,6 @@ class CudaEngine:
         value = self.G.graph["outputs"][name]
         shape = [1 if d == "T" else d for d in self.G.nodes[value]["shape"]]     # one token
         return self.cp.asnumpy(self.buffer(value)).reshape(shape)
-
-
-def _load_cubin(cupy, cubin: bytes):
-    """Load a cubin through a file in the kernel cache (RawModule loads from a path)."""
-    import hashlib
-    path = cache_dir() / f"{hashlib.sha256(cubin).hexdigest()}.module.cubin"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(cubin)
-    return cupy.RawModule(path=str(path))
 
 
 def _as_device_bf16(cp, w):

@@ -69,3 +69,28 @@ class PdlLaunch:
             name = ctypes.c_char_p()
             self._driver.cuGetErrorName(err, ctypes.byref(name))
             raise RuntimeError(f"cuLaunchKernelEx failed: {(name.value or b'?').decode()} ({err})")
+
+
+def bind_launch(module, launch, buffer_of, pdl: bool, tokens: int = 1):
+    """`launch` (codegen's Launch) of `module` with its arguments resolved once by `buffer_of`
+    (graph value -> device array) and "T" in its grid read as `tokens`: a call taking the stream,
+    launched with PDL when `pdl`."""
+    fn = module.get_function(launch.function)
+    grid = tuple(tokens if g == "T" else g for g in launch.grid)
+    args = tuple(buffer_of(a) for a in launch.args)
+    if pdl:
+        return PdlLaunch(fn, grid, launch.block, args)
+    return lambda stream: fn(grid, (launch.block,), args, stream=stream)
+
+
+def load_cubin(cupy, cubin: bytes):
+    """Load a cubin through a file in the kernel cache (RawModule loads from a path)."""
+    import hashlib
+
+    from ..codegen.nvrtc import cache_dir
+    path = cache_dir() / f"{hashlib.sha256(cubin).hexdigest()}.module.cubin"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(cubin)
+    return cupy.RawModule(path=str(path))
+

@@ -121,7 +121,7 @@ def test_prefill_module_compiles_and_does_not_spill(name):
     from fuselm.runtime.prefill import TOKENS
     cfg = CONFIGS[name]()
     G = compile_graph(build_graph(cfg), tokens=TOKENS, state_only=True)
-    why = prefill_unsupported(G)
+    why = prefill_unsupported(G, TOKENS)
     if name in PREFILL_UNSUPPORTED:
         assert why and PREFILL_UNSUPPORTED[name] in why
         return
@@ -308,7 +308,7 @@ def test_every_kernel_argument_has_memory(name, fuse):
     from fuselm.codegen.emit import prefill_unsupported
     from fuselm.runtime.prefill import TOKENS
     P = compile_graph(build_graph(cfg), fuse=fuse, tokens=TOKENS, state_only=True)
-    if prefill_unsupported(P):
+    if prefill_unsupported(P, TOKENS):
         return
     for k in generate(P, rows=min(cfg.max_position_embeddings, 4096), tokens=TOKENS):
         for launch in k.all_launches():

@@ -14,6 +14,10 @@
 #include "attention_mma.cuh"   // mma_16816, split_bf16x2
 #include "gemv.cuh"            // slot_row
 
+#if FUSELM_WEIGHT_F16
+#error "gemm.cuh: the mma takes the weights as bf16; f16 weights have no gemm form"
+#endif
+
 // x[token][kc .. kc + KC) as hi and lo bf16 words: entry e holds k [8e, 8e + 8). A row of STRIDE
 // entries, STRIDE = 4 (mod 8): the 8 lanes of a quarter warp (two tokens, four entries) read 16
 // bytes each from distinct banks.
@@ -32,6 +36,7 @@ __device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int til
                                           const weight_t* gain, float gain_offset, StagedX<TT, KC>& xs,
                                           float* tile_out, float* ss) {
     static_assert(K % KC == 0 && KC % 32 == 0 && TT % 8 == 0 && R == 16 * (THREADS / 32), "gemm tile shape");
+    static_assert(FUSELM_MMA_ARCH, "gemm needs mma.sync on bf16 (sm_80 on); runtime/prefill.py refuses older GPUs");
     constexpr int SPANS = KC / 32, NT = TT / 8, ENTRIES = StagedX<TT, KC>::ENTRIES;
     constexpr int GROUPS = (TT * ENTRIES + THREADS - 1) / THREADS;     // staged entries per thread
     static_assert(THREADS % ENTRIES == 0, "a thread stages entries of one column e");
