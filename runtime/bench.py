@@ -154,7 +154,8 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
            "load_s": round(load, 2), "peak_gpu_GiB": round(cp.get_default_memory_pool().total_bytes() / 2**30, 2),
            "launches_per_token": len(engine.schedule_at(32 + tokens // 2)),
            "launches_per_token_at_4k": len(engine.schedule_at(4096)), "pdl": engine.pdl,
-           "prefill_tokens_per_step": engine.batched_prefill.tokens if engine.batched_prefill else 1}
+           "prefill_tokens_per_step": engine.batched_prefill.tokens if engine.batched_prefill else 1,
+           "prefill_refused": engine.prefill_refused}
     if copy_Bps:
         res["bandwidth_fraction"] = round(bytes_per_token * tok_s / copy_Bps, 3)
         res["bandwidth_limit_tok_s"] = round(copy_Bps / bytes_per_token, 1)

@@ -98,3 +98,35 @@ def test_bench_records_the_knobs_it_ran_under(monkeypatch):
     settings = knob_settings()
     assert settings["FUSELM_EARLY_RELEASE"] == "0"
     assert "FUSELM_CACHE" not in settings and "FUSELM_GEMV_WARPS" not in settings
+
+
+def test_prefill_steps_fit_the_context():
+    """Prefill.fitting: whole steps of TOKENS, the last one padded, as long as the padded step ends
+    inside the cache; the rest of a prompt goes one token at a time. run() refuses more."""
+    import types
+
+    import pytest
+
+    from fuselm.errors import FuselmError
+    from fuselm.runtime.prefill import Prefill
+    p = Prefill.__new__(Prefill)                   # the arithmetic alone: no GPU buffers
+    p.tokens, p.engine = 32, types.SimpleNamespace(max_context=100)
+    assert p.fitting(39, 0) == 39                  # two steps, the second padded to 64
+    assert p.fitting(49, 45) == 32                 # a second step would end at 109
+    assert p.fitting(10, 80) == 0                  # no whole step fits: one token at a time
+    assert p.fitting(64, 36) == 64
+    with pytest.raises(FuselmError, match="does not fit the context of 100 in steps of 32"):
+        p.run(list(range(49)), 45)
+
+
+def test_prefill_build_says_why_a_model_has_none():
+    """runtime/prefill.build returns the reason instead of a module: GPUs before sm_80, MoE models,
+    rows that are no multiple of 32."""
+    from fuselm.models.presets import preset
+    from fuselm.runtime.prefill import build
+    tiny = build_graph(DecoderConfig.from_hf(dict(architectures=["LlamaForCausalLM"], vocab_size=64,
+                                                 hidden_size=36, intermediate_size=50, num_hidden_layers=1,
+                                                 num_attention_heads=3, num_key_value_heads=1)))
+    assert "sm_80" in build(tiny, 64, "sm_75")
+    assert "not a multiple of 32" in build(tiny, 64, "sm_90")
+    assert "mixture-of-experts" in build(build_graph(preset("mixtral-8x7b")), 64, "sm_90")

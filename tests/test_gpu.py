@@ -183,6 +183,7 @@ def test_batched_prefill_of_a_long_prompt_at_real_shapes():
     prompt = rng.integers(0, cfg.vocab_size, 700).tolist()
     batched = engine_for(graph, weights, ctx=1024)
     stepped = engine_for(graph, weights, ctx=1024, batched_prefill=False)
+    assert batched.batched_prefill is not None, batched.prefill_refused
     batched.prefill(prompt, SamplingParams())
     stepped.prefill(prompt, SamplingParams())
     a, b = cache_rows(batched, len(prompt)), cache_rows(stepped, len(prompt))
@@ -190,6 +191,41 @@ def test_batched_prefill_of_a_long_prompt_at_real_shapes():
     logit_err = rel(batched.logits(), stepped.logits())
     print(f"smollm2 shapes, 700-token batched prefill: caches {cache_err:.2e}, logits {logit_err:.2e} from one-token steps")
     assert cache_err < 5e-3 and logit_err < 5e-3
+
+
+def test_batched_prefill_of_a_second_turn_near_the_context_end():
+    """A conversation's second prompt starts at a position that is no multiple of the step, and
+    its steps reach the end of a 100-row cache, so part of it goes one token at a time: caches,
+    logits, the seen marks of the repetition penalty and the sampler's step counter as one-token
+    steps leave them."""
+    from fuselm.runtime.cuda_engine import SAMPLING_ARGS
+    rng = np.random.default_rng()
+    cfg = DecoderConfig.from_hf(TINY)
+    graph = build_graph(cfg)
+    weights = random_weights(graph, rng)
+    penal = SamplingParams(repetition_penalty=1.3)
+    engines = [engine_for(graph, weights, ctx=100), engine_for(graph, weights, ctx=100, batched_prefill=False)]
+    first, second = rng.integers(0, cfg.vocab_size, 40).tolist(), rng.integers(0, cfg.vocab_size, 50).tolist()
+    picks = []
+    for eng in engines:
+        tok = eng.prefill(first, penal)
+        for _ in range(5):
+            tok = eng.decode(tok, penal)
+        assert eng.position == 45
+        picks.append(eng.prefill(second, penal))            # 49 to feed: 32 batched (45-76), 17 stepped
+        assert eng.position == 95
+    batched, stepped = engines
+    a, b = cache_rows(batched, 95), cache_rows(stepped, 95)
+    cache_err = max(rel(a[n], b[n]) for n in a)
+    logit_err = rel(batched.logits(), stepped.logits())
+    at = SAMPLING_ARGS.fields["step"][1]
+    for e in engines:
+        e.stream.synchronize()
+    steps = [int(e.sampling_args[at:at + 4].view(np.int32).get()[0]) for e in engines]
+    print(f"second turn near the context end: caches {cache_err:.2e}, logits {logit_err:.2e}; sampler steps {steps}")
+    assert cache_err < 5e-3 and logit_err < 5e-3
+    assert np.array_equal(batched.seen.get(), stepped.seen.get())
+    assert steps[0] == steps[1]
 
 
 def test_epilogue_bias_interleaved_rope_softcap():
