@@ -235,13 +235,18 @@ class CudaEngine:
         if sampling == self._sampling:
             return
         sampling.validate()
-        a = np.zeros(1, SAMPLING_ARGS)
-        a["temperature"], a["top_p"], a["min_p"] = sampling.temperature, sampling.top_p, sampling.min_p
-        a["repetition_penalty"], a["top_k"] = sampling.repetition_penalty, sampling.top_k
-        a["seed"] = sampling.seed if sampling.seed is not None else np.random.randint(0, 2**31 - 1)
-        a["step"] = self.position
-        self.sampling_args.set(a.view(np.uint8), stream=self.stream)
         self._sampling = sampling
+        self._seed = sampling.seed if sampling.seed is not None else np.random.randint(0, 2**31 - 1)
+        self._upload_sampling()
+
+    def _upload_sampling(self) -> None:
+        """The sampler's arguments, its step counter at the current position (each sampler run
+        moves it on by one, so it stays there step after step)."""
+        s, a = self._sampling, np.zeros(1, SAMPLING_ARGS)
+        a["temperature"], a["top_p"], a["min_p"] = s.temperature, s.top_p, s.min_p
+        a["repetition_penalty"], a["top_k"] = s.repetition_penalty, s.top_k
+        a["seed"], a["step"] = self._seed, self.position
+        self.sampling_args.set(a.view(np.uint8), stream=self.stream)
 
     def reset(self) -> None:
         """Position back to 0, no tokens seen, the sampler's random stream restarted."""
@@ -292,20 +297,12 @@ class CudaEngine:
             rest = rest[n:]
             self.position += n
             self._on_device = None
-            self._advance_sampler(n)
+            self._upload_sampling()   # no sampler ran for those: its step counter to the position
         for t in rest:
             self.feed(int(t))
         self.seen.set(seen, stream=self.stream)
         self.feed(int(ids[-1]))
         return self.next_token()
-
-    def _advance_sampler(self, steps: int) -> None:
-        """Move the sampler's step counter on by `steps` decode steps that did not run (tokens the
-        batched prefill fed): its random stream is then the same with and without it."""
-        at = SAMPLING_ARGS.fields["step"][1]
-        with self.stream:
-            step = self.sampling_args[at:at + 4].view(self.cp.int32)
-            step += steps
 
     def decode(self, token: int, sampling: SamplingParams) -> int:
         self._set_sampling(sampling)
