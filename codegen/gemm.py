@@ -9,22 +9,22 @@ from ..compiler.kernels import gemv_parts, zip_sets
 from .gemv import input_vector, zip_contexts
 from .params import Params
 
-WARPS = 4          # per block: KSPLIT warps share each group of 16 rows of the tile, a slice of k each
-KC = 32            # k per chunk a warp stages in its own shared memory
-SMEM = 48 * 1024   # static shared memory a kernel may use
+WARPS = 4          # per block; each warp computes 16 rows of the tile
+SLOTS = 16 * WARPS  # rows of each member per block
+SMEM = 48 * 1024    # static shared memory a kernel may use
 
 
-def _ksplit(K: int) -> int:
-    """Warps per 16 rows, each walking a slice of k: 4 where the rows split into whole chunks."""
-    return next(s for s in (WARPS, 2, 1) if K % (s * KC) == 0)
+def _chunk(K: int) -> int:
+    """k per staged chunk: 128 where the rows allow (a round trip to memory per chunk)."""
+    return next(kc for kc in (128, 64, 32) if K % kc == 0)
 
 
 def _smem(K: int, members: int, tokens: int) -> int:
-    """Bytes of shared memory: each warp's staged chunk (hi and lo words, StagedX), the tile's dot
-    products, the per-token sums of squares."""
-    entries = KC // 8
-    staged = WARPS * 2 * tokens * (entries + (12 - entries % 8) % 8) * 16
-    return staged + members * (16 * WARPS // _ksplit(K)) * tokens * 4 + 4 * tokens
+    """Bytes of shared memory: the staged chunk (hi and lo words, StagedX) and the dot products
+    of the tile share memory; then the per-token sums of squares."""
+    entries = _chunk(K) // 8
+    staged = 2 * tokens * (entries + (12 - entries % 8) % 8) * 16
+    return max(staged, members * SLOTS * tokens * 4) + 4 * tokens
 
 
 def unsupported(G: nx.DiGraph, launch: dict, tokens: int) -> str | None:
@@ -46,7 +46,6 @@ def unsupported(G: nx.DiGraph, launch: dict, tokens: int) -> str | None:
 def context(G: nx.DiGraph, launch: dict, params: Params, tokens: int) -> dict:
     """Template variables of one gemm kernel for steps of `tokens` tokens (a multiple of 8)."""
     vec = input_vector(G, launch, params)
-    ksplit = _ksplit(vec["K"])
-    zips, grid = zip_contexts(G, launch, params, lambda members, pairs: 16 * WARPS // ksplit, batched=True)
-    return {**vec, "zips": zips, "threads": WARPS * 32, "tokens": tokens, "kc": KC, "ksplit": ksplit,
+    zips, grid = zip_contexts(G, launch, params, lambda members, pairs: SLOTS, batched=True)
+    return {**vec, "zips": zips, "threads": WARPS * 32, "tokens": tokens, "kc": _chunk(vec["K"]),
             "max_tile": max(z["R"] * len(z["members"]) for z in zips), "grid": grid}

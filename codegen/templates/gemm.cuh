@@ -1,19 +1,15 @@
 // GEMM building blocks: a gemv kernel's weights streamed once for a step of TT tokens (a prompt's
 // batched prefill), the dot products on tensor cores.
 //
-// A warp computes 16 weight rows x TT tokens of each member over its slice of k:
-// D[row][token] = W[row, k-slice] . x[token, k-slice], as mma.sync m16n8k16 with the weights as A
-// (16 rows x 16 k) and the tokens' vectors as B (16 k x 8 tokens). A dot product may take k in any
-// order as long as A and B agree, so a lane's 16-byte load of 8 consecutive weights is its A words
-// as they are: lane (r = lane / 4, c = lane % 4) loads k [8c, 8c + 8) of each 32-k span of rows r
-// and r + 8; words 0, 1 of each load feed the span's first mma, words 2, 3 its second. The tokens'
+// A warp computes 16 weight rows (tile slots 16 w .. 16 w + 15) x TT tokens of each member:
+// D[row][token] = W[row, :] . x[token, :], as mma.sync m16n8k16 with the weights as A (16 rows x
+// 16 k) and the tokens' vectors as B (16 k x 8 tokens). A dot product may take k in any order as
+// long as A and B agree, so a lane's 16-byte load of 8 consecutive weights is its A words as they
+// are: lane (r = lane / 4, c = lane % 4) loads k [8c, 8c + 8) of each 32-k span of rows r and
+// r + 8; words 0, 1 of each load feed the span's first mma, words 2, 3 its second. The tokens'
 // vectors (float32, the norm's gain applied when there is a prologue) are staged per chunk of KC
-// k in the warp's own shared memory as bf16 hi + lo words in the same order, and every product
-// takes two mma (hi, lo), which keeps float32 accuracy (as in attention_mma.cuh).
-//
-// Why split k over the warps of a block: a block walks its k-slice chunk after chunk, each chunk
-// a round trip to memory, so a kernel lasts at least (k-slice / KC) round trips whatever the
-// number of blocks; with the whole row per warp a 14336-wide down projection took 224 of them.
+// k in shared memory as bf16 hi + lo words in the same order, and every product takes two mma
+// (hi, lo), which keeps float32 accuracy (as in attention_mma.cuh).
 #pragma once
 #include "attention_mma.cuh"   // mma_16816, split_bf16x2
 #include "gemv.cuh"            // slot_row
@@ -22,7 +18,7 @@
 #error "gemm.cuh: the mma takes the weights as bf16; f16 weights have no gemm form"
 #endif
 
-// x[token][k0 .. k0 + KC) as hi and lo bf16 words: entry e holds k [8e, 8e + 8). A row of STRIDE
+// x[token][kc .. kc + KC) as hi and lo bf16 words: entry e holds k [8e, 8e + 8). A row of STRIDE
 // entries, STRIDE = 4 (mod 8): the 8 lanes of a quarter warp (two tokens, four entries) read 16
 // bytes each from distinct banks.
 template <int TT, int KC>
@@ -31,68 +27,33 @@ struct StagedX {
     uint4 hi[TT][STRIDE], lo[TT][STRIDE];
 };
 
-// The calling warp stages x[t][k0 .. k0 + KC) of every token into xs (times the norm gain where
-// NORMED, each lane's sum of squares of its entries g = lane + 32 i gathered into sumsq[i]).
-template <int K, int TT, int KC, bool NORMED>
-__device__ __forceinline__ void stage_x(const float* x, const weight_t* gain, float gain_offset, int k0,
-                                        StagedX<TT, KC>& xs, float (&sumsq)[TT * KC / 8 / 32]) {
-    constexpr int ENTRIES = KC / 8;
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int i = 0; i < TT * ENTRIES / 32; i++) {
-        const int g = lane + 32 * i, t = g / ENTRIES, e = g % ENTRIES, k = k0 + 8 * e;
-        // plain loads: x is the previous kernel's output (see gemv.cuh)
-        const float4 a = *reinterpret_cast<const float4*>(x + (size_t)t * K + k);
-        const float4 b = *reinterpret_cast<const float4*>(x + (size_t)t * K + k + 4);
-        float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        if constexpr (NORMED) {
-            float gv[8];
-            unpack8(__ldg(reinterpret_cast<const uint4*>(gain + k)), gv);
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                sumsq[i] = fmaf(v[j], v[j], sumsq[i]);
-                v[j] *= gv[j] + gain_offset;
-            }
-        }
-        uint4 h, l;
-        split_bf16x2(v[0], v[1], h.x, l.x);
-        split_bf16x2(v[2], v[3], h.y, l.y);
-        split_bf16x2(v[4], v[5], h.z, l.z);
-        split_bf16x2(v[6], v[7], h.w, l.w);
-        xs.hi[t][e] = h;
-        xs.lo[t][e] = l;
-    }
-}
-
 // The block's tile (R slots of each of M members, slot s of member m in rows slot_row(tile, s))
-// against the TT vectors of x [TT, K] (times the norm gain where NORMED). Warp w computes slots
-// 16 (w / KSPLIT) .. + 15 over k-slice w % KSPLIT. Leaves tile_out[(m R + s) TT + t] = dot
-// product of slot s of member m with token t, and, where NORMED, ss[t] = sum of x[t]^2.
-// xs[w] is warp w's staging; tile_out and ss hold zeros on entry.
-template <int K, int TT, int KC, int M, int R, int N, int HD, bool INTERLEAVED, bool NORMED, int KSPLIT>
+// against the TT vectors of x [TT, K] (times the norm gain where NORMED): tile_out[(m R + s) TT +
+// t] = dot product of slot s of member m with token t, and, where NORMED, ss[t] = sum of x[t]^2
+// for the norm's scale. xs and tile_out may share memory: xs is not read once tile_out is written.
+template <int K, int TT, int KC, int M, int R, int N, int HD, bool INTERLEAVED, bool NORMED, int THREADS>
 __device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int tile, const float* x,
-                                          const weight_t* gain, float gain_offset, StagedX<TT, KC>* xs,
+                                          const weight_t* gain, float gain_offset, StagedX<TT, KC>& xs,
                                           float* tile_out, float* ss) {
-    constexpr int SLICE = K / KSPLIT, SPANS = KC / 32, NT = TT / 8, ENTRIES = KC / 8;
-    static_assert(SLICE % KC == 0 && KC % 32 == 0 && TT % 8 == 0 && TT * ENTRIES % 32 == 0, "gemm tile shape");
-    static_assert(ENTRIES <= 32 && 32 % ENTRIES == 0, "a token's entries sit in lanes of one warp");
+    static_assert(K % KC == 0 && KC % 32 == 0 && TT % 8 == 0 && R == 16 * (THREADS / 32), "gemm tile shape");
     static_assert(FUSELM_MMA_ARCH, "gemm needs mma.sync on bf16 (sm_80 on); runtime/prefill.py refuses older GPUs");
+    constexpr int SPANS = KC / 32, NT = TT / 8, ENTRIES = StagedX<TT, KC>::ENTRIES;
+    constexpr int GROUPS = (TT * ENTRIES + THREADS - 1) / THREADS;     // staged entries per thread
+    static_assert(THREADS % ENTRIES == 0, "a thread stages entries of one column e");
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
-    const int slot0 = 16 * (warp / KSPLIT), k0 = (warp % KSPLIT) * SLICE;
-    StagedX<TT, KC>& mine = xs[warp];
     int pair;
-    const int row_a = slot_row<R, N, HD, INTERLEAVED>(tile, slot0 + r, pair);
-    const int row_b = slot_row<R, N, HD, INTERLEAVED>(tile, slot0 + r + 8, pair);
+    const int row_a = slot_row<R, N, HD, INTERLEAVED>(tile, 16 * warp + r, pair);
+    const int row_b = slot_row<R, N, HD, INTERLEAVED>(tile, 16 * warp + r + 8, pair);
     const weight_t* wa[M];
     const weight_t* wb[M];
 #pragma unroll
     for (int m = 0; m < M; m++) {     // slots past the end read row 0; the epilogue skips them
-        wa[m] = W[m] + (size_t)max(row_a, 0) * K + k0 + 8 * c;
-        wb[m] = W[m] + (size_t)max(row_b, 0) * K + k0 + 8 * c;
+        wa[m] = W[m] + (size_t)max(row_a, 0) * K + 8 * c;
+        wb[m] = W[m] + (size_t)max(row_b, 0) * K + 8 * c;
     }
     float acc[M][NT][4] = {};
-    float sumsq[TT * ENTRIES / 32] = {};
-    for (int kc = 0; kc < SLICE; kc += KC) {
+    float sumsq[GROUPS] = {};
+    for (int kc = 0; kc < K; kc += KC) {
         uint4 qa[M][SPANS], qb[M][SPANS];   // the chunk's weights, in flight while x is staged
 #pragma unroll
         for (int m = 0; m < M; m++)
@@ -101,14 +62,39 @@ __device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int til
                 qa[m][s] = __ldcs(reinterpret_cast<const uint4*>(wa[m] + kc + 32 * s));
                 qb[m][s] = __ldcs(reinterpret_cast<const uint4*>(wb[m] + kc + 32 * s));
             }
-        __syncwarp();                       // the previous chunk's products are done with xs
-        stage_x<K, TT, KC, NORMED>(x, gain, gain_offset, k0 + kc, mine, sumsq);
-        __syncwarp();
+        __syncthreads();                    // the previous chunk's products are done with xs
+#pragma unroll
+        for (int i = 0; i < GROUPS; i++) {
+            const int g = threadIdx.x + i * THREADS, t = g / ENTRIES, e = g % ENTRIES, k = kc + 8 * e;
+            if (g < TT * ENTRIES) {
+                // plain loads: x is the previous kernel's output (see gemv.cuh)
+                const float4 a = *reinterpret_cast<const float4*>(x + (size_t)t * K + k);
+                const float4 b = *reinterpret_cast<const float4*>(x + (size_t)t * K + k + 4);
+                float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+                if constexpr (NORMED) {
+                    float gv[8];
+                    unpack8(__ldg(reinterpret_cast<const uint4*>(gain + k)), gv);
+#pragma unroll
+                    for (int j = 0; j < 8; j++) {
+                        sumsq[i] = fmaf(v[j], v[j], sumsq[i]);
+                        v[j] *= gv[j] + gain_offset;
+                    }
+                }
+                uint4 h, l;
+                split_bf16x2(v[0], v[1], h.x, l.x);
+                split_bf16x2(v[2], v[3], h.y, l.y);
+                split_bf16x2(v[4], v[5], h.z, l.z);
+                split_bf16x2(v[6], v[7], h.w, l.w);
+                xs.hi[t][e] = h;
+                xs.lo[t][e] = l;
+            }
+        }
+        __syncthreads();
 #pragma unroll
         for (int s = 0; s < SPANS; s++)
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
-                const uint4 h = mine.hi[nt * 8 + r][4 * s + c], l = mine.lo[nt * 8 + r][4 * s + c];
+                const uint4 h = xs.hi[nt * 8 + r][4 * s + c], l = xs.lo[nt * 8 + r][4 * s + c];
 #pragma unroll
                 for (int m = 0; m < M; m++) {
                     const uint4 &a = qa[m][s], &b = qb[m][s];
@@ -119,28 +105,25 @@ __device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int til
                 }
             }
     }
-    // The KSPLIT warps of a slot group add their slices into tile_out (slots r and r + 8,
-    // tokens 8 nt + 2c + {0, 1} from acc).
+    __syncthreads();                        // xs is read no more: tile_out may take its place
 #pragma unroll
     for (int m = 0; m < M; m++)
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-            float* out = tile_out + (m * R + slot0 + r) * TT + nt * 8 + 2 * c;
-            atomicAdd(out, acc[m][nt][0]);
-            atomicAdd(out + 1, acc[m][nt][1]);
-            atomicAdd(out + 8 * TT, acc[m][nt][2]);
-            atomicAdd(out + 8 * TT + 1, acc[m][nt][3]);
+        for (int nt = 0; nt < NT; nt++) {   // acc: slots r and r + 8, tokens 8 nt + 2c + {0, 1}
+            float* out = tile_out + (m * R + 16 * warp + r) * TT + nt * 8 + 2 * c;
+            out[0] = acc[m][nt][0];
+            out[1] = acc[m][nt][1];
+            out[8 * TT] = acc[m][nt][2];
+            out[8 * TT + 1] = acc[m][nt][3];
         }
     if constexpr (NORMED) {                 // the ENTRIES lanes that staged a token's row meet
-        if (warp < KSPLIT) {                // one slot group's warps cover k once
 #pragma unroll
-            for (int i = 0; i < TT * ENTRIES / 32; i++) {
-                float v = sumsq[i];
+        for (int i = 0; i < GROUPS; i++) {
+            float v = sumsq[i];
 #pragma unroll
-                for (int o = ENTRIES / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-                const int g = lane + 32 * i;
-                if (g % ENTRIES == 0) atomicAdd(&ss[g / ENTRIES], v);
-            }
+            for (int o = ENTRIES / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            const int g = threadIdx.x + i * THREADS;
+            if (g % ENTRIES == 0 && g < TT * ENTRIES) ss[g / ENTRIES] = v;
         }
     }
     __syncthreads();
