@@ -206,13 +206,13 @@ def test_batched_prefill_of_a_second_turn_near_the_context_end():
     penal = SamplingParams(repetition_penalty=1.3)
     engines = [engine_for(graph, weights, ctx=100), engine_for(graph, weights, ctx=100, batched_prefill=False)]
     first, second = rng.integers(0, cfg.vocab_size, 40).tolist(), rng.integers(0, cfg.vocab_size, 50).tolist()
-    picks = []
+    replies = rng.integers(0, cfg.vocab_size, 5).tolist()   # fed to both, whatever each one samples
     for eng in engines:
-        tok = eng.prefill(first, penal)
-        for _ in range(5):
-            tok = eng.decode(tok, penal)
+        eng.prefill(first, penal)
+        for t in replies:
+            eng.decode(t, penal)
         assert eng.position == 45
-        picks.append(eng.prefill(second, penal))            # 49 to feed: 32 batched (45-76), 17 stepped
+        eng.prefill(second, penal)                           # 49 to feed: 32 batched (45-76), 17 stepped
         assert eng.position == 95
     batched, stepped = engines
     a, b = cache_rows(batched, 95), cache_rows(stepped, 95)
