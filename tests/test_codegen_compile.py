@@ -112,15 +112,17 @@ PREFILL_UNSUPPORTED = {"mixtral-8x7b": "mixture-of-experts kernels run one token
                        "tiny-headdim40": "rows of 200 weights are not a multiple of 32"}
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_prefill_module_compiles_and_does_not_spill(name):
+def test_prefill_module_compiles_and_does_not_spill(name, fuse):
     """The batched-prefill module (state only, steps of TOKENS tokens: gemm kernels and one
-    attention block per KV head and token) of every config compiles for sm_90 without spills in
-    its gemm and attention kernels, or prefill_unsupported names why it has none."""
+    attention block per KV head and token) of every config, fused and unfused (an unfused
+    engine's prefill), compiles for sm_90 without spills in its gemm and attention kernels, or
+    prefill_unsupported names why it has none."""
     from fuselm.codegen.emit import prefill_unsupported
     from fuselm.runtime.prefill import TOKENS
     cfg = CONFIGS[name]()
-    G = compile_graph(build_graph(cfg), tokens=TOKENS, state_only=True)
+    G = compile_graph(build_graph(cfg), fuse=fuse, tokens=TOKENS, state_only=True)
     why = prefill_unsupported(G, TOKENS)
     if name in PREFILL_UNSUPPORTED:
         assert why and PREFILL_UNSUPPORTED[name] in why
