@@ -102,7 +102,9 @@ def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False) ->
     `batched` (the gemm family, tokens > 1): for token `t` of the step, whose dot products
     tile_out holds as [member][slot][token] (TT tokens) and whose partner slot s ^ 1 sits in the
     neighbouring thread."""
-    tile = (lambda i, slot: f"tile_out[({i} * R + {slot}) * TT + t]") if batched else (lambda i, slot: f"tile_out[{i} * R + {slot}]")
+    def tile(i, slot):
+        return f"tile_out[({i} * R + {slot}) * TT + t]" if batched else f"tile_out[{i} * R + {slot}]"
+
     token = "t" if batched else "0"
     var = {l: f"({tile(i, 's')} * pscale)" for i, l in enumerate(linears)}
     partner = {l: f"({tile(i, '(s ^ 1)')} * pscale)" for i, l in enumerate(linears)}

@@ -3,9 +3,10 @@
 For each model (a preset name with random weights made on the GPU, or a checkpoint path) it
 prints and returns: copy bandwidth, decode tok/s (median of runs of 128 tokens) and ms/token,
 bytes per token and the fraction of the bandwidth achieved, time to first token for 32- and
-512-token prompts (prompts through the batched prefill where the model has one), decode tok/s at 4k context, compile time cold and warm, load time, peak GPU
-memory, optionally per-kernel-family time and each kernel's marginal time inside the step
-(`--profile`), and Hugging Face transformers on the same shapes (`--peers hf`).
+512-token prompts (through the batched prefill where the model has one), decode tok/s at 4k
+context, compile time cold and warm, load time, peak GPU memory, optionally per-kernel-family
+time and each kernel's marginal time inside the step (`--profile`), and Hugging Face
+transformers on the same shapes (`--peers hf`).
 """
 from __future__ import annotations
 

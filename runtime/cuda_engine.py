@@ -21,7 +21,7 @@ from ..compiler import compile_graph
 from ..dsl import Graph
 from ..errors import FuselmError
 from .engine import SamplingParams
-from .launch import bind_launch, load_cubin, pdl_wanted
+from .launch import arena_view, bind_launch, load_cubin, pdl_wanted
 from .prefill import Prefill, build as prefill_build
 
 SAMPLING_ARGS = np.dtype([("temperature", "f4"), ("top_p", "f4"), ("min_p", "f4"),
@@ -165,9 +165,7 @@ class CudaEngine:
             return self.states[store]
         if op == "input":
             return self.inputs[store]
-        offset, nbytes = G.graph["buffers"][store]
-        view = self.arena[offset:offset + nbytes]
-        return view.view(cp.int32 if G.nodes[store]["dtype"] == "i32" else cp.float32)
+        return arena_view(cp, self.arena, G, store)
 
     def _bind(self) -> None:
         """Resolve every launch's arguments once: a schedule is then a flat list of calls, each

@@ -83,6 +83,13 @@ def bind_launch(module, launch, buffer_of, pdl: bool, tokens: int = 1):
     return lambda stream: fn(grid, (launch.block,), args, stream=stream)
 
 
+def arena_view(cupy, arena, G, store: str):
+    """The slice of `arena` (uint8) that the buffer plan of compiled graph `G` gives value `store`,
+    typed as the value is (int32 or float32)."""
+    offset, nbytes = G.graph["buffers"][store]
+    return arena[offset:offset + nbytes].view(cupy.int32 if G.nodes[store]["dtype"] == "i32" else cupy.float32)
+
+
 def load_cubin(cupy, cubin: bytes):
     """Load a cubin through a file in the kernel cache (RawModule loads from a path)."""
     import hashlib

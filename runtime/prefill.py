@@ -21,7 +21,7 @@ from ..codegen.nvrtc import compile_cubin, options
 from ..codegen.params import storage_of
 from ..compiler import compile_graph
 from ..errors import FuselmError
-from .launch import bind_launch, load_cubin
+from .launch import arena_view, bind_launch, load_cubin
 
 TOKENS = env_int("FUSELM_PREFILL_TOKENS", 32, 8, 64)   # tokens per prefill step (a multiple of 8)
 if TOKENS % 8:
@@ -77,9 +77,7 @@ class Prefill:
             return {"ids": self.ids, "pos": self.pos}[store]
         if op in ("weight", "constant", "state"):
             return self.engine.buffer(store)
-        offset, nbytes = G.graph["buffers"][store]
-        view = self.arena[offset:offset + nbytes]
-        return view.view(cp.int32 if G.nodes[store]["dtype"] == "i32" else cp.float32)
+        return arena_view(cp, self.arena, G, store)
 
     def fitting(self, tokens: int, start: int) -> int:
         """How many of `tokens` prompt tokens from position `start` whole steps take: as many as
