@@ -21,7 +21,6 @@ from .infer_shapes import infer_shapes
 from .keep_state import keep_state
 from .lower import to_networkx
 from .plan_buffers import plan_buffers
-from .plan_prefetch import plan_prefetch
 from .schedule import schedule
 from .validate import validate
 
@@ -32,9 +31,9 @@ FUSION_PASSES: list[Pass] = [fuse_horizontal, fuse_prologue, fuse_epilogue, fuse
 
 def passes(fuse: bool = True, tokens: int = 1, state_only: bool = False) -> list[Pass]:
     """The pass list, in order: what the state needs (state_only: a prompt's prefill), shapes,
-    the fusion passes (unless fuse=False), schedule, L2 prefetches, buffers."""
+    the fusion passes (unless fuse=False), schedule, buffers."""
     return [*([keep_state] if state_only else []), infer_shapes, *(FUSION_PASSES if fuse else []), schedule,
-            plan_prefetch, partial(plan_buffers, tokens=tokens)]
+            partial(plan_buffers, tokens=tokens)]
 
 
 def compile_graph(graph: Graph, fuse: bool = True, tokens: int = 1, dump: str | Path | None = None,
