@@ -4,7 +4,8 @@ The split attention kernel reads 128-byte cache rows 1 kB apart (one KV head's s
 position), each block 64 kB with every load issued at once; on the H200 its rows arrive ~3.2 us after
 its blocks start (fuselm trace with a stamp after the first use of the rows), about 30 GB/s per SM.
 This probe reads the same pattern without attention around it: N blocks of 256 threads, each with
-its own 32 or 64 kB, by ordinary loads all in flight at once ("lsu"), by one bulk copy per row into
+its own 32 or 64 kB, by ordinary loads all in flight at once ("lsu"; "lsu512c": the block's rows
+contiguous, as in a head-major cache; "h": with the L2::256B fetch-size hint), by one bulk copy per row into
 shared memory completing on an mbarrier ("bulk", the copy engine beside each SM), and by ordinary
 loads of rows that the previous run left in L2 ("L2"). Each kernel times itself with %globaltimer
 (first block start to last block end), so launch gaps do not count. Results:
@@ -26,21 +27,26 @@ __device__ __forceinline__ unsigned long long now() {
 __device__ __forceinline__ void stamp_start() { if (threadIdx.x == 0) atomicMin(&t_first, now()); }
 __device__ __forceinline__ void stamp_end() { __syncthreads(); if (threadIdx.x == 0) atomicMax(&t_last, now()); }
 
-// Each block: ROWS rows of 128 bytes, 1 kB apart, from its own region; 16-byte loads, all issued
-// before any is used (like MmaPass: each lane's share of the rows at once).
-template <int ROWS>
+// Each block: ROWS rows of 128 bytes, STRIDE apart (1 kB: one KV head's rows in a position-major
+// cache; 128: a head-major one), from its own region; 16-byte loads, all issued before any is used
+// (like MmaPass: each lane's share of the rows at once). HINT: the L2::256B fetch-size hint.
+template <int ROWS, int STRIDE = 1024, bool HINT = false>
 __device__ void lsu_rows(const char* src, float* out) {
     stamp_start();
     constexpr int PER = ROWS * 8 / 256;                  // 16-byte pieces per thread (8 per row)
-    const char* base = src + (size_t)blockIdx.x * ROWS * 1024;
+    const char* base = src + (size_t)blockIdx.x * ROWS * STRIDE;
     uint4 v[PER];
 #pragma unroll
     for (int i = 0; i < PER; i++) {
         const int piece = i * 256 + threadIdx.x, row = piece / 8, col = piece % 8;
         // asm volatile: all loads stay ahead of their first use, as in the attention pass
-        asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(v[i].x), "=r"(v[i].y), "=r"(v[i].z), "=r"(v[i].w)
-                     : "l"(base + (size_t)row * 1024 + col * 16));
+        const char* at = base + (size_t)row * STRIDE + col * 16;
+        if constexpr (HINT)
+            asm volatile("ld.global.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(v[i].x), "=r"(v[i].y), "=r"(v[i].z), "=r"(v[i].w) : "l"(at));
+        else
+            asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(v[i].x), "=r"(v[i].y), "=r"(v[i].z), "=r"(v[i].w) : "l"(at));
     }
     // Every use waits for a value read after a barrier, so all loads stay in flight together.
     __shared__ unsigned seed;
@@ -86,6 +92,9 @@ __device__ void bulk_rows(const char* src, float* out) {
 
 extern "C" __global__ void __launch_bounds__(256) lsu256(const char* s, float* o) { lsu_rows<256>(s, o); }
 extern "C" __global__ void __launch_bounds__(256) lsu512(const char* s, float* o) { lsu_rows<512>(s, o); }
+extern "C" __global__ void __launch_bounds__(256) lsu512c(const char* s, float* o) { lsu_rows<512, 128>(s, o); }
+extern "C" __global__ void __launch_bounds__(256) lsu512h(const char* s, float* o) { lsu_rows<512, 1024, true>(s, o); }
+extern "C" __global__ void __launch_bounds__(256) lsu512ch(const char* s, float* o) { lsu_rows<512, 128, true>(s, o); }
 extern "C" __global__ void __launch_bounds__(256) bulk256(const char* s, float* o) { bulk_rows<256>(s, o); }
 extern "C" __global__ void __launch_bounds__(256) bulk512(const char* s, float* o) { bulk_rows<512>(s, o); }
 """
@@ -99,14 +108,15 @@ def main() -> None:
     first = cp.ndarray((1,), cp.uint64, module.get_global("t_first"))
     last = cp.ndarray((1,), cp.uint64, module.get_global("t_last"))
     for name, rows, l2 in (("lsu256", 256, False), ("bulk256", 256, False), ("lsu512", 512, False),
-                           ("bulk512", 512, False), ("lsu512", 512, True)):
+                           ("bulk512", 512, False), ("lsu512", 512, True), ("lsu512c", 512, False),
+                           ("lsu512h", 512, False), ("lsu512ch", 512, False)):
         fn = module.get_function(name)
         smem = rows * 144 if name.startswith("bulk") else 0
         if smem > 48 * 1024:
             fn.max_dynamic_shared_size_bytes = smem
         for blocks in (sms, sms // 2, sms // 4, 2 * sms):
             spans = []
-            region = blocks * rows * 1024
+            region = blocks * rows * (128 if name.startswith("lsu512c") else 1024)
             for rep in range(12):
                 offset = 0 if l2 else (rep * region) % ((1 << 30) - region) // 1024 * 1024   # l2: rows read before
                 first.fill(np.uint64(2 ** 64 - 1))

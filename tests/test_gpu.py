@@ -387,10 +387,14 @@ def test_long_context_spans_attention_chunks(variant):
                               logits=runs[attention])
         line = f"long context {variant.get('architectures', ['Llama'])[0]}, {steps} steps, attention {attention}: " \
                f"worst rel logit error {worst:.2e}"
-        if attention != "single":   # the variants run the same GEMVs on the same inputs: far closer
+        if attention != "single":   # the variants run the same GEMVs on the same inputs: closer
+            # Closer, but not by much everywhere: their sums differ in order, so cache rows round
+            # apart as they do against the reference (a Gemma-2 draw on the H200: 1.01e-3 apart,
+            # 7.9e-4 from the reference). Half the reference tolerance still catches a variant
+            # that is off without failing compare_steps.
             apart = max(rel(a, b) for a, b in zip(runs[attention], runs["single"]))
             line += f", {apart:.2e} from the one-launch run"
-            assert apart < 1e-3, f"attention {attention} departs from the one-launch variant by {apart:.2e}"
+            assert apart < tol / 2, f"attention {attention} departs from the one-launch variant by {apart:.2e}"
         print(line)
 
 
