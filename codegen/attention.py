@@ -129,4 +129,4 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int, tokens: int 
             "q": params.ref(q), "kc": params.ref(kc), "vc": params.ref(vc), "pos": params.ref(pos),
             "out": params.ref(n, written=True),
             "ws": params.extra("float*", "workspace") if tokens == 1 else None,   # the split's records
-            "workspace_floats": a["n_heads"] * nchunk * record, "tokens": tokens}
+            "workspace_floats": a["n_heads"] * nchunk * record if tokens == 1 else 0, "tokens": tokens}

@@ -55,7 +55,7 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2, tokens: int = 1) -
         mod = FAMILIES[family]
         if mod is attention:
             ctx = mod.context(G, launch, params, rows, tokens)
-        elif mod is gemm:
+        elif mod in (gemm, moe):
             ctx = mod.context(G, launch, params, tokens)
         else:
             ctx = mod.context(G, launch, params)
@@ -75,7 +75,7 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2, tokens: int = 1) -
             launches = [Launch(name, (ctx["grid"], 1), ctx["threads"], params.values)]
         read, written = _traffic(G, launch, rows, weight_bytes)
         k = KernelSource(name, family, body, launch["nodes"], launches, launch["layer"],
-                         read, written, ctx.get("workspace_floats", 0) if tokens == 1 else 0)
+                         read, written, ctx.get("workspace_floats", 0))
         if family == "attention" and tokens == 1:
             k.variants = _attention_variants(name, ctx, params.values)
             k.notes["passes"] = {"split": ctx["split_pass"], "one launch": ctx["single_pass"]}
@@ -86,9 +86,8 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2, tokens: int = 1) -
 def prefill_unsupported(G: nx.DiGraph, tokens: int) -> str | None:
     """Why the compiled graph `G` cannot run steps of `tokens` tokens (generate(tokens > 1)), or None."""
     for launch in G.graph["schedule"]:
-        if launch["family"] == "moe":
-            return f"{launch['kernel']}: mixture-of-experts kernels run one token at a time"
-        if launch["family"] == "gemv" and (why := gemm.unsupported(G, launch, tokens)):
+        family = {"gemv": gemm, "moe": moe}.get(launch["family"])
+        if family and (why := family.unsupported(G, launch, tokens)):
             return f"{launch['kernel']}: {why}"
     return None
 

@@ -14,15 +14,15 @@ SLOTS = 16 * WARPS  # rows of each member per block
 SMEM = 48 * 1024    # static shared memory a kernel may use
 
 
-def _chunk(K: int) -> int:
+def chunk(K: int) -> int:
     """k per staged chunk: 128 where the rows allow (a round trip to memory per chunk)."""
     return next(kc for kc in (128, 64, 32) if K % kc == 0)
 
 
-def _smem(K: int, members: int, tokens: int) -> int:
+def smem_bytes(K: int, members: int, tokens: int) -> int:
     """Bytes of shared memory: the staged chunk (hi and lo words, StagedX) and the dot products
     of the tile share memory; then the per-token sums of squares."""
-    entries = _chunk(K) // 8
+    entries = chunk(K) // 8
     staged = 2 * tokens * (entries + (12 - entries % 8) % 8) * 16
     return max(staged, members * SLOTS * tokens * 4) + 4 * tokens
 
@@ -37,9 +37,9 @@ def unsupported(G: nx.DiGraph, launch: dict, tokens: int) -> str | None:
     if K % 32:
         return f"its rows of {K} weights are not a multiple of 32"
     members = max(len(z["linears"]) for z in zip_sets(G, launch["nodes"]))
-    if _smem(K, members, tokens) > SMEM:
+    if smem_bytes(K, members, tokens) > SMEM:
         return (f"{members} GEMVs meeting in one epilogue at {tokens} tokens per step need "
-                f"{_smem(K, members, tokens)} bytes of shared memory; at most {SMEM}")
+                f"{smem_bytes(K, members, tokens)} bytes of shared memory; at most {SMEM}")
     return None
 
 
@@ -47,5 +47,5 @@ def context(G: nx.DiGraph, launch: dict, params: Params, tokens: int) -> dict:
     """Template variables of one gemm kernel for steps of `tokens` tokens (a multiple of 8)."""
     vec = input_vector(G, launch, params)
     zips, grid = zip_contexts(G, launch, params, lambda members, pairs: SLOTS, batched=True)
-    return {**vec, "zips": zips, "threads": WARPS * 32, "tokens": tokens, "kc": _chunk(vec["K"]),
+    return {**vec, "zips": zips, "threads": WARPS * 32, "tokens": tokens, "kc": chunk(vec["K"]),
             "max_tile": max(z["R"] * len(z["members"]) for z in zips), "grid": grid}

@@ -63,14 +63,18 @@ class Prefill:
         self.arena = cp.empty(max(G.graph["arena_bytes"], 256), cp.uint8)
         self.ids = cp.zeros(TOKENS, cp.int32)         # [TOKENS] token ids of the step
         self.pos = cp.zeros(TOKENS, cp.int32)         # [TOKENS] their positions
+        # the moe kernels' activations of every expert for every token of the step
+        self.workspace = cp.empty(max([k.workspace_floats for k in kernels] + [1]), cp.float32)
         self.calls = [bind_launch(self.module, l, self.buffer, engine.pdl, tokens=TOKENS)
                       for k in kernels for l in k.launches]
         self._graph = None
 
     def buffer(self, value: str):
         """The device array of `value`: the engine's weights, constants and caches; the step's
-        ids and positions; activations in this graph's own arena."""
+        ids and positions; activations in this graph's own arena and workspace."""
         cp, G = self.engine.cp, self.G
+        if value == "workspace":
+            return self.workspace
         store = storage_of(G, value)
         op = G.nodes[store]["op"]
         if op == "input":

@@ -107,8 +107,7 @@ def test_module_compiles_and_gemv_and_attention_kernels_do_not_spill(kernels_of,
     assert not spilling, f"{name} {arch}: gemv or attention kernels spill (bytes stored + loaded): {spilling}"
 
 
-PREFILL_UNSUPPORTED = {"mixtral-8x7b": "mixture-of-experts kernels run one token at a time",
-                       "tiny-hidden36": "rows of 36 weights are not a multiple of 32",
+PREFILL_UNSUPPORTED = {"tiny-hidden36": "rows of 36 weights are not a multiple of 32",
                        "tiny-headdim40": "rows of 200 weights are not a multiple of 32"}
 
 
@@ -129,12 +128,13 @@ def test_prefill_module_compiles_and_does_not_spill(name, fuse):
         return
     assert why is None
     ks = generate(G, rows=min(cfg.max_position_embeddings, 4096), tokens=TOKENS)
-    assert {k.family for k in ks} <= {"gemm", "attention", "rowwise"} and "gemm" in {k.family for k in ks}
+    assert {k.family for k in ks} <= {"gemm", "attention", "rowwise", "moe"} and "gemm" in {k.family for k in ks}
     cubin, log, _ = compile_cubin(module_source(ks), headers(), options("sm_90", verbose=True), use_cache=False)
     functions = {launch.function for k in ks for launch in k.all_launches()}
     assert all(f.encode() in cubin for f in functions)
     report = spills(log)
     spilling = {f: report[f] for f in functions if report[f] and not f.startswith("rowwise")}
+    assert any(f.startswith("moe") for f in functions) == ("num_local_experts" in cfg.extra)
     assert not spilling, f"{name}: prefill kernels spill: {spilling}"
 
 
