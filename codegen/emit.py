@@ -73,7 +73,7 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2, tokens: int = 1) -
                         Launch(f"{name}_down", (ctx["grid_down"], 1), ctx["threads"], params.values)]
         else:
             launches = [Launch(name, (ctx["grid"], 1), ctx["threads"], params.values)]
-        read, written = _traffic(G, launch, rows, weight_bytes)
+        read, written = _traffic(G, launch, rows, weight_bytes, tokens)
         k = KernelSource(name, family, body, launch["nodes"], launches, launch["layer"],
                          read, written, ctx.get("workspace_floats", 0))
         if family == "attention" and tokens == 1:
@@ -134,8 +134,9 @@ def _name(family: str, ctx: dict, body: str) -> str:
     return re.sub(r"\W", "_", f"{family}_{shape}_{digest}")
 
 
-def _traffic(G: nx.DiGraph, launch: dict, rows: int, weight_bytes: int) -> tuple[int, int]:
-    """Bytes a launch reads and writes per token (KV cache counted at `rows` positions)."""
+def _traffic(G: nx.DiGraph, launch: dict, rows: int, weight_bytes: int, tokens: int = 1) -> tuple[int, int]:
+    """Bytes a launch reads and writes per step of `tokens` tokens (KV cache counted at `rows`
+    positions; activations as one token's, for a prefill step)."""
     def nbytes(v):
         d = G.nodes[v]
         shape = [1 if s == "T" else rows if s == "S" else s for s in d["shape"]]
@@ -147,7 +148,7 @@ def _traffic(G: nx.DiGraph, launch: dict, rows: int, weight_bytes: int) -> tuple
         return int(np.prod(shape)) * per
     read = sum(nbytes(v) for v in launch["reads"] if G.nodes[storage_of(G, v)]["op"] != "state"
                or launch["family"] == "attention")
-    if launch["family"] == "moe":            # only the chosen experts' weights are streamed
+    if launch["family"] == "moe" and tokens == 1:   # only the chosen experts' weights are streamed
         (n,) = launch["nodes"]
         experts = G.nodes[G.nodes[n]["inputs"][2]]["shape"][0]
         read -= sum(nbytes(w) for w in G.nodes[n]["inputs"][2:]) * (1 - G.nodes[n]["attrs"]["top_k"] / experts)

@@ -306,7 +306,8 @@ def test_every_kernel_argument_has_memory(name, fuse):
                 store = storage_of(G, logits if a == "logits" else a)   # the sampler's "logits": the output
                 assert G.nodes[store]["op"] in ("weight", "constant", "input", "state") \
                     or store in G.graph["buffers"], f"{launch.function}: argument {a} has no memory"
-    # the batched prefill (runtime/prefill.py) binds graph sources and its own arena only
+    # the batched prefill (runtime/prefill.py) binds graph sources, its own arena and its own
+    # workspace (the moe kernels') only
     from fuselm.codegen.emit import prefill_unsupported
     from fuselm.runtime.prefill import TOKENS
     P = compile_graph(build_graph(cfg), fuse=fuse, tokens=TOKENS, state_only=True)
@@ -315,6 +316,9 @@ def test_every_kernel_argument_has_memory(name, fuse):
     for k in generate(P, rows=min(cfg.max_position_embeddings, 4096), tokens=TOKENS):
         for launch in k.all_launches():
             for a in launch.args:
+                if a == "workspace":
+                    assert k.workspace_floats > 0, f"{launch.function}: a workspace argument, but none sized"
+                    continue
                 store = storage_of(P, a) if a in P else None
                 assert store is not None and (P.nodes[store]["op"] in ("weight", "constant", "input", "state")
                                               or store in P.graph["buffers"]), f"{launch.function}: argument {a} has no memory"
