@@ -337,6 +337,10 @@ def test_prefill_shows_the_batched_prefill_graph(capsys, tmp_path):
     assert any(f.name.startswith("gemm_") for f in tmp_path.iterdir())
 
 
-def test_prefill_of_a_model_without_one_is_one_error_line(capsys):
-    assert_one_line_error(*run_main(capsys, "inspect", "mixtral-8x7b", "--prefill"),
-                          "MixtralForCausalLM has no batched prefill")
+def test_prefill_of_a_model_without_one_is_one_error_line(capsys, tmp_path):
+    config = tmp_path / "config.json"      # rows of 36 weights: no gemm form
+    config.write_text(json.dumps(dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=36,
+                                      intermediate_size=64, num_hidden_layers=2, num_attention_heads=3,
+                                      num_key_value_heads=1)))
+    assert_one_line_error(*run_main(capsys, "inspect", str(config), "--prefill"),
+                          "LlamaForCausalLM has no batched prefill")
