@@ -7,9 +7,10 @@ import networkx as nx
 
 from ..compiler.kernels import gemv_parts, zip_sets
 from .gemv import input_vector, zip_contexts
+from .knobs import env_int
 from .params import Params
 
-WARPS = 4          # per block; each warp computes 16 rows of the tile
+WARPS = env_int("FUSELM_GEMM_WARPS", 4, 1, 8)   # per block; each warp computes 16 rows of the tile
 SLOTS = 16 * WARPS  # rows of each member per block
 SMEM = 48 * 1024    # static shared memory a kernel may use
 

@@ -22,6 +22,8 @@ def unsupported(G: nx.DiGraph, launch: dict, tokens: int) -> str | None:
     """Why this moe kernel has no form for steps of `tokens` tokens, or None: its GEMMs' rows must
     be whole 32-weight spans, and their staged chunks and tiles fit the static shared memory."""
     _, _, I, D = _shapes(G, launch)
+    if tokens > gemm.WARPS * 32:
+        return f"{tokens} tokens per step need a thread each to route them; its blocks have {gemm.WARPS * 32}"
     for what, K, members in (("gate/up", D, 2), ("down", I, 1)):
         if K % 32:
             return f"its {what} rows of {K} weights are not a multiple of 32"
