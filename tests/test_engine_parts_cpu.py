@@ -133,3 +133,18 @@ def test_prefill_build_says_why_a_model_has_none():
                                                 num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)))
     why = build(moe, 64, "sm_90")
     assert isinstance(why, str) and "down rows of 48 weights are not a multiple of 32" in why, why
+
+
+def test_moe_prefill_refuses_more_tokens_than_threads_to_route_them(monkeypatch):
+    """The moe prefill routes token t on thread t: steps longer than a block are refused by name."""
+    from fuselm.codegen import gemm, moe
+    from fuselm.codegen.emit import prefill_unsupported
+    graph = build_graph(DecoderConfig.from_hf(dict(architectures=["MixtralForCausalLM"], vocab_size=64,
+                                                   hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                                   num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)))
+    G = compile_graph(graph, tokens=64, state_only=True)
+    assert prefill_unsupported(G, 64) is None                        # 4 warps: 128 threads
+    monkeypatch.setattr(gemm, "WARPS", 1)
+    why = prefill_unsupported(G, 64)
+    assert why and "moe" in why and "64 tokens per step need a thread each" in why and "have 32" in why
+    assert moe.unsupported(G, next(l for l in G.graph["schedule"] if l["family"] == "moe"), 32) is None
