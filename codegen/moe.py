@@ -1,5 +1,5 @@
 """The moe family: routed expert FFN in two launches (gate/up of the chosen experts, then down);
-for steps of several tokens, GEMMs per expert over the step's tokens (templates/moe.cuh)."""
+for steps of several tokens, GEMMs per expert over the step's tokens (templates/moe_gemm.cuh)."""
 from __future__ import annotations
 
 import networkx as nx
@@ -27,7 +27,7 @@ def unsupported(G: nx.DiGraph, launch: dict, tokens: int) -> str | None:
     for what, K, members in (("gate/up", D, 2), ("down", I, 1)):
         if K % 32:
             return f"its {what} rows of {K} weights are not a multiple of 32"
-        if (need := gemm.smem_bytes(K, members, tokens) + 4 * tokens) > gemm.SMEM:
+        if (need := gemm.smem_bytes(K, members, tokens) + 4 * tokens) > gemm.SMEM:   # + the routing weights
             return f"its {what} GEMMs at {tokens} tokens per step need {need} bytes of shared memory; at most {gemm.SMEM}"
     return None
 
@@ -50,6 +50,6 @@ def context(G: nx.DiGraph, launch: dict, params: Params, tokens: int = 1) -> dic
         return {**ctx, "threads": THREADS, "unroll": UNROLL, "grid_up": top_k * -(-I // rows),
                 "grid_down": -(-D // rows), "workspace_floats": top_k * I}
     # [E][tokens][I] activations; every expert's tiles (those no token chose return at once)
-    return {**ctx, "threads": gemm.WARPS * 32, "slots": gemm.SLOTS, "kc_up": gemm.chunk(D), "kc_down": gemm.chunk(I),
+    return {**ctx, "threads": gemm.WARPS * 32, "kc_up": gemm.chunk(D), "kc_down": gemm.chunk(I),
             "grid_up": E * -(-I // gemm.SLOTS), "grid_down": E * -(-D // gemm.SLOTS),
             "workspace_floats": E * tokens * I}
