@@ -73,10 +73,10 @@ def load_config(model: str):
                       f"(presets: {', '.join(sorted(PRESETS))})")
 
 
-def build(cfg, fuse: bool = True, ctx: int | None = None, dump: str | Path | None = None, prefill: bool = False):
+def build(cfg, fuse: bool = True, ctx: int | None = None, dump: str | Path | None = None, prefill: int = 0):
     """(compiled graph, kernels in launch order with the sampler last, ctx) as the runtime has them;
-    with `prefill`, the batched-prefill graph's (runtime/prefill.py: steps of TOKENS tokens, what
-    the KV caches need), or a one-line error saying why the model has none."""
+    with `prefill` > 0, the batched-prefill graph's for steps of that many tokens (runtime/prefill.py:
+    what the KV caches need), or a one-line error saying why the model has none."""
     from ..compiler import compile_graph
     from ..models import build_graph
     from .emit import generate, sampler
@@ -85,7 +85,7 @@ def build(cfg, fuse: bool = True, ctx: int | None = None, dump: str | Path | Non
     if prefill:
         from ..runtime.prefill import prefill_kernels
         try:
-            G, kernels = prefill_kernels(build_graph(cfg), ctx, fuse)
+            G, kernels = prefill_kernels(build_graph(cfg), ctx, fuse, prefill)
         except FuselmError as e:
             raise FuselmError(f"{cfg.architecture} has no batched prefill (prompts go one token at a time): {e}") from None
         return G, kernels, ctx
@@ -274,8 +274,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "for (default min(model's maximum, 4096))")
     p.add_argument("--position", type=int, metavar="P", help="the schedule of a step at position P "
                    "(attention's launches depend on it; default: the long-context schedule)")
-    p.add_argument("--prefill", action="store_true", help="the batched-prefill graph (a step of a "
-                   "prompt's tokens, what the KV caches need) instead of the decode step")
+    p.add_argument("--prefill", type=int, nargs="?", const=0, metavar="TOKENS", help="the batched-prefill "
+                   "graph (a step of TOKENS prompt tokens, by default the largest step size; what the KV "
+                   "caches need) instead of the decode step")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -285,19 +286,22 @@ def main(args: argparse.Namespace) -> int:
         raise FuselmError(f"--position must be 0 or more, got {args.position}")
     if not re.fullmatch(r"sm_\d+[a-z]?", args.arch):
         raise FuselmError(f"--arch must look like sm_90, got '{args.arch}'")
+    tokens = 1
+    if args.prefill is not None:
+        from ..runtime.prefill import SIZES
+        tokens = args.prefill or SIZES[0]
+        if tokens % 8 or not 8 <= tokens <= 64:
+            raise FuselmError(f"--prefill takes a step of 8 to 64 tokens, a multiple of 8; got {tokens}")
+    prefill = args.prefill is not None
     cfg, source = load_config(args.model)
-    G, kernels, ctx = build(cfg, fuse=not args.no_fuse, ctx=args.ctx, dump=args.dump, prefill=args.prefill)
-    if args.prefill:
-        from ..runtime.prefill import TOKENS as tokens
-    else:
-        tokens = 1
+    G, kernels, ctx = build(cfg, fuse=not args.no_fuse, ctx=args.ctx, dump=args.dump, prefill=tokens if prefill else 0)
     rows = schedule_rows(kernels, args.position, tokens)
     at = f" at position {args.position}" if args.position is not None else ""
-    step = f"a prefill step of {tokens} tokens" if args.prefill else "one decode token"
+    step = f"a prefill step of {tokens} tokens" if prefill else "one decode token"
     title = (f"{source}: {cfg.architecture}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
              f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads of {cfg.head_dim}, vocab {cfg.vocab_size}; "
              f"{'fused' if not args.no_fuse else 'unfused'}, ctx {ctx}; {step}{at}")
-    lines = summary(G, kernels, rows, ctx, args.position, args.prefill)
+    lines = summary(G, kernels, rows, ctx, args.position, prefill)
     rep = compile_report(kernels, args.arch) if args.compile else None
     if args.out:
         out = Path(args.out)

@@ -21,3 +21,17 @@ def env_set(name: str, default: str, known: set[str], what: str) -> set[str]:
         raise ValueError(f"{name}={raw}: unknown {what} {sorted(items - known)}; "
                          f"known: {', '.join(sorted(known))} (or 0 for none)")
     return items
+
+
+def env_ints(name: str, default: str, low: int, high: int, multiple: int = 1) -> tuple[int, ...]:
+    """The comma-separated integers of `name` (`default` where unset), each within [low, high] and
+    a multiple of `multiple`, distinct, largest first."""
+    raw = os.environ.get(name, default)
+    try:
+        values = sorted({int(v) for v in raw.split(",") if v.strip()}, reverse=True)
+    except ValueError:
+        raise ValueError(f"{name}={raw}: must be comma-separated integers") from None
+    bad = [v for v in values if not low <= v <= high or v % multiple]
+    if not values or bad:
+        raise ValueError(f"{name}={raw}: each must be a multiple of {multiple} from {low} to {high}")
+    return tuple(values)

@@ -56,6 +56,18 @@ def compile_cubin(source: str, headers: dict[str, str], opts: list[str], use_cac
     return cubin, log, False
 
 
+def compile_cubins(sources: list[str], headers: dict[str, str], opts: list[str], use_cache: bool = True
+                   ) -> list[tuple[bytes, str, bool]]:
+    """compile_cubin of each source, in threads: NVRTC releases the GIL, so a model's decode and
+    prefill modules compile side by side (cold start is the longest module, not the sum)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if len(sources) == 1:
+        return [compile_cubin(sources[0], headers, opts, use_cache)]
+    with ThreadPoolExecutor(max_workers=min(len(sources), os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda s: compile_cubin(s, headers, opts, use_cache), sources))
+
+
 def _first_error(log: str) -> str:
     for line in log.splitlines():
         if "error" in line:

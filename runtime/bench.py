@@ -21,13 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..codegen import generate, headers, module_source, sampler
-from ..codegen.nvrtc import compile_cubin, options
+from ..codegen import generate, module_source, sampler
 from ..compiler import compile_graph
 from ..models import build_graph
 from ..models.presets import PRESETS, preset
 from .engine import SamplingParams
-from .prefill import build as prefill_build
+from .prefill import compile_planned, plan as prefill_plan
 from .profile import kernel_profile, step_ablation
 
 GREEDY = SamplingParams()
@@ -65,8 +64,8 @@ def compile_times(graph, ctx: int, arch: str) -> tuple[float, float]:
                 t0 = time.perf_counter()
                 G = compile_graph(graph, tokens=1)
                 ks = generate(G, rows=ctx) + [sampler(G.nodes[next(iter(G.graph["outputs"].values()))]["shape"][-1])]
-                compile_cubin(module_source(ks), headers(), options(arch))
-                prefill_build(graph, ctx, arch)
+                planned = prefill_plan(graph, ctx, arch)          # as CudaEngine: all modules side by side
+                compile_planned([] if isinstance(planned, str) else planned, arch, [module_source(ks)])
                 out.append(time.perf_counter() - t0)
         finally:
             if old is None:
@@ -155,7 +154,7 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
            "load_s": round(load, 2), "peak_gpu_GiB": round(cp.get_default_memory_pool().total_bytes() / 2**30, 2),
            "launches_per_token": len(engine.schedule_at(32 + tokens // 2)),
            "launches_per_token_at_4k": len(engine.schedule_at(4096)), "pdl": engine.pdl,
-           "prefill_tokens_per_step": engine.batched_prefill.tokens if engine.batched_prefill else 1,
+           "prefill_tokens_per_step": list(engine.batched_prefill.sizes) if engine.batched_prefill else [1],
            "prefill_refused": engine.prefill_refused}
     if copy_Bps:
         res["bandwidth_fraction"] = round(bytes_per_token * tok_s / copy_Bps, 3)

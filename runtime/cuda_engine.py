@@ -8,26 +8,30 @@ the captured graphs are replayed unchanged every step; only the sampled id is co
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..codegen import generate, headers, module_source, sampler, trace_enabled
+from ..codegen import generate, module_source, sampler, trace_enabled
 from ..codegen.emit import sampler_scratch_words
-from ..codegen.nvrtc import compile_cubin, options
 from ..codegen.params import storage_of
 from ..compiler import compile_graph
 from ..dsl import Graph
 from ..errors import FuselmError
 from .engine import SamplingParams
 from .launch import arena_view, bind_launch, load_cubin, pdl_wanted
-from .prefill import Prefill, build as prefill_build
+from .prefill import Prefill, compile_planned, plan as prefill_plan
 
 SAMPLING_ARGS = np.dtype([("temperature", "f4"), ("top_p", "f4"), ("min_p", "f4"),
                           ("repetition_penalty", "f4"), ("top_k", "i4"), ("seed", "i4"),
                           ("step", "i4"), ("pad", "i4")])   # mirrors SamplingArgs in sampling.cuh
 
+
+# Experiment knob: launches whose function name ends in one of these suffixes (comma-separated,
+# e.g. "_split") start only once their predecessor has finished, as without PDL.
+PDL_SKIP = tuple(s.strip() for s in os.environ.get("FUSELM_PDL_SKIP", "").split(",") if s.strip())
 
 # Launch arguments that are the engine's own buffers (attributes of the same name), not graph values.
 RUNTIME_BUFFERS = ("workspace", "seen", "ids", "pos", "sampling_args", "sampler_scratch")
@@ -90,9 +94,8 @@ class CudaEngine:
         if self.logits_value:
             self.kernels.append(sampler(vocab))
         self.traced = trace_enabled()     # kernels that record the block timeline (runtime/trace.py)
-        cubin, _, self.compile_cached = compile_cubin(module_source(self.kernels), headers(), options(self.arch))
-        # A language model's prompt tokens but the last go through the batched prefill graph where
-        # it has one (and this engine runs its whole model: no forced variant or pass list), else
+        # A language model's prompt tokens but the last go through the batched prefill graphs where
+        # it has them (and this engine runs its whole model: no forced variant or pass list), else
         # one step each.
         lm = self.logits_value and {n.name for n in graph.sources("input")} == {"ids", "pos"}
         if not batched_prefill:
@@ -100,7 +103,12 @@ class CudaEngine:
         elif not lm or variant is not None or pass_list is not None:
             prefill = "not a whole language model (a test graph, a forced variant or pass list)"
         else:
-            prefill = prefill_build(graph, ctx, self.arch, fuse)     # or why there is none
+            prefill = prefill_plan(graph, ctx, self.arch, fuse)      # or why there is none
+        planned = [] if isinstance(prefill, str) else prefill
+        # all modules at once: NVRTC compiles them in parallel threads
+        ((cubin, _, self.compile_cached),), built = compile_planned(planned, self.arch, [module_source(self.kernels)])
+        if planned:
+            prefill = built
         self.compile_seconds = time.perf_counter() - t0
         self.module = load_cubin(cupy, cubin)
         self._allocate(weights, vocab)
@@ -184,7 +192,8 @@ class CudaEngine:
         self._graph_execs: dict[int, object] = {}   # first position of a schedule -> its CUDA graph
 
     def _call(self, launch):
-        return bind_launch(self.module, launch, self.buffer, self.pdl)
+        pdl = self.pdl and not launch.function.endswith(PDL_SKIP)
+        return bind_launch(self.module, launch, self.buffer, pdl)
 
     def _schedule(self, position: int) -> tuple[int, list]:
         return next((start, calls) for start, calls in reversed(self._schedules) if position >= start)
@@ -289,8 +298,8 @@ class CudaEngine:
         seen[np.asarray(ids, np.int64)] = 1
         rest = list(ids[:-1])
         if self.batched_prefill and rest:
-            # whole steps of the prefill graph, the last one padded, as far as the context holds them
-            n = self.batched_prefill.fitting(len(rest), self.position)
+            # steps of the prefill graphs, the last one padded, as far as the context holds them
+            n = min(len(rest), sum(self.batched_prefill.plan(len(rest), self.position)))
             self.batched_prefill.run(rest[:n], self.position)
             rest = rest[n:]
             self.position += n

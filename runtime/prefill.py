@@ -1,13 +1,19 @@
-"""Batched prefill: a prompt's tokens, TOKENS at a time, through one CUDA graph that only fills
-the KV caches.
+"""Batched prefill: a prompt's tokens, many at a time, through CUDA graphs that only fill the KV
+caches.
 
 A prompt's tokens but the last are run for the cache rows they leave, not for logits, so the
-prefill graph is the model's graph compiled for steps of TOKENS tokens and cut down to what the
+prefill graph is the model's graph compiled for steps of several tokens and cut down to what the
 caches need (compiler: state_only). Its GEMVs become GEMMs that stream each weight once per step
 instead of once per token (codegen's gemm family), and attention runs one block per KV head and
 token. It shares the decode engine's weights, constants and caches; it has its own arena and its
-own ids / positions. A prompt's last step is padded: the padding's cache rows lie past the prompt,
-where the decode steps overwrite each row before any step reads it.
+own ids / positions.
+
+The graph is compiled once per step size in SIZES (64 and 32 tokens unless FUSELM_PREFILL_TOKENS
+says otherwise). A step costs about the same however few of its tokens are real, and a step of 64
+costs less than two of 32 (each weight streams once for all of them), so a prompt goes in steps
+of the largest size while more remain, then in the smallest step that holds the rest
+(step_sizes). The last step is padded: the padding's cache rows lie past the prompt, where the
+decode steps overwrite each row before any step reads it.
 """
 from __future__ import annotations
 
@@ -16,63 +22,130 @@ import weakref
 import numpy as np
 
 from ..codegen import generate, headers, module_source
-from ..codegen.knobs import env_int
-from ..codegen.nvrtc import compile_cubin, options
+from ..codegen.knobs import env_ints
+from ..codegen.nvrtc import compile_cubins, options
 from ..codegen.params import storage_of
 from ..compiler import compile_graph
 from ..errors import FuselmError
 from .launch import arena_view, bind_launch, load_cubin
 
-TOKENS = env_int("FUSELM_PREFILL_TOKENS", 32, 8, 64)   # tokens per prefill step (a multiple of 8)
-if TOKENS % 8:
-    raise ValueError(f"FUSELM_PREFILL_TOKENS={TOKENS}: must be a multiple of 8")
+# tokens per prefill step, largest first: one module each
+SIZES = env_ints("FUSELM_PREFILL_TOKENS", "64,32", 8, 64, multiple=8)
 
 
-def prefill_kernels(graph, ctx: int, fuse: bool = True):
-    """(compiled graph, kernels) of `graph`'s prefill for a cache of `ctx` rows; a FuselmError
-    saying why where it has none."""
-    G = compile_graph(graph, fuse=fuse, tokens=TOKENS, state_only=True)
+def step_sizes(n: int, room: int, sizes: tuple[int, ...] = SIZES) -> list[int]:
+    """The steps, in order, that feed `n` prompt tokens where `room` cache rows are left: steps of
+    the largest size while more tokens remain than it holds, then the smallest one that holds the
+    rest. No step ends past the cache; where none fits, the list stops short (the tokens it leaves
+    go one at a time)."""
+    steps = []
+    while n > 0:
+        fitting = [s for s in sizes if s <= room]
+        if not fitting:
+            break
+        holding = [s for s in fitting if s >= n]
+        step = min(holding) if holding else max(fitting)
+        steps.append(step)
+        n, room = n - step, room - step
+    return steps
+
+
+def prefill_kernels(graph, ctx: int, fuse: bool = True, tokens: int = SIZES[0]):
+    """(compiled graph, kernels) of `graph`'s prefill in steps of `tokens` tokens for a cache of
+    `ctx` rows; a FuselmError saying why where it has none."""
+    G = compile_graph(graph, fuse=fuse, tokens=tokens, state_only=True)
     if not G.graph["schedule"]:
         raise FuselmError(f"{graph.name}: nothing to prefill (no KV cache)")
-    return G, generate(G, rows=ctx, tokens=TOKENS)
+    return G, generate(G, rows=ctx, tokens=tokens)
+
+
+def plan(graph, ctx: int, arch: str, fuse: bool = True):
+    """[(tokens, compiled graph, kernels)] for each step size of SIZES that `graph` has a prefill
+    for on `arch` (sizes whose tiles do not fit are left out), or the reason it has none."""
+    if int(arch.removeprefix("sm_").rstrip("a")) < 80:
+        return "the gemm kernels need tensor cores with bf16 (sm_80 on)"
+    planned, why = [], None
+    for tokens in SIZES:
+        try:
+            planned.append((tokens, *prefill_kernels(graph, ctx, fuse, tokens)))
+        except FuselmError as e:
+            why = why or str(e)
+    return planned or why
+
+
+def compile_planned(planned, arch: str, others: list[str] = ()):
+    """The modules of plan()'s sizes compiled side by side with the sources `others` (a model's
+    decode module): (compile_cubin's result for each of `others`, [(tokens, compiled graph,
+    kernels, cubin)])."""
+    results = compile_cubins([*others, *(module_source(k) for _, _, k in planned)], headers(), options(arch))
+    built = [(t, G, k, cubin) for (t, G, k), (cubin, _, _) in zip(planned, results[len(others):])]
+    return results[:len(others)], built
 
 
 def build(graph, ctx: int, arch: str, fuse: bool = True):
-    """(compiled graph, kernels, cubin) of `graph`'s prefill for `arch`, or the reason it has none."""
-    if int(arch.removeprefix("sm_").rstrip("a")) < 80:
-        return "the gemm kernels need tensor cores with bf16 (sm_80 on)"
-    try:
-        G, kernels = prefill_kernels(graph, ctx, fuse)
-    except FuselmError as e:
-        return str(e)
-    cubin, _, _ = compile_cubin(module_source(kernels), headers(), options(arch))
-    return G, kernels, cubin
+    """plan() with each size's module compiled: [(tokens, compiled graph, kernels, cubin)], or the
+    reason `graph` has no prefill."""
+    planned = plan(graph, ctx, arch, fuse)
+    return planned if isinstance(planned, str) else compile_planned(planned, arch)[1]
 
 
 class Prefill:
-    """The prefill graph of a CudaEngine's model, bound to the engine's buffers (see the module
-    docstring); `built` comes from build()."""
+    """The prefill graphs of a CudaEngine's model, one per step size, bound to the engine's
+    buffers (see the module docstring); `built` comes from build(). The steps run one after
+    another on the engine's stream, so they share one arena and one workspace."""
 
     def __init__(self, engine, built):
         cp = engine.cp
-        G, kernels, cubin = built
         # A weak reference: the engine holds this object, and a cycle would keep both (and every
         # weight) alive after the engine is dropped, until the garbage collector ran.
-        self.engine, self.G, self.kernels, self.tokens = weakref.proxy(engine), G, kernels, TOKENS
-        self.module = load_cubin(cp, cubin)
-        self.arena = cp.empty(max(G.graph["arena_bytes"], 256), cp.uint8)
-        self.ids = cp.zeros(TOKENS, cp.int32)         # [TOKENS] token ids of the step
-        self.pos = cp.zeros(TOKENS, cp.int32)         # [TOKENS] their positions
+        self.engine = weakref.proxy(engine)
+        self.sizes = tuple(t for t, *_ in built)
+        self.arena = cp.empty(max([G.graph["arena_bytes"] for _, G, _, _ in built] + [256]), cp.uint8)
         # the moe kernels' activations of every expert for every token of the step
-        self.workspace = cp.empty(max([k.workspace_floats for k in kernels] + [1]), cp.float32)
-        self.calls = [bind_launch(self.module, l, self.buffer, engine.pdl, tokens=TOKENS)
+        self.workspace = cp.empty(max([k.workspace_floats for _, _, ks, _ in built for k in ks] + [1]), cp.float32)
+        self.steps = {t: _Step(self.engine, self.arena, self.workspace, t, G, kernels, cubin)
+                      for t, G, kernels, cubin in built}
+
+    def plan(self, tokens: int, start: int) -> list[int]:
+        """The step sizes that feed `tokens` prompt tokens from position `start` (step_sizes)."""
+        return step_sizes(tokens, self.engine.max_context - start, self.sizes)
+
+    def capture(self) -> None:
+        """Capture every step's CUDA graph now (run() otherwise does on first use)."""
+        for step in self.steps.values():
+            step.capture()
+
+    def run(self, ids, start: int) -> None:
+        """Queue the steps that put `ids` into the caches at positions start, start + 1, ..."""
+        sizes = self.plan(len(ids), start)
+        if sum(sizes) < len(ids):
+            raise FuselmError(f"prefill of {len(ids)} tokens from position {start} does not fit the context "
+                              f"of {self.engine.max_context} in steps of {' or '.join(map(str, self.sizes))}")
+        first = 0
+        for size in sizes:
+            self.steps[size].run(ids[first:first + size], start + first)
+            first += size
+
+
+class _Step:
+    """The prefill graph for steps of `tokens` tokens: its module, launches, ids and positions;
+    its activations in `arena` and `workspace`, which the Prefill shares among its steps."""
+
+    def __init__(self, engine, arena, workspace, tokens: int, G, kernels, cubin: bytes):
+        cp = engine.cp
+        self.engine, self.arena, self.workspace = engine, arena, workspace
+        self.tokens, self.G, self.kernels = tokens, G, kernels
+        self.module = load_cubin(cp, cubin)
+        self.ids = cp.zeros(tokens, cp.int32)         # [tokens] token ids of the step
+        self.pos = cp.zeros(tokens, cp.int32)         # [tokens] their positions
+        self.calls = [bind_launch(self.module, l, self.buffer, engine.pdl, tokens=tokens)
                       for k in kernels for l in k.launches]
         self._graph = None
 
     def buffer(self, value: str):
         """The device array of `value`: the engine's weights, constants and caches; the step's
-        ids and positions; activations in this graph's own arena and workspace."""
-        cp, G = self.engine.cp, self.G
+        ids and positions; activations in the arena and workspace."""
+        engine, G = self.engine, self.G
         if value == "workspace":
             return self.workspace
         store = storage_of(G, value)
@@ -80,37 +153,27 @@ class Prefill:
         if op == "input":
             return {"ids": self.ids, "pos": self.pos}[store]
         if op in ("weight", "constant", "state"):
-            return self.engine.buffer(store)
-        return arena_view(cp, self.arena, G, store)
-
-    def fitting(self, tokens: int, start: int) -> int:
-        """How many of `tokens` prompt tokens from position `start` whole steps take: as many as
-        there are, unless the padded last step would pass the end of the caches."""
-        steps = min(-(-tokens // self.tokens), (self.engine.max_context - start) // self.tokens)
-        return min(tokens, steps * self.tokens)
+            return engine.buffer(store)
+        return arena_view(engine.cp, self.arena, G, store)
 
     def capture(self) -> None:
-        """Capture the step's CUDA graph now (run() otherwise does on first use)."""
-        if self.engine.use_graph and self._graph is None:
-            with self.engine.stream:
-                self._graph = self.engine.capture([(None, None, c) for c in self.calls])
+        engine = self.engine
+        if engine.use_graph and self._graph is None:
+            with engine.stream:
+                self._graph = engine.capture([(None, None, c) for c in self.calls])
 
     def run(self, ids, start: int) -> None:
-        """Queue the steps that put `ids` into the caches at positions start, start + 1, ..."""
-        if len(ids) != self.fitting(len(ids), start):
-            raise FuselmError(f"prefill of {len(ids)} tokens from position {start} does not fit the context "
-                              f"of {self.engine.max_context} in steps of {self.tokens}")
-        stream = self.engine.stream
-        for first in range(0, len(ids), self.tokens):
-            chunk = np.zeros(self.tokens, np.int32)
-            part = np.asarray(ids[first:first + self.tokens], np.int32)
-            chunk[:len(part)] = part
-            with stream:
-                self.ids.set(chunk, stream=stream)
-                self.pos.set(np.arange(start + first, start + first + self.tokens, dtype=np.int32), stream=stream)
-                if not self.engine.use_graph:
-                    for call in self.calls:
-                        call(stream)
-                    continue
-                self.capture()
-                self._graph.launch(stream)
+        """Queue one step: `ids` (at most `tokens`; the rest padding) at positions start, ..."""
+        engine = self.engine
+        stream = engine.stream
+        chunk = np.zeros(self.tokens, np.int32)
+        chunk[:len(ids)] = np.asarray(ids, np.int32)
+        with stream:
+            self.ids.set(chunk, stream=stream)
+            self.pos.set(np.arange(start, start + self.tokens, dtype=np.int32), stream=stream)
+            if not engine.use_graph:
+                for call in self.calls:
+                    call(stream)
+                return
+            self.capture()
+            self._graph.launch(stream)

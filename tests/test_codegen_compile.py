@@ -20,6 +20,7 @@ from fuselm.codegen.nvrtc import compile_cubin, options, spills
 from fuselm.compiler import compile_graph
 from fuselm.models import ARCHITECTURES, DecoderConfig, build_graph
 from fuselm.models.presets import PRESETS, preset
+from fuselm.runtime.prefill import SIZES
 
 ARCHS = ("sm_80", "sm_90")
 
@@ -113,21 +114,21 @@ PREFILL_UNSUPPORTED = {"tiny-hidden36": "rows of 36 weights are not a multiple o
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_prefill_module_compiles_and_does_not_spill(name, fuse):
-    """The batched-prefill module (state only, steps of TOKENS tokens: gemm kernels and one
-    attention block per KV head and token) of every config, fused and unfused (an unfused
-    engine's prefill), compiles for sm_90 without spills in its gemm and attention kernels, or
-    prefill_unsupported names why it has none."""
+@pytest.mark.parametrize("tokens", SIZES, ids=[f"{t}-tokens" for t in SIZES])
+def test_prefill_module_compiles_and_does_not_spill(name, fuse, tokens):
+    """The batched-prefill module of each step size (state only, steps of `tokens` tokens: gemm
+    kernels and one attention block per KV head and token) of every config, fused and unfused (an
+    unfused engine's prefill), compiles for sm_90 without spills in its gemm and attention
+    kernels, or prefill_unsupported names why it has none."""
     from fuselm.codegen.emit import prefill_unsupported
-    from fuselm.runtime.prefill import TOKENS
     cfg = CONFIGS[name]()
-    G = compile_graph(build_graph(cfg), fuse=fuse, tokens=TOKENS, state_only=True)
-    why = prefill_unsupported(G, TOKENS)
+    G = compile_graph(build_graph(cfg), fuse=fuse, tokens=tokens, state_only=True)
+    why = prefill_unsupported(G, tokens)
     if name in PREFILL_UNSUPPORTED:
         assert why and PREFILL_UNSUPPORTED[name] in why
         return
     assert why is None
-    ks = generate(G, rows=min(cfg.max_position_embeddings, 4096), tokens=TOKENS)
+    ks = generate(G, rows=min(cfg.max_position_embeddings, 4096), tokens=tokens)
     assert {k.family for k in ks} <= {"gemm", "attention", "rowwise", "moe"} and "gemm" in {k.family for k in ks}
     cubin, log, _ = compile_cubin(module_source(ks), headers(), options("sm_90", verbose=True), use_cache=False)
     functions = {launch.function for k in ks for launch in k.all_launches()}
@@ -309,11 +310,17 @@ def test_every_kernel_argument_has_memory(name, fuse):
     # the batched prefill (runtime/prefill.py) binds graph sources, its own arena and its own
     # workspace (the moe kernels') only
     from fuselm.codegen.emit import prefill_unsupported
-    from fuselm.runtime.prefill import TOKENS
-    P = compile_graph(build_graph(cfg), fuse=fuse, tokens=TOKENS, state_only=True)
-    if prefill_unsupported(P, TOKENS):
-        return
-    for k in generate(P, rows=min(cfg.max_position_embeddings, 4096), tokens=TOKENS):
+    for tokens in SIZES:
+        P = compile_graph(build_graph(cfg), fuse=fuse, tokens=tokens, state_only=True)
+        if not prefill_unsupported(P, tokens):
+            check_prefill_arguments(P, generate(P, rows=min(cfg.max_position_embeddings, 4096), tokens=tokens))
+
+
+def check_prefill_arguments(P, kernels) -> None:
+    """Every argument of the prefill kernels is a graph source, a buffer of P's arena or the
+    workspace, which some kernel sizes."""
+    from fuselm.codegen.params import storage_of
+    for k in kernels:
         for launch in k.all_launches():
             for a in launch.args:
                 if a == "workspace":

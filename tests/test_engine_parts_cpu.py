@@ -101,22 +101,43 @@ def test_bench_records_the_knobs_it_ran_under(monkeypatch):
 
 
 def test_prefill_steps_fit_the_context():
-    """Prefill.fitting: whole steps of TOKENS, the last one padded, as long as the padded step ends
-    inside the cache; the rest of a prompt goes one token at a time. run() refuses more."""
+    """step_sizes: steps of the largest size while more tokens remain than it holds, then the
+    smallest step that holds the rest, as long as each step ends inside the cache; the rest of a
+    prompt goes one token at a time. Prefill.run refuses more than its steps take."""
     import types
 
     import pytest
 
     from fuselm.errors import FuselmError
-    from fuselm.runtime.prefill import Prefill
+    from fuselm.runtime.prefill import Prefill, step_sizes
+    assert step_sizes(39, 100, (64, 32)) == [64]            # one step of 64 costs less than two of 32
+    assert step_sizes(20, 100, (64, 32)) == [32]            # the smallest step that holds them
+    assert step_sizes(100, 200, (64, 32)) == [64, 64]
+    assert step_sizes(150, 200, (64, 32)) == [64, 64, 32]
+    assert step_sizes(49, 55, (64, 32)) == [32]             # a step of 64 would end at 109 of 100
+    assert step_sizes(39, 100, (32,)) == [32, 32]
+    assert step_sizes(10, 20, (64, 32)) == []               # no step fits: one token at a time
+    assert step_sizes(64, 64, (64, 32)) == [64]
+    assert step_sizes(0, 64, (64, 32)) == []
     p = Prefill.__new__(Prefill)                   # the arithmetic alone: no GPU buffers
-    p.tokens, p.engine = 32, types.SimpleNamespace(max_context=100)
-    assert p.fitting(39, 0) == 39                  # two steps, the second padded to 64
-    assert p.fitting(49, 45) == 32                 # a second step would end at 109
-    assert p.fitting(10, 80) == 0                  # no whole step fits: one token at a time
-    assert p.fitting(64, 36) == 64
-    with pytest.raises(FuselmError, match="does not fit the context of 100 in steps of 32"):
+    p.sizes, p.engine = (64, 32), types.SimpleNamespace(max_context=100)
+    assert p.plan(49, 45) == [32]
+    with pytest.raises(FuselmError, match="does not fit the context of 100 in steps of 64 or 32"):
         p.run(list(range(49)), 45)
+
+
+def test_prefill_sizes_knob_is_checked(monkeypatch):
+    """FUSELM_PREFILL_TOKENS: comma-separated step sizes, largest first, each a multiple of 8 up to
+    64; anything else is a one-line error naming the variable."""
+    import pytest
+
+    from fuselm.codegen.knobs import env_ints
+    monkeypatch.setenv("FUSELM_PREFILL_TOKENS", "32, 64,32")
+    assert env_ints("FUSELM_PREFILL_TOKENS", "64", 8, 64, multiple=8) == (64, 32)
+    for bad in ("48,20", "128", "x", ""):
+        monkeypatch.setenv("FUSELM_PREFILL_TOKENS", bad)
+        with pytest.raises(ValueError, match="FUSELM_PREFILL_TOKENS="):
+            env_ints("FUSELM_PREFILL_TOKENS", "64", 8, 64, multiple=8)
 
 
 def test_prefill_build_says_why_a_model_has_none():
@@ -148,3 +169,20 @@ def test_moe_prefill_refuses_more_tokens_than_threads_to_route_them(monkeypatch)
     why = prefill_unsupported(G, 64)
     assert why and "moe" in why and "64 tokens per step need a thread each" in why and "have 32" in why
     assert moe.unsupported(G, next(l for l in G.graph["schedule"] if l["family"] == "moe"), 32) is None
+
+
+def test_prefill_plan_leaves_out_the_step_sizes_a_model_cannot_take(monkeypatch):
+    """plan() keeps each step size the model's kernels can take and drops the others (here: a
+    one-warp gemm block routes only 32 tokens of a moe step); with none left, the reason."""
+    from fuselm.codegen import gemm
+    from fuselm.runtime import prefill
+    graph = build_graph(DecoderConfig.from_hf(dict(architectures=["MixtralForCausalLM"], vocab_size=64,
+                                                   hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                                   num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)))
+    monkeypatch.setattr(prefill, "SIZES", (64, 32))
+    assert [t for t, *_ in prefill.plan(graph, 128, "sm_90")] == [64, 32]
+    monkeypatch.setattr(gemm, "WARPS", 1)
+    assert [t for t, *_ in prefill.plan(graph, 128, "sm_90")] == [32]
+    monkeypatch.setattr(prefill, "SIZES", (64,))
+    why = prefill.plan(graph, 128, "sm_90")
+    assert isinstance(why, str) and "64 tokens per step need a thread each" in why, why

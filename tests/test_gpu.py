@@ -138,8 +138,9 @@ PREFILL_ARCHS = {"LlamaForCausalLM": {}, **ARCH_TINY}
 
 @pytest.mark.parametrize("arch", sorted(PREFILL_ARCHS))
 def test_batched_prefill_matches_the_reference_and_one_token_steps(arch):
-    """A 77-token prompt through the batched prefill (steps of TOKENS tokens, the last one padded;
-    its arena poisoned with NaN first) leaves the caches that one-token decode steps leave, and the
+    """A 77-token prompt through the batched prefill (a step of every size it has, 64 + 32 by
+    default, the last one padded; its arena poisoned with NaN first) leaves the caches that
+    one-token decode steps leave, and the
     logits of the prompt's last token match the numpy reference run over the whole prompt (bf16 KV
     cache on both sides); the decode steps after it agree too."""
     import cupy as cp
@@ -151,6 +152,7 @@ def test_batched_prefill_matches_the_reference_and_one_token_steps(arch):
     batched = engine_for(graph, weights, ctx=256)
     stepped = engine_for(graph, weights, ctx=256, batched_prefill=False)
     assert batched.batched_prefill is not None and stepped.batched_prefill is None
+    assert set(batched.batched_prefill.plan(76, 0)) == set(batched.batched_prefill.sizes)
     with batched.stream:
         batched.batched_prefill.arena.view(cp.float32).fill(cp.nan)
         batched.batched_prefill.workspace.fill(cp.nan)     # Mixtral's experts' activations

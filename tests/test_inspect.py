@@ -316,10 +316,11 @@ def test_bench_arguments_are_wired():
 
 
 def test_prefill_shows_the_batched_prefill_graph(capsys, tmp_path):
-    """--prefill: the state-only graph of a prompt step, its GEMVs as gemm kernels over TOKENS
-    tokens and attention a block per KV head and token; the last layer keeps only its K and V
-    projections; --out writes those kernels."""
-    from fuselm.runtime.prefill import TOKENS
+    """--prefill: the state-only graph of a prompt step (the largest step size unless named), its
+    GEMVs as gemm kernels over its tokens and attention a block per KV head and token; the last
+    layer keeps only its K and V projections; --out writes those kernels."""
+    from fuselm.runtime.prefill import SIZES
+    TOKENS = SIZES[0]
     rc, out, _ = run_main(capsys, "inspect", "smollm2-135m", "--prefill", "--json")
     assert rc == 0
     doc = json.loads(out)
@@ -335,6 +336,11 @@ def test_prefill_shows_the_batched_prefill_graph(capsys, tmp_path):
     rc, out, _ = run_main(capsys, "inspect", "smollm2-135m", "--prefill", "--out", str(tmp_path))
     assert rc == 0 and f"a prefill step of {TOKENS} tokens" in out
     assert any(f.name.startswith("gemm_") for f in tmp_path.iterdir())
+    rc, out, _ = run_main(capsys, "inspect", "smollm2-135m", "--prefill", "16", "--json")
+    assert rc == 0 and json.loads(out)["tokens"] == 16
+    for bad in ("12", "72"):
+        assert_one_line_error(*run_main(capsys, "inspect", "smollm2-135m", "--prefill", bad),
+                              f"--prefill takes a step of 8 to 64 tokens, a multiple of 8; got {bad}")
 
 
 def test_prefill_of_a_model_without_one_is_one_error_line(capsys, tmp_path):
