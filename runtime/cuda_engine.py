@@ -8,7 +8,6 @@ the captured graphs are replayed unchanged every step; only the sampled id is co
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Mapping, Sequence
 
@@ -28,10 +27,6 @@ SAMPLING_ARGS = np.dtype([("temperature", "f4"), ("top_p", "f4"), ("min_p", "f4"
                           ("repetition_penalty", "f4"), ("top_k", "i4"), ("seed", "i4"),
                           ("step", "i4"), ("pad", "i4")])   # mirrors SamplingArgs in sampling.cuh
 
-
-# Experiment knob: launches whose function name ends in one of these suffixes (comma-separated,
-# e.g. "_split") start only once their predecessor has finished, as without PDL.
-PDL_SKIP = tuple(s.strip() for s in os.environ.get("FUSELM_PDL_SKIP", "").split(",") if s.strip())
 
 # Launch arguments that are the engine's own buffers (attributes of the same name), not graph values.
 RUNTIME_BUFFERS = ("workspace", "seen", "ids", "pos", "sampling_args", "sampler_scratch")
@@ -192,8 +187,7 @@ class CudaEngine:
         self._graph_execs: dict[int, object] = {}   # first position of a schedule -> its CUDA graph
 
     def _call(self, launch):
-        pdl = self.pdl and not launch.function.endswith(PDL_SKIP)
-        return bind_launch(self.module, launch, self.buffer, pdl)
+        return bind_launch(self.module, launch, self.buffer, self.pdl)
 
     def _schedule(self, position: int) -> tuple[int, list]:
         return next((start, calls) for start, calls in reversed(self._schedules) if position >= start)
