@@ -72,10 +72,11 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2, tokens: int = 1) -
             launches = [Launch(f"{name}_up", (ctx["grid_up"], 1), ctx["threads"], params.values),
                         Launch(f"{name}_down", (ctx["grid_down"], 1), ctx["threads"], params.values)]
         else:
-            launches = [Launch(name, (ctx["grid"], 1), ctx["threads"], params.values)]
+            launches = [Launch(name, (ctx["grid"], ctx.get("splits", 1)), ctx["threads"], params.values)]
         read, written = _traffic(G, launch, rows, weight_bytes, tokens)
         k = KernelSource(name, family, body, launch["nodes"], launches, launch["layer"],
-                         read, written, ctx.get("workspace_floats", 0))
+                         read, written, ctx.get("workspace_floats", 0), ctx.get("slab_floats", 0),
+                         ctx.get("tile_counts", 0))
         if family == "attention" and tokens == 1:
             k.variants = _attention_variants(name, ctx, params.values)
             k.notes["passes"] = {"split": ctx["split_pass"], "one launch": ctx["single_pass"]}

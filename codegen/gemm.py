@@ -1,6 +1,11 @@
 """The gemm family: a gemv kernel's nodes for a step of several tokens (a prompt's batched
 prefill). Each block streams its tile's weight rows once for all the step's tokens, on tensor
-cores (templates/gemm.cuh), then runs the gemv epilogue for every (row, token) of its tile."""
+cores (templates/gemm.cuh), then runs the gemv epilogue for every (row, token) of its tile.
+
+A block walks its k in chunks, one memory round trip each, so a kernel lasts at least its chunks'
+round trips however many blocks run. Where a kernel has few tiles (short outputs: the O and down
+projections) and long rows, split-K cuts that chain: `splits` blocks share a tile, each over a
+slice of its k, and the last to finish adds their slices (in a fixed order) and runs the epilogue."""
 from __future__ import annotations
 
 import networkx as nx
@@ -11,6 +16,9 @@ from .knobs import env_int
 from .params import Params
 
 WARPS = env_int("FUSELM_GEMM_WARPS", 4, 1, 8)   # per block; each warp computes 16 rows of the tile
+# split-K: a kernel's tiles are split until it has this many blocks, or its k slices this few chunks
+BLOCKS = env_int("FUSELM_GEMM_BLOCKS", 256, 1, 1 << 16)
+MIN_CHUNKS = env_int("FUSELM_GEMM_MIN_CHUNKS", 4, 1, 1 << 10)
 SLOTS = 16 * WARPS  # rows of each member per block
 SMEM = 48 * 1024    # static shared memory a kernel may use
 
@@ -26,6 +34,15 @@ def smem_bytes(K: int, members: int, tokens: int) -> int:
     entries = chunk(K) // 8
     staged = 2 * tokens * (entries + (12 - entries % 8) % 8) * 16
     return max(staged, members * SLOTS * tokens * 4) + 4 * tokens
+
+
+def splits(K: int, tiles: int) -> int:
+    """How many blocks share each of a kernel's `tiles` tiles, each over a slice of its K: the
+    fewest that give BLOCKS blocks, among those that cut K into equal slices of at least
+    MIN_CHUNKS chunks (1: no split)."""
+    chunks = K // chunk(K)
+    fitting = [s for s in range(1, chunks // MIN_CHUNKS + 1) if chunks % s == 0]
+    return next((s for s in fitting if tiles * s >= BLOCKS), fitting[-1] if fitting else 1)
 
 
 def unsupported(G: nx.DiGraph, launch: dict, tokens: int) -> str | None:
@@ -45,8 +62,17 @@ def unsupported(G: nx.DiGraph, launch: dict, tokens: int) -> str | None:
 
 
 def context(G: nx.DiGraph, launch: dict, params: Params, tokens: int) -> dict:
-    """Template variables of one gemm kernel for steps of `tokens` tokens (a multiple of 8)."""
+    """Template variables of one gemm kernel for steps of `tokens` tokens (a multiple of 8); where
+    it splits K, the runtime buffers it needs: `slab_floats` of float32 slabs ("gemm_slabs") and
+    `tile_counts` zeroed counts ("gemm_counts"), shared by every gemm launch of the step."""
     vec = input_vector(G, launch, params)
     zips, grid = zip_contexts(G, launch, params, lambda members, pairs: SLOTS, batched=True)
+    max_tile = max(z["R"] * len(z["members"]) for z in zips)
+    split = splits(vec["K"], grid)
+    slabs = counts = None
+    if split > 1:
+        slabs, counts = params.extra("float*", "gemm_slabs"), params.extra("unsigned*", "gemm_counts")
     return {**vec, "zips": zips, "threads": WARPS * 32, "tokens": tokens, "kc": chunk(vec["K"]),
-            "max_tile": max(z["R"] * len(z["members"]) for z in zips), "grid": grid}
+            "max_tile": max_tile, "grid": grid, "splits": split, "slabs": slabs, "counts": counts,
+            "slab_floats": grid * split * (max_tile * tokens + tokens) if split > 1 else 0,
+            "tile_counts": grid if split > 1 else 0}

@@ -35,6 +35,8 @@ class KernelSource:
     bytes_read: int = 0       # per token, weights + activations (+ KV cache at the planned context)
     bytes_written: int = 0
     workspace_floats: int = 0
+    slab_floats: int = 0      # split-K gemm (prefill): its "gemm_slabs" floats and "gemm_counts" words
+    tile_counts: int = 0
     notes: dict = field(default_factory=dict)   # for `fuselm inspect`: attention's pass types
     # By increasing `until`; the runtime keeps one CUDA graph per range of positions.
     variants: list[Variant] = field(default_factory=list)

@@ -92,7 +92,7 @@ def build(graph, ctx: int, arch: str, fuse: bool = True):
 class Prefill:
     """The prefill graphs of a CudaEngine's model, one per step size, bound to the engine's
     buffers (see the module docstring); `built` comes from build(). The steps run one after
-    another on the engine's stream, so they share one arena and one workspace."""
+    another on the engine's stream, so they share one arena and the runtime buffers."""
 
     def __init__(self, engine, built):
         cp = engine.cp
@@ -101,9 +101,17 @@ class Prefill:
         self.engine = weakref.proxy(engine)
         self.sizes = tuple(t for t, *_ in built)
         self.arena = cp.empty(max([G.graph["arena_bytes"] for _, G, _, _ in built] + [256]), cp.uint8)
-        # the moe kernels' activations of every expert for every token of the step
-        self.workspace = cp.empty(max([k.workspace_floats for _, _, ks, _ in built for k in ks] + [1]), cp.float32)
-        self.steps = {t: _Step(self.engine, self.arena, self.workspace, t, G, kernels, cubin)
+        kernels = [k for _, _, ks, _ in built for k in ks]
+        self.buffers = {
+            # the moe kernels' activations of every expert for every token of the step
+            "workspace": cp.empty(max([k.workspace_floats for k in kernels] + [1]), cp.float32),
+            # split-K gemm tiles: each block's slice of the dot products, and per tile a count of
+            # the blocks done, which the last one leaves at 0
+            "gemm_slabs": cp.empty(max([k.slab_floats for k in kernels] + [1]), cp.float32),
+            "gemm_counts": cp.zeros(max([k.tile_counts for k in kernels] + [1]), cp.uint32),
+        }
+        self.workspace = self.buffers["workspace"]
+        self.steps = {t: _Step(self.engine, self.arena, self.buffers, t, G, kernels, cubin)
                       for t, G, kernels, cubin in built}
 
     def plan(self, tokens: int, start: int) -> list[int]:
@@ -129,11 +137,11 @@ class Prefill:
 
 class _Step:
     """The prefill graph for steps of `tokens` tokens: its module, launches, ids and positions;
-    its activations in `arena` and `workspace`, which the Prefill shares among its steps."""
+    its activations in `arena` and the runtime `buffers`, which the Prefill shares among its steps."""
 
-    def __init__(self, engine, arena, workspace, tokens: int, G, kernels, cubin: bytes):
+    def __init__(self, engine, arena, buffers: dict, tokens: int, G, kernels, cubin: bytes):
         cp = engine.cp
-        self.engine, self.arena, self.workspace = engine, arena, workspace
+        self.engine, self.arena, self.buffers = engine, arena, buffers
         self.tokens, self.G, self.kernels = tokens, G, kernels
         self.module = load_cubin(cp, cubin)
         self.ids = cp.zeros(tokens, cp.int32)         # [tokens] token ids of the step
@@ -144,10 +152,10 @@ class _Step:
 
     def buffer(self, value: str):
         """The device array of `value`: the engine's weights, constants and caches; the step's
-        ids and positions; activations in the arena and workspace."""
+        ids and positions; activations in the arena and the runtime buffers."""
         engine, G = self.engine, self.G
-        if value == "workspace":
-            return self.workspace
+        if value in self.buffers:
+            return self.buffers[value]
         store = storage_of(G, value)
         op = G.nodes[store]["op"]
         if op == "input":

@@ -317,14 +317,16 @@ def test_every_kernel_argument_has_memory(name, fuse):
 
 
 def check_prefill_arguments(P, kernels) -> None:
-    """Every argument of the prefill kernels is a graph source, a buffer of P's arena or the
-    workspace, which some kernel sizes."""
+    """Every argument of the prefill kernels is a graph source, a buffer of P's arena or a runtime
+    buffer of runtime/prefill.py that the kernel sizes (the moe workspace, split-K slabs and counts)."""
     from fuselm.codegen.params import storage_of
+    sized = {"workspace": lambda k: k.workspace_floats, "gemm_slabs": lambda k: k.slab_floats,
+             "gemm_counts": lambda k: k.tile_counts}
     for k in kernels:
         for launch in k.all_launches():
             for a in launch.args:
-                if a == "workspace":
-                    assert k.workspace_floats > 0, f"{launch.function}: a workspace argument, but none sized"
+                if a in sized:
+                    assert sized[a](k) > 0, f"{launch.function}: a {a} argument, but none sized"
                     continue
                 store = storage_of(P, a) if a in P else None
                 assert store is not None and (P.nodes[store]["op"] in ("weight", "constant", "input", "state")

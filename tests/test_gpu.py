@@ -136,14 +136,21 @@ def cache_rows(eng, rows: int) -> dict[str, np.ndarray]:
 PREFILL_ARCHS = {"LlamaForCausalLM": {}, **ARCH_TINY}
 
 
+@pytest.mark.parametrize("split_k", ["default", "every-tile"])
 @pytest.mark.parametrize("arch", sorted(PREFILL_ARCHS))
-def test_batched_prefill_matches_the_reference_and_one_token_steps(arch):
+def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k, monkeypatch):
     """A 77-token prompt through the batched prefill (a step of every size it has, 64 + 32 by
-    default, the last one padded; its arena poisoned with NaN first) leaves the caches that
-    one-token decode steps leave, and the
-    logits of the prompt's last token match the numpy reference run over the whole prompt (bf16 KV
-    cache on both sides); the decode steps after it agree too."""
+    default, the last one padded; its arena and runtime buffers poisoned with NaN first) leaves
+    the caches that one-token decode steps leave, and the logits of the prompt's last token match
+    the numpy reference run over the whole prompt (bf16 KV cache on both sides); the decode steps
+    after it agree too. "every-tile": every gemm kernel splits its K as far as it goes (at these
+    sizes the default splits few)."""
     import cupy as cp
+
+    from fuselm.codegen import gemm
+    if split_k == "every-tile":
+        monkeypatch.setattr(gemm, "BLOCKS", 1 << 16)
+        monkeypatch.setattr(gemm, "MIN_CHUNKS", 1)
     rng = np.random.default_rng()
     cfg = DecoderConfig.from_hf({**TINY, "architectures": [arch], **PREFILL_ARCHS[arch]})
     graph = build_graph(cfg)
@@ -156,6 +163,10 @@ def test_batched_prefill_matches_the_reference_and_one_token_steps(arch):
     with batched.stream:
         batched.batched_prefill.arena.view(cp.float32).fill(cp.nan)
         batched.batched_prefill.workspace.fill(cp.nan)     # Mixtral's experts' activations
+        batched.batched_prefill.buffers["gemm_slabs"].fill(cp.nan)
+    splits = {l.grid[1] for step in batched.batched_prefill.steps.values() for k in step.kernels
+              if k.family == "gemm" for l in k.launches}
+    assert split_k == "default" or max(splits) > 1, splits
     batched.prefill(prompt, SamplingParams())
     stepped.prefill(prompt, SamplingParams())
     a, b = cache_rows(batched, len(prompt)), cache_rows(stepped, len(prompt))

@@ -28,14 +28,16 @@ struct StagedX {
 };
 
 // The block's tile (R slots of each of M members, slot s of member m in rows slot_row(tile, s))
-// against the TT vectors of x [TT, K] (times the norm gain where NORMED): tile_out[(m R + s) TT +
-// t] = dot product of slot s of member m with token t, and, where NORMED, ss[t] = sum of x[t]^2
-// for the norm's scale. xs and tile_out may share memory: xs is not read once tile_out is written.
-template <int K, int TT, int KC, int M, int R, int N, int HD, bool INTERLEAVED, bool NORMED, int THREADS>
-__device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int tile, const float* x,
+// against the TT vectors of x [TT, K] (times the norm gain where NORMED), over k in [k0, k0 + KS):
+// tile_out[(m R + s) TT + t] = dot product of slot s of member m with token t, and, where NORMED,
+// ss[t] = sum of x[t]^2 for the norm's scale. KS < K: one slice of a split-K tile (splitk_gather
+// adds the slices). xs and tile_out may share memory: xs is not read once tile_out is written.
+template <int K, int KS, int TT, int KC, int M, int R, int N, int HD, bool INTERLEAVED, bool NORMED, int THREADS>
+__device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int tile, int k0, const float* x,
                                           const weight_t* gain, float gain_offset, StagedX<TT, KC>& xs,
                                           float* tile_out, float* ss) {
-    static_assert(K % KC == 0 && KC % 32 == 0 && TT % 8 == 0 && R == 16 * (THREADS / 32), "gemm tile shape");
+    static_assert(K % KS == 0 && KS % KC == 0 && KC % 32 == 0 && TT % 8 == 0 && R == 16 * (THREADS / 32),
+                  "gemm tile shape");
     static_assert(FUSELM_MMA_ARCH, "gemm needs mma.sync on bf16 (sm_80 on); runtime/prefill.py refuses older GPUs");
     constexpr int SPANS = KC / 32, NT = TT / 8, ENTRIES = StagedX<TT, KC>::ENTRIES;
     constexpr int GROUPS = (TT * ENTRIES + THREADS - 1) / THREADS;     // staged entries per thread
@@ -53,7 +55,8 @@ __device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int til
     }
     float acc[M][NT][4] = {};
     float sumsq[GROUPS] = {};
-    for (int kc = 0; kc < K; kc += KC) {
+    for (int c = 0; c < KS / KC; c++) {
+        const int kc = k0 + c * KC;
         uint4 qa[M][SPANS], qb[M][SPANS];   // the chunk's weights, in flight while x is staged
 #pragma unroll
         for (int m = 0; m < M; m++)
@@ -127,4 +130,49 @@ __device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int til
         }
     }
     __syncthreads();
+}
+
+// Split-K: S blocks share a tile, block `split` having run gemm_tile over the split-th K / S of k.
+// Each writes its dot products (and, where NORMED, its partial sums of squares) to its slab of
+// the tile's S slabs; the block that arrives last sums the S slabs in slab order (the same sums
+// whichever block that is: results do not depend on timing) into tile_out and ss, leaves the
+// tile's count at 0 for the next launch, and returns true: it runs the epilogue. The others
+// return false. FLOATS = M * R * TT, the tile's dot products; a slab is FLOATS + TT floats.
+template <int S, int FLOATS, int TT, bool NORMED, int THREADS>
+__device__ __forceinline__ bool splitk_gather(float* tile_out, float* ss, float* slabs, unsigned* count, int split) {
+    static_assert(FLOATS % 4 == 0, "slabs are written as float4");
+    constexpr int SLAB = FLOATS + TT;
+    __shared__ bool last;
+    float* mine = slabs + (size_t)split * SLAB;
+    for (int i = 4 * threadIdx.x; i < FLOATS; i += 4 * THREADS)
+        *reinterpret_cast<float4*>(mine + i) = *reinterpret_cast<const float4*>(tile_out + i);
+    if constexpr (NORMED)
+        for (int t = threadIdx.x; t < TT; t += THREADS) mine[FLOATS + t] = ss[t];
+    __threadfence();                          // the slab visible before the count says so
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(count, 1u) == S - 1;
+        if (last) *count = 0;                 // every block of the tile has counted
+    }
+    __syncthreads();
+    if (!last) return false;
+    __threadfence();
+    for (int i = 4 * threadIdx.x; i < FLOATS; i += 4 * THREADS) {
+        float4 sum = __ldcg(reinterpret_cast<const float4*>(slabs + i));   // L2: the others' writes
+#pragma unroll
+        for (int s = 1; s < S; s++) {
+            const float4 v = __ldcg(reinterpret_cast<const float4*>(slabs + (size_t)s * SLAB + i));
+            sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
+        }
+        *reinterpret_cast<float4*>(tile_out + i) = sum;
+    }
+    if constexpr (NORMED)
+        for (int t = threadIdx.x; t < TT; t += THREADS) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int s = 0; s < S; s++) sum += __ldcg(slabs + (size_t)s * SLAB + FLOATS + t);
+            ss[t] = sum;
+        }
+    __syncthreads();
+    return true;
 }
