@@ -55,8 +55,7 @@ __device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int til
     }
     float acc[M][NT][4] = {};
     float sumsq[GROUPS] = {};
-    for (int c = 0; c < KS / KC; c++) {
-        const int kc = k0 + c * KC;
+    for (int kc = k0; kc < k0 + KS; kc += KC) {
         uint4 qa[M][SPANS], qb[M][SPANS];   // the chunk's weights, in flight while x is staged
 #pragma unroll
         for (int m = 0; m < M; m++)
