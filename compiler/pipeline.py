@@ -31,9 +31,22 @@ FUSION_PASSES: list[Pass] = [fuse_horizontal, fuse_prologue, fuse_epilogue, fuse
 
 def passes(fuse: bool = True, tokens: int = 1, state_only: bool = False) -> list[Pass]:
     """The pass list, in order: what the state needs (state_only: a prompt's prefill), shapes,
-    the fusion passes (unless fuse=False), schedule, buffers."""
+    the fusion passes (unless fuse=False), schedule, buffers (the only one that `tokens` changes)."""
     return [*([keep_state] if state_only else []), infer_shapes, *(FUSION_PASSES if fuse else []), schedule,
             partial(plan_buffers, tokens=tokens)]
+
+
+def compile_graphs(graph: Graph, sizes: list[int], fuse: bool = True, state_only: bool = False) -> dict[int, nx.DiGraph]:
+    """compile_graph for each of `sizes` tokens per step. Only the buffer plan depends on the step
+    size, so the passes before it run once (a model's prefill graphs: start-up time)."""
+    *before, last = passes(fuse, 1, state_only)
+    assert last.func is plan_buffers, "the buffer plan is the last pass"
+    G = compile_graph(graph, pass_list=before)
+    out = {}
+    for tokens in sizes:
+        out[tokens] = plan_buffers(G, tokens=tokens)
+        validate(out[tokens])
+    return out
 
 
 def compile_graph(graph: Graph, fuse: bool = True, tokens: int = 1, dump: str | Path | None = None,

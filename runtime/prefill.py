@@ -25,7 +25,7 @@ from ..codegen import generate, headers, module_source
 from ..codegen.knobs import env_ints
 from ..codegen.nvrtc import compile_cubins, options
 from ..codegen.params import storage_of
-from ..compiler import compile_graph
+from ..compiler import compile_graph, compile_graphs
 from ..errors import FuselmError
 from .launch import arena_view, bind_launch, load_cubin
 
@@ -50,10 +50,10 @@ def step_sizes(n: int, room: int, sizes: tuple[int, ...] = SIZES) -> list[int]:
     return steps
 
 
-def prefill_kernels(graph, ctx: int, fuse: bool = True, tokens: int = SIZES[0]):
+def prefill_kernels(graph, ctx: int, fuse: bool = True, tokens: int = SIZES[0], G=None):
     """(compiled graph, kernels) of `graph`'s prefill in steps of `tokens` tokens for a cache of
-    `ctx` rows; a FuselmError saying why where it has none."""
-    G = compile_graph(graph, fuse=fuse, tokens=tokens, state_only=True)
+    `ctx` rows (G: that graph already compiled); a FuselmError saying why where it has none."""
+    G = G if G is not None else compile_graph(graph, fuse=fuse, tokens=tokens, state_only=True)
     if not G.graph["schedule"]:
         raise FuselmError(f"{graph.name}: nothing to prefill (no KV cache)")
     return G, generate(G, rows=ctx, tokens=tokens)
@@ -65,9 +65,9 @@ def plan(graph, ctx: int, arch: str, fuse: bool = True):
     if int(arch.removeprefix("sm_").rstrip("a")) < 80:
         return "the gemm kernels need tensor cores with bf16 (sm_80 on)"
     planned, why = [], None
-    for tokens in SIZES:
+    for tokens, G in compile_graphs(graph, SIZES, fuse=fuse, state_only=True).items():
         try:
-            planned.append((tokens, *prefill_kernels(graph, ctx, fuse, tokens)))
+            planned.append((tokens, *prefill_kernels(graph, ctx, fuse, tokens, G)))
         except FuselmError as e:
             why = why or str(e)
     return planned or why

@@ -504,3 +504,20 @@ def test_grouped_norm_is_not_a_gemv_prologue():
     G = compile_graph(g)
     launch = next(l for l in G.graph["schedule"] if n.name in l["nodes"])
     assert launch["family"] == "rowwise" and n.name in launch["writes"]
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+def test_compile_graphs_equals_compile_graph_per_step_size(fuse):
+    """compile_graphs runs the size-independent passes once: each size's graph has the schedule,
+    the buffer plan and the text of compile_graph for that size."""
+    from fuselm.compiler import compile_graphs
+    graph = build_graph(DecoderConfig.from_hf(dict(architectures=["LlamaForCausalLM"], vocab_size=64,
+                                                   hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                   num_attention_heads=4, num_key_value_heads=2)))
+    shared = compile_graphs(graph, [64, 32], fuse=fuse, state_only=True)
+    assert list(shared) == [64, 32]
+    for tokens, G in shared.items():
+        alone = compile_graph(graph, fuse=fuse, tokens=tokens, state_only=True)
+        assert G.graph["buffers"] == alone.graph["buffers"] and G.graph["arena_bytes"] == alone.graph["arena_bytes"]
+        assert G.graph["schedule"] == alone.graph["schedule"] and as_text(G) == as_text(alone)
+    assert shared[64].graph["arena_bytes"] == 2 * shared[32].graph["arena_bytes"]
