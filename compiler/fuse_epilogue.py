@@ -15,7 +15,7 @@ from __future__ import annotations
 import networkx as nx
 
 from ..dsl import Kind
-from .kernels import EPILOGUE_KINDS, check_gemv, family, kernel_graph, members
+from .kernels import EPILOGUE_KINDS, check_gemv, family, kernel_successors, members, runs_after
 
 
 def fuse_epilogue(G: nx.DiGraph) -> nx.DiGraph:
@@ -54,8 +54,8 @@ def _legal(G: nx.DiGraph, nodes: list[str], cand: str) -> bool:
     if outside:
         # An operand made by a kernel that runs after this one (directly or through any other
         # kernel) would need this kernel twice: the kernel graph would get a cycle.
-        Q, kernel = kernel_graph(G), G.nodes[nodes[0]]["kernel"]
-        if any(nx.has_path(Q, kernel, G.nodes[i]["kernel"]) for i in outside):
+        later = runs_after(kernel_successors(G), {G.nodes[nodes[0]]["kernel"]})
+        if any(G.nodes[i]["kernel"] in later for i in outside):
             return False
     try:
         check_gemv(G, sorted(nodes + [cand], key=lambda n: G.nodes[n]["order"]))

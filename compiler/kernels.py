@@ -34,13 +34,34 @@ def members(G: nx.DiGraph) -> dict[str, list[str]]:
 
 def kernel_graph(G: nx.DiGraph) -> nx.DiGraph:
     """The quotient graph: one node per kernel, an edge where one kernel reads another's output."""
+    succ = kernel_successors(G)
     Q = nx.DiGraph()
-    Q.add_nodes_from(k for k in members(G))
-    for u, v in G.edges:
-        ku, kv = G.nodes[u]["kernel"], G.nodes[v]["kernel"]
-        if ku is not None and kv is not None and ku != kv:
-            Q.add_edge(ku, kv)
+    Q.add_nodes_from(succ)
+    Q.add_edges_from((k, s) for k, after in succ.items() for s in after)
     return Q
+
+
+def kernel_successors(G: nx.DiGraph) -> dict[str, set[str]]:
+    """The quotient graph as plain sets, kernel -> the kernels reading its outputs, in graph order
+    of the kernels (merge builds it for every merge the fusion passes try: no networkx graph)."""
+    kernel = dict(G.nodes(data="kernel"))
+    succ: dict[str, set[str]] = {k: set() for k in kernel.values() if k is not None}
+    for u, v in G.edges:
+        ku, kv = kernel[u], kernel[v]
+        if ku is not None and kv is not None and ku != kv:
+            succ[ku].add(kv)
+    return succ
+
+
+def runs_after(succ: dict[str, set[str]], kernels: set[str]) -> set[str]:
+    """`kernels` and every kernel that reads, directly or through others, what they compute."""
+    reached, frontier = set(kernels), list(kernels)
+    while frontier:
+        for s in succ[frontier.pop()]:
+            if s not in reached:
+                reached.add(s)
+                frontier.append(s)
+    return reached
 
 
 def merge(G: nx.DiGraph, kernels: list[str], into: str | None = None) -> bool:
@@ -53,13 +74,10 @@ def merge(G: nx.DiGraph, kernels: list[str], into: str | None = None) -> bool:
     into = into or kernels[0]
     if len(kernels) < 2:
         return True
-    Q = kernel_graph(G)
+    succ = kernel_successors(G)
     merged = set(kernels)
-    outside_succ = {s for k in kernels for s in Q.successors(k)} - merged
-    reach = set()
-    for s in outside_succ:
-        reach |= nx.descendants(Q, s) | {s}
-    if reach & merged:
+    after = {s for k in kernels for s in succ[k]} - merged     # kernels that run after the set
+    if runs_after(succ, after) & merged:
         return False
     for name in G:
         if G.nodes[name]["kernel"] in merged:
