@@ -73,7 +73,7 @@ def plan(graph, ctx: int, arch: str, fuse: bool = True):
     return planned or why
 
 
-def compile_planned(planned, arch: str, others: list[str] = ()):
+def compile_planned(planned, arch: str, others: tuple[str, ...] | list[str] = ()):
     """The modules of plan()'s sizes compiled side by side with the sources `others` (a model's
     decode module): (compile_cubin's result for each of `others`, [(tokens, compiled graph,
     kernels, cubin)])."""
@@ -91,8 +91,9 @@ def build(graph, ctx: int, arch: str, fuse: bool = True):
 
 class Prefill:
     """The prefill graphs of a CudaEngine's model, one per step size, bound to the engine's
-    buffers (see the module docstring); `built` comes from build(). The steps run one after
-    another on the engine's stream, so they share one arena and the runtime buffers."""
+    buffers (see the module docstring); `built` comes from build() or compile_planned(). The
+    steps run one after another on the engine's stream, so they share one arena and the runtime
+    buffers."""
 
     def __init__(self, engine, built):
         cp = engine.cp
