@@ -335,6 +335,7 @@ def test_prefill_shows_the_batched_prefill_graph(capsys, tmp_path):
     assert len(launches) == 1 + 29 * 5 + 1          # embedding, 29 whole layers, the last one's K and V
     rc, out, _ = run_main(capsys, "inspect", "smollm2-135m", "--prefill", "--out", str(tmp_path))
     assert rc == 0 and f"a prefill step of {TOKENS} tokens" in out
+    assert "split-K: 1 of 5 gemm kernels split their k" in out      # the down projection (K 1536)
     assert any(f.name.startswith("gemm_") for f in tmp_path.iterdir())
     rc, out, _ = run_main(capsys, "inspect", "smollm2-135m", "--prefill", "16", "--json")
     assert rc == 0 and json.loads(out)["tokens"] == 16
