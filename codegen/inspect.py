@@ -279,9 +279,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "for (default min(model's maximum, 4096))")
     p.add_argument("--position", type=int, metavar="P", help="the schedule of a step at position P "
                    "(attention's launches depend on it; default: the long-context schedule)")
-    p.add_argument("--prefill", type=int, nargs="?", const=0, metavar="TOKENS", help="the batched-prefill "
-                   "graph (a step of TOKENS prompt tokens, by default the largest step size; what the KV "
-                   "caches need) instead of the decode step")
+    p.add_argument("--prefill", action="store_true", help="the batched-prefill graph (a step of a "
+                   "prompt's tokens, what the KV caches need) instead of the decode step")
+    p.add_argument("--prefill-tokens", type=int, metavar="N", help="with --prefill: a step of N tokens "
+                   "(default: the largest step size)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -291,13 +292,14 @@ def main(args: argparse.Namespace) -> int:
         raise FuselmError(f"--position must be 0 or more, got {args.position}")
     if not re.fullmatch(r"sm_\d+[a-z]?", args.arch):
         raise FuselmError(f"--arch must look like sm_90, got '{args.arch}'")
-    tokens = 1
-    if args.prefill is not None:
+    tokens, prefill = 1, args.prefill
+    if args.prefill_tokens is not None and not prefill:
+        raise FuselmError("--prefill-tokens needs --prefill")
+    if prefill:
         from ..runtime.prefill import SIZES
-        tokens = args.prefill or SIZES[0]
+        tokens = SIZES[0] if args.prefill_tokens is None else args.prefill_tokens
         if tokens % 8 or not 8 <= tokens <= 64:
-            raise FuselmError(f"--prefill takes a step of 8 to 64 tokens, a multiple of 8; got {tokens}")
-    prefill = args.prefill is not None
+            raise FuselmError(f"--prefill-tokens takes a step of 8 to 64 tokens, a multiple of 8; got {tokens}")
     cfg, source = load_config(args.model)
     G, kernels, ctx = build(cfg, fuse=not args.no_fuse, ctx=args.ctx, dump=args.dump, prefill=tokens if prefill else 0)
     rows = schedule_rows(kernels, args.position, tokens)

@@ -38,7 +38,9 @@ def passes(fuse: bool = True, tokens: int = 1, state_only: bool = False) -> list
 
 def compile_graphs(graph: Graph, sizes: list[int], fuse: bool = True, state_only: bool = False) -> dict[int, nx.DiGraph]:
     """compile_graph for each of `sizes` tokens per step. Only the buffer plan depends on the step
-    size, so the passes before it run once (a model's prefill graphs: start-up time)."""
+    size, so the passes before it run once (a model's prefill graphs: start-up time). The graphs
+    share their schedule and node attributes: read-only, as every compiled graph is to codegen and
+    the runtime."""
     *before, last = passes(fuse, 1, state_only)
     assert last.func is plan_buffers, "the buffer plan is the last pass"
     G = compile_graph(graph, pass_list=before)

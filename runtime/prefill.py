@@ -37,7 +37,9 @@ def step_sizes(n: int, room: int, sizes: tuple[int, ...] = SIZES) -> list[int]:
     """The steps, in order, that feed `n` prompt tokens where `room` cache rows are left: steps of
     the largest size while more tokens remain than it holds, then the smallest one that holds the
     rest. No step ends past the cache; where none fits, the list stops short (the tokens it leaves
-    go one at a time)."""
+    go one at a time). Near the end of the cache that greedy choice covers as many tokens as any
+    when each size divides the next larger one (the default 64, 32); with sizes such as 64, 48 it
+    may leave tokens that two smaller steps would have taken."""
     steps = []
     while n > 0:
         fitting = [s for s in sizes if s <= room]

@@ -144,7 +144,7 @@ def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k
     the caches that one-token decode steps leave, and the logits of the prompt's last token match
     the numpy reference run over the whole prompt (bf16 KV cache on both sides); the decode steps
     after it agree too. "every-tile": every gemm kernel splits its K as far as it goes (at these
-    sizes the default splits few)."""
+    sizes the default splits none; the real-shape tests run the default splits)."""
     import cupy as cp
 
     from fuselm.codegen import gemm
@@ -188,8 +188,8 @@ def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k
 
 def test_batched_prefill_of_a_long_prompt_at_real_shapes():
     """SmolLM2's shapes, a 700-token prompt: the per-token attention walks several passes of the
-    cache, and 22 steps of the prefill graph replay one CUDA graph; caches and logits as one-token
-    steps leave them."""
+    cache, and eleven steps of the 64-token graph replay one CUDA graph (its down projection split
+    three ways); caches and logits as one-token steps leave them."""
     rng = np.random.default_rng()
     cfg = DecoderConfig.from_hf(PRESETS["smollm2-135m"])
     graph = build_graph(cfg)

@@ -337,11 +337,13 @@ def test_prefill_shows_the_batched_prefill_graph(capsys, tmp_path):
     assert rc == 0 and f"a prefill step of {TOKENS} tokens" in out
     assert "split-K: 1 of 5 gemm kernels split their k" in out      # the down projection (K 1536)
     assert any(f.name.startswith("gemm_") for f in tmp_path.iterdir())
-    rc, out, _ = run_main(capsys, "inspect", "smollm2-135m", "--prefill", "16", "--json")
+    rc, out, _ = run_main(capsys, "inspect", "--prefill", "--prefill-tokens", "16", "smollm2-135m", "--json")
     assert rc == 0 and json.loads(out)["tokens"] == 16
-    for bad in ("12", "72"):
-        assert_one_line_error(*run_main(capsys, "inspect", "smollm2-135m", "--prefill", bad),
-                              f"--prefill takes a step of 8 to 64 tokens, a multiple of 8; got {bad}")
+    for bad in ("12", "72", "0"):
+        assert_one_line_error(*run_main(capsys, "inspect", "smollm2-135m", "--prefill", "--prefill-tokens", bad),
+                              f"--prefill-tokens takes a step of 8 to 64 tokens, a multiple of 8; got {bad}")
+    assert_one_line_error(*run_main(capsys, "inspect", "smollm2-135m", "--prefill-tokens", "32"),
+                          "--prefill-tokens needs --prefill")
 
 
 def test_prefill_of_a_model_without_one_is_one_error_line(capsys, tmp_path):
