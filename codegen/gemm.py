@@ -72,7 +72,8 @@ def context(G: nx.DiGraph, launch: dict, params: Params, tokens: int) -> dict:
     slabs = counts = None
     if split > 1:
         slabs, counts = params.extra("float*", "gemm_slabs"), params.extra("unsigned*", "gemm_counts")
+    tile_floats = split * (max_tile * tokens + tokens)    # a tile's slabs: dot products and sums of squares
     return {**vec, "zips": zips, "threads": WARPS * 32, "tokens": tokens, "kc": chunk(vec["K"]),
             "max_tile": max_tile, "grid": grid, "splits": split, "slabs": slabs, "counts": counts,
-            "slab_floats": grid * split * (max_tile * tokens + tokens) if split > 1 else 0,
-            "tile_counts": grid if split > 1 else 0}
+            "tile_slab_floats": tile_floats,
+            "slab_floats": grid * tile_floats if split > 1 else 0, "tile_counts": grid if split > 1 else 0}

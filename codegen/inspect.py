@@ -296,10 +296,11 @@ def main(args: argparse.Namespace) -> int:
     if args.prefill_tokens is not None and not prefill:
         raise FuselmError("--prefill-tokens needs --prefill")
     if prefill:
-        from ..runtime.prefill import SIZES
+        from ..runtime.prefill import SIZES, STEP_RANGE
         tokens = SIZES[0] if args.prefill_tokens is None else args.prefill_tokens
-        if tokens % 8 or not 8 <= tokens <= 64:
-            raise FuselmError(f"--prefill-tokens takes a step of 8 to 64 tokens, a multiple of 8; got {tokens}")
+        low, high = STEP_RANGE
+        if tokens % 8 or not low <= tokens <= high:
+            raise FuselmError(f"--prefill-tokens takes a step of {low} to {high} tokens, a multiple of 8; got {tokens}")
     cfg, source = load_config(args.model)
     G, kernels, ctx = build(cfg, fuse=not args.no_fuse, ctx=args.ctx, dump=args.dump, prefill=tokens if prefill else 0)
     rows = schedule_rows(kernels, args.position, tokens)

@@ -29,8 +29,9 @@ from ..compiler import compile_graph, compile_graphs
 from ..errors import FuselmError
 from .launch import arena_view, bind_launch, load_cubin
 
+STEP_RANGE = (8, 64)   # tokens a prefill step may take, a multiple of 8 (the mma's token tile)
 # tokens per prefill step, largest first: one module each
-SIZES = env_ints("FUSELM_PREFILL_TOKENS", "64,32", 8, 64, multiple=8)
+SIZES = env_ints("FUSELM_PREFILL_TOKENS", "64,32", *STEP_RANGE, multiple=8)
 
 
 def step_sizes(n: int, room: int, sizes: tuple[int, ...] = SIZES) -> list[int]:
