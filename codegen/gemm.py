@@ -17,7 +17,7 @@ from .params import Params
 
 WARPS = env_int("FUSELM_GEMM_WARPS", 4, 1, 8)   # per block; each warp computes 16 rows of the tile
 # split-K: a kernel's tiles are split until it has this many blocks, or its k slices this few chunks
-BLOCKS = env_int("FUSELM_GEMM_BLOCKS", 256, 1, 1 << 16)
+BLOCKS = env_int("FUSELM_GEMM_BLOCKS", 512, 1, 1 << 16)
 MIN_CHUNKS = env_int("FUSELM_GEMM_MIN_CHUNKS", 4, 1, 1 << 10)
 SLOTS = 16 * WARPS  # rows of each member per block
 SMEM = 48 * 1024    # static shared memory a kernel may use
