@@ -103,7 +103,7 @@ def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False) ->
     tile_out holds as [member][slot][token] (TT tokens) and whose partner slot s ^ 1 sits in the
     neighbouring thread."""
     def tile(i, slot):
-        return f"tile_out[({i} * R + {slot}) * TT + t]" if batched else f"tile_out[{i} * R + {slot}]"
+        return f"tile_out[({i} * R + {slot}) * TT + t]" if batched else f"slices_sum(tile_out, {i} * R + {slot})"
 
     token = "t" if batched else "0"
     var = {l: f"({tile(i, 's')} * pscale)" for i, l in enumerate(linears)}

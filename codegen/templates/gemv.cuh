@@ -46,6 +46,23 @@ struct NormedVector {
     }
 };
 
+// A value whose K-slices were computed by different warps: the slices added in slice order, so
+// that the sum has the same bits whichever warp finished first (atomics would add in arrival order).
+template <int S, int N>
+__device__ __forceinline__ float slices_sum(const float (&part)[S][N], int i) {
+    float sum = part[0][i];
+#pragma unroll
+    for (int k = 1; k < S; k++) sum += part[k][i];
+    return sum;
+}
+template <int S>
+__device__ __forceinline__ float slices_sum(const float (&part)[S]) {
+    float sum = part[0];
+#pragma unroll
+    for (int k = 1; k < S; k++) sum += part[k];
+    return sum;
+}
+
 // acc[r] += dot(the 8 weights in q[r], xv) for each of NR rows.
 template <int NR>
 __device__ __forceinline__ void fma8_rows(const uint4 (&q)[NR], const float (&xv)[8], float (&acc)[NR]) {
