@@ -111,6 +111,7 @@ class Model:
 
     @property
     def device(self) -> str:
+        """Where the model runs: "cuda" or "cpu"."""
         return self.engine.device
 
     def sampling(self, temperature=None, top_k=None, top_p=None, min_p=None,

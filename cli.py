@@ -49,6 +49,7 @@ class _Parser(argparse.ArgumentParser):
 # ---- fuselm run -----------------------------------------------------------------------------------
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """`fuselm run`'s options: the model, the prompt, and sampling overrides."""
     p.add_argument("model", nargs="?", help="HF checkpoint folder or .gguf file "
                    "(default: the embedded SmolLM2-135M-Instruct, pulled if needed)")
     p.add_argument("-p", "--prompt", help="the prompt; without it: interactive chat on a terminal, "

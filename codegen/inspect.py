@@ -265,6 +265,7 @@ def compile_lines(rep: dict) -> list[str]:
 # ---- command --------------------------------------------------------------------------------------
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`fuselm inspect`'s options."""
     p.add_argument("model", metavar="MODEL",
                    help="preset name, HF checkpoint folder, .gguf file or config.json (weights are not read)")
     p.add_argument("--out", metavar="DIR", help="write every distinct kernel as DIR/<name>.cu and "
@@ -286,6 +287,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    """`fuselm inspect`: print (or write with --out / --dump) what the compiler makes of a model."""
     if args.ctx is not None and args.ctx <= 0:
         raise FuselmError(f"--ctx must be a positive number of tokens, got {args.ctx}")
     if args.position is not None and args.position < 0:

@@ -7,7 +7,11 @@ import os
 
 def env_int(name: str, default: int, low: int, high: int) -> int:
     """The integer `name`, `default` where unset, within [low, high]."""
-    value = int(os.environ.get(name, default))
+    raw = os.environ.get(name, str(default))
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw}: must be an integer from {low} to {high}") from None
     if not low <= value <= high:
         raise ValueError(f"{name}={value}: must be {low} to {high}")
     return value

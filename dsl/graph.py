@@ -40,6 +40,7 @@ class Value:
 
     @property
     def shape(self) -> tuple:
+        """The node's shape: ints, and the symbols "T" (tokens per step) and "S" (context)."""
         return self.graph.nodes[self.name].shape
 
     def __add__(self, other: "Value") -> "Value":
@@ -63,6 +64,8 @@ class Graph:
 
     # ---- sources ----
     def input(self, name: str, shape: tuple, dtype: str = "f32") -> Value:
+        """A value the runtime sets before each step (token ids, position); "T" in `shape` is the
+        step's token count."""
         return self._add(Node(name, "input", (), {}, tuple(shape), dtype))
 
     def weight(self, name: str, shape: tuple) -> Value:
@@ -73,10 +76,12 @@ class Graph:
         return self._add(Node(name, "weight", (), {}, tuple(shape), "w"))
 
     def constant(self, name: str, array: np.ndarray) -> Value:
-        self.constants[name] = np.asarray(array, np.float32)
-        return self._add(Node(name, "constant", (), {}, tuple(array.shape), "f32"))
+        """A float32 array baked into the model (e.g. RoPE's inverse frequencies), uploaded once."""
+        self.constants[name] = values = np.asarray(array, np.float32)
+        return self._add(Node(name, "constant", (), {}, values.shape, "f32"))
 
     def state(self, name: str, shape: tuple) -> Value:
+        """State kept across steps (a KV cache); "S" in `shape` is the context length."""
         return self._add(Node(name, "state", (), {}, tuple(shape), "f32"))
 
     # ---- ops ----
@@ -98,6 +103,7 @@ class Graph:
         return self._add(Node(name, opname, tuple(a.name for a in args), attrs, tuple(shape), dtype))
 
     def output(self, **values: Value) -> None:
+        """Name the graph's results (a language model's: `logits`)."""
         self.outputs.update({k: v.name for k, v in values.items()})
 
     def _add(self, node: Node) -> Value:
@@ -107,4 +113,5 @@ class Graph:
         return Value(self, node.name)
 
     def sources(self, op: str) -> list[Node]:
+        """The nodes of source kind `op` ("input", "weight", "constant", "state"), in order added."""
         return [n for n in self.nodes.values() if n.op == op]

@@ -135,7 +135,7 @@ class CudaEngine:
                 raise FuselmError(f"missing weight '{node.name}'")
             if tuple(w.shape) != node.shape:
                 raise FuselmError(f"weight '{node.name}' has shape {tuple(w.shape)}, expected {node.shape}")
-            self.weights[node.name] = _as_device_bf16(cp, w)
+            self.weights[node.name] = as_device_bf16(cp, w)
         self.constants = {k: cp.asarray(v, cp.float32) for k, v in G.graph["constants"].items()}
         self.states = {n.name: cp.zeros((self.max_context, n.shape[-1]), cp.uint16)
                        for n in self.graph.sources("state")}
@@ -337,7 +337,7 @@ class CudaEngine:
         return self.cp.asnumpy(self.buffer(value)).reshape(shape)
 
 
-def _as_device_bf16(cp, w):
+def as_device_bf16(cp, w):
     """A weight (numpy float32 / bfloat16 / cupy array) as device uint16 bf16 bits."""
     if isinstance(w, cp.ndarray):
         return w if w.dtype == cp.uint16 else to_bf16_bits(w)

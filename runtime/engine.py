@@ -35,6 +35,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """Whether sampling reduces to the argmax (temperature 0 or top-k 1)."""
         return self.temperature == 0 or self.top_k == 1
 
 

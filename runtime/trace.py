@@ -151,6 +151,7 @@ def _print(pattern: list[dict], positions: str, step_us: float) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`fuselm trace`'s options."""
     p.add_argument("model", help=f"preset (random weights of real shapes): {', '.join(PRESETS)}")
     p.add_argument("--positions", type=int, nargs="+", default=[100, 4100], help="positions to trace at")
     p.add_argument("--steps", type=int, default=3, help="steps traced at each position")

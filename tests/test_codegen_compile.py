@@ -248,7 +248,8 @@ def test_only_few_block_kernels_release_their_successor_before_waiting():
     ({"FUSELM_GEMV_WARPS": "3"}, "FUSELM_GEMV_WARPS=3: warps per GEMV block must be a power of 2 from 1 to 32"),
     ({"FUSELM_ATTN_MMA": "split,combine"}, "FUSELM_ATTN_MMA=split,combine: unknown kernels ['combine']"),
     ({"FUSELM_ATTN_COMBINE_GROUP": "0"}, "FUSELM_ATTN_COMBINE_GROUP=0: must be 1 to 64"),
-    ({"FUSELM_ATTN_WARPS": "64"}, "FUSELM_ATTN_WARPS=64: must be 1 to 32")])
+    ({"FUSELM_ATTN_WARPS": "64"}, "FUSELM_ATTN_WARPS=64: must be 1 to 32"),
+    ({"FUSELM_GEMM_BLOCKS": "lots"}, "FUSELM_GEMM_BLOCKS=lots: must be an integer from 1 to 65536")])
 def test_a_bad_codegen_knob_is_a_one_line_error_at_import(env, message):
     """The experiment knobs are read when fuselm.codegen is imported; a bad value stops it there."""
     import os

@@ -220,6 +220,14 @@ def test_tied_weight_is_one_node():
         g.weight("model.embed_tokens.weight", (6, 10))
 
 
+def test_a_constant_may_be_any_array_like():
+    """Graph.constant takes lists as well as arrays, stored as float32 of the array's shape."""
+    g = Graph("c")
+    c = g.constant("inv", [[1, 2, 3], [4, 5, 6]])
+    assert c.shape == (2, 3) and g.constants["inv"].dtype == np.float32
+    assert g.constants["inv"].tolist() == [[1, 2, 3], [4, 5, 6]]
+
+
 def test_tied_llama_graph_has_no_lm_head():
     from fuselm.models import DecoderConfig, build_graph
 

@@ -193,12 +193,15 @@ def test_gemm_split_k_takes_the_fewest_slices_that_fill_the_gpu(monkeypatch):
     """gemm.splits: tiles x slices reach BLOCKS with the fewest slices that cut K into equal runs
     of at least MIN_CHUNKS chunks; kernels with tiles enough, or rows too short, do not split."""
     from fuselm.codegen import gemm
-    monkeypatch.setattr(gemm, "BLOCKS", 256)
-    monkeypatch.setattr(gemm, "MIN_CHUNKS", 4)
-    assert gemm.splits(14336, 64) == 4        # the 8B's down projection: 112 chunks of 128
-    assert gemm.splits(4096, 224) == 2        # its gate/up
+    assert (gemm.BLOCKS, gemm.MIN_CHUNKS) == (512, 4)    # the defaults the GPU tests ran under
+    assert gemm.splits(14336, 64) == 8        # the 8B's down projection: 112 chunks of 128
+    assert gemm.splits(4096, 224) == 4        # its gate/up: 896 blocks
+    assert gemm.splits(8192, 32) == 16        # the 1B's down projection
+    monkeypatch.setattr(gemm, "BLOCKS", 256)  # the tenth session's target
+    assert gemm.splits(14336, 64) == 4
+    assert gemm.splits(4096, 224) == 2
     assert gemm.splits(4096, 300) == 1        # enough tiles
-    assert gemm.splits(8192, 32) == 8         # the 1B's down projection
+    assert gemm.splits(8192, 32) == 8
     assert gemm.splits(2048, 48) == 4         # short rows: at most 16 / 4 slices
     assert gemm.splits(1536, 9) == 3          # 12 chunks, slices of 4 or more: at most 3 (below BLOCKS)
     assert gemm.splits(576, 15) == 1          # 9 chunks of 64: no equal slices of 4 or more

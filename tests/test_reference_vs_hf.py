@@ -27,9 +27,9 @@ def report_worst():
         print(f"  {'ALL':<28} {max(WORST.values()):.2e}")
 
 
-def record(kind: str | None, err: float) -> None:
-    if kind is not None:   # None: a known-failing (xfail) case, kept out of the summary
-        WORST[kind] = max(WORST.get(kind, 0.0), err)
+def record(kind: str, err: float) -> None:
+    """Keep the worst error of each kind for the summary printed at the end of the module."""
+    WORST[kind] = max(WORST.get(kind, 0.0), err)
 
 
 def compare(h, model, weights, cfg, prompt, steps, kind) -> list[float]:
@@ -137,26 +137,17 @@ def test_longer_llama_decode_vs_transformers(h):
             "llama long decode (24 pos)")
 
 
-# ---- known gaps, filed for their owners ----------------------------------------------------------
+# ---- biases (once known gaps, now supported) -----------------------------------------------------
 
-def test_llama_attention_bias_vs_transformers(h):
+@pytest.mark.parametrize("flag,bias", [("attention_bias", "self_attn.o_proj.bias"),   # Q, K, V and O
+                                       ("mlp_bias", "mlp.down_proj.bias")])        # gate, up and down
+def test_llama_biases_vs_transformers(h, flag, bias):
+    """Llama's optional biases, as transformers adds them."""
     model, weights, cfg = h.make_hf_model(
         "LlamaForCausalLM", seed=3, vocab_size=30, hidden_size=16, intermediate_size=20,
-        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, attention_bias=True)
-    assert "model.layers.0.self_attn.o_proj.bias" in weights
-    compare(h, model, weights, cfg, [1, 2, 3, 4], [5], None)
-
-
-def test_llama_mlp_bias_is_supported_or_refused(h):
-    from fuselm.models import ConfigError
-
-    try:
-        model, weights, cfg = h.make_hf_model(
-            "LlamaForCausalLM", seed=4, vocab_size=30, hidden_size=16, intermediate_size=20,
-            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, mlp_bias=True)
-    except ConfigError:
-        return
-    compare(h, model, weights, cfg, [1, 2, 3, 4], [5], None)
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, **{flag: True})
+    assert f"model.layers.0.{bias}" in weights
+    compare(h, model, weights, cfg, [1, 2, 3, 4], [5], f"llama {flag}")
 
 
 def test_from_hf_reads_rope_parameters():
