@@ -19,9 +19,6 @@ WARPS = env_int("FUSELM_GEMM_WARPS", 4, 1, 8)   # per block; each warp computes 
 # split-K: a kernel's tiles are split until it has this many blocks, or its k slices this few chunks
 BLOCKS = env_int("FUSELM_GEMM_BLOCKS", 512, 1, 1 << 16)
 MIN_CHUNKS = env_int("FUSELM_GEMM_MIN_CHUNKS", 4, 1, 1 << 10)
-# 1: the weight stream a chunk ahead of the products, and started before the wait (gemm_tile's
-# AHEAD and WAIT); 0: each chunk's weights loaded at its start, after the wait
-AHEAD = env_int("FUSELM_GEMM_AHEAD", 1, 0, 1) == 1
 SLOTS = 16 * WARPS  # rows of each member per block
 SMEM = 48 * 1024    # static shared memory a kernel may use
 
@@ -76,7 +73,7 @@ def context(G: nx.DiGraph, launch: dict, params: Params, tokens: int) -> dict:
     if split > 1:
         slabs, counts = params.extra("float*", "gemm_slabs"), params.extra("unsigned*", "gemm_counts")
     tile_floats = split * (max_tile * tokens + tokens)    # a tile's slabs: dot products and sums of squares
-    return {**vec, "zips": zips, "threads": WARPS * 32, "tokens": tokens, "kc": chunk(vec["K"]), "ahead": AHEAD,
+    return {**vec, "zips": zips, "threads": WARPS * 32, "tokens": tokens, "kc": chunk(vec["K"]),
             "max_tile": max_tile, "grid": grid, "splits": split, "slabs": slabs, "counts": counts,
             "tile_slab_floats": tile_floats,
             "slab_floats": grid * tile_floats if split > 1 else 0, "tile_counts": grid if split > 1 else 0}

@@ -51,6 +51,5 @@ def context(G: nx.DiGraph, launch: dict, params: Params, tokens: int = 1) -> dic
                 "grid_down": -(-D // rows), "workspace_floats": top_k * I}
     # [E][tokens][I] activations; every expert's tiles (those no token chose return at once)
     return {**ctx, "threads": gemm.WARPS * 32, "kc_up": gemm.chunk(D), "kc_down": gemm.chunk(I),
-            "ahead": "true" if gemm.AHEAD else "false",
             "grid_up": E * -(-I // gemm.SLOTS), "grid_down": E * -(-D // gemm.SLOTS),
             "workspace_floats": E * tokens * I}

@@ -27,46 +27,15 @@ struct StagedX {
     uint4 hi[TT][STRIDE], lo[TT][STRIDE];
 };
 
-// Span s (32 k from kc + 32 s) of the weight rows wa and wb of each of M members into qa, qb:
-// lane (r, c)'s 16-byte piece of rows r and r + 8 (see the top of this file).
-template <int M, int SPANS>
-__device__ __forceinline__ void load_span(const weight_t* (&wa)[M], const weight_t* (&wb)[M], int kc, int s,
-                                          uint4 (&qa)[M][SPANS], uint4 (&qb)[M][SPANS]) {
-#pragma unroll
-    for (int m = 0; m < M; m++) {
-        qa[m][s] = __ldcs(reinterpret_cast<const uint4*>(wa[m] + kc + 32 * s));
-        qb[m][s] = __ldcs(reinterpret_cast<const uint4*>(wb[m] + kc + 32 * s));
-    }
-}
-// The whole chunk at kc.
-template <int M, int SPANS>
-__device__ __forceinline__ void load_spans(const weight_t* (&wa)[M], const weight_t* (&wb)[M], int kc,
-                                           uint4 (&qa)[M][SPANS], uint4 (&qb)[M][SPANS]) {
-#pragma unroll
-    for (int m = 0; m < M; m++)
-#pragma unroll
-        for (int s = 0; s < SPANS; s++) {
-            qa[m][s] = __ldcs(reinterpret_cast<const uint4*>(wa[m] + kc + 32 * s));
-            qb[m][s] = __ldcs(reinterpret_cast<const uint4*>(wb[m] + kc + 32 * s));
-        }
-}
-
 // The block's tile (R slots of each of M members, slot s of member m in rows slot_row(tile, s))
 // against the TT vectors of x [TT, K] (times the norm gain where NORMED), over k in [k0, k0 + KS):
 // tile_out[(m R + s) TT + t] = dot product of slot s of member m with token t, and, where NORMED,
 // ss[t] = sum of x[t]^2 for the norm's scale. KS < K: one slice of a split-K tile (splitk_gather
 // adds the slices). xs and tile_out may share memory: xs is not read once tile_out is written.
-// AHEAD: the weight stream runs a chunk ahead of the products: each span of the next chunk's
-// weights is loaded as soon as this chunk's products are done with its registers, so it is in
-// flight through the rest of them and the next staging of x. WAIT (with AHEAD): gemm_tile waits
-// for the previous kernel itself, once its first chunk's weight loads are out (no kernel writes
-// weights).
-template <int K, int KS, int TT, int KC, int M, int R, int N, int HD, bool INTERLEAVED, bool NORMED, int THREADS,
-          bool AHEAD, bool WAIT>
+template <int K, int KS, int TT, int KC, int M, int R, int N, int HD, bool INTERLEAVED, bool NORMED, int THREADS>
 __device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int tile, int k0, const float* x,
                                           const weight_t* gain, float gain_offset, StagedX<TT, KC>& xs,
                                           float* tile_out, float* ss) {
-    static_assert(AHEAD || !WAIT, "gemm_tile: WAIT needs AHEAD (the first chunk's loads before the wait)");
     static_assert(K % KS == 0 && KS % KC == 0 && KC % 32 == 0 && TT % 8 == 0 && R == 16 * (THREADS / 32),
                   "gemm tile shape");
     static_assert(FUSELM_MMA_ARCH, "gemm needs mma.sync on bf16 (sm_80 on); runtime/prefill.py refuses older GPUs");
@@ -86,12 +55,15 @@ __device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int til
     }
     float acc[M][NT][4] = {};
     float sumsq[GROUPS] = {};
-    uint4 qa[M][SPANS], qb[M][SPANS];       // a chunk's weights, in flight while x is staged
-    if constexpr (AHEAD) load_spans(wa, wb, k0, qa, qb);
-    if constexpr (WAIT) grid_wait_then_release();
-    for (int i = 0; i < KS / KC; i++) {
-        const int kc = k0 + i * KC;
-        if constexpr (!AHEAD) load_spans(wa, wb, kc, qa, qb);
+    for (int kc = k0; kc < k0 + KS; kc += KC) {
+        uint4 qa[M][SPANS], qb[M][SPANS];   // the chunk's weights, in flight while x is staged
+#pragma unroll
+        for (int m = 0; m < M; m++)
+#pragma unroll
+            for (int s = 0; s < SPANS; s++) {
+                qa[m][s] = __ldcs(reinterpret_cast<const uint4*>(wa[m] + kc + 32 * s));
+                qb[m][s] = __ldcs(reinterpret_cast<const uint4*>(wb[m] + kc + 32 * s));
+            }
         __syncthreads();                    // the previous chunk's products are done with xs
 #pragma unroll
         for (int i = 0; i < GROUPS; i++) {
@@ -120,9 +92,8 @@ __device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int til
             }
         }
         __syncthreads();
-        const bool ahead = AHEAD && i + 1 < KS / KC;
 #pragma unroll
-        for (int s = 0; s < SPANS; s++) {
+        for (int s = 0; s < SPANS; s++)
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
                 const uint4 h = xs.hi[nt * 8 + r][4 * s + c], l = xs.lo[nt * 8 + r][4 * s + c];
@@ -135,8 +106,6 @@ __device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int til
                     mma_16816(acc[m][nt], a.z, b.z, a.w, b.w, l.z, l.w);
                 }
             }
-            if (ahead) load_span(wa, wb, kc + KC, s, qa, qb);   // span s is done with its registers
-        }
     }
     __syncthreads();                        // xs is read no more: tile_out may take its place
 #pragma unroll
