@@ -60,11 +60,8 @@ def load_config(model: str):
     path = Path(model)
     if path.exists():
         if path.is_file() and path.suffix.lower() == ".json":
-            try:
-                raw = json.loads(path.read_text(encoding="utf-8"))
-            except (ValueError, UnicodeDecodeError) as e:
-                raise FuselmError(f"{path}: invalid JSON ({' '.join(str(e).split())})") from None
-            return DecoderConfig.from_hf(raw, str(path)), str(path)
+            from ..runtime.json_file import read_object
+            return DecoderConfig.from_hf(read_object(path), str(path)), str(path)
         from ..runtime.checkpoint import open_checkpoint   # headers and metadata only
         return open_checkpoint(path).config, str(path)
     if model in PRESETS:

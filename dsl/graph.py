@@ -77,8 +77,10 @@ class Graph:
 
     def constant(self, name: str, array: np.ndarray) -> Value:
         """A float32 array baked into the model (e.g. RoPE's inverse frequencies), uploaded once."""
-        self.constants[name] = values = np.asarray(array, np.float32)
-        return self._add(Node(name, "constant", (), {}, values.shape, "f32"))
+        values = np.asarray(array, np.float32)
+        value = self._add(Node(name, "constant", (), {}, values.shape, "f32"))   # a taken name fails here
+        self.constants[name] = values
+        return value
 
     def state(self, name: str, shape: tuple) -> Value:
         """State kept across steps (a KV cache); "S" in `shape` is the context length."""
@@ -92,11 +94,13 @@ class Graph:
             raise TypeError(f"{opname} takes {opdef.arity} operands, got {len(args)}")
         attrs = {**opdef.attr_defaults, **attrs}
         shapes = [self.nodes[a.name].shape for a in args]
+        where = name or f"{opname} #{self._counter + 1}"
         try:
             shape, dtype = opdef.shape_rule(shapes, attrs)
         except (_ops.ShapeError, ValueError, TypeError) as e:   # incl. operands of the wrong rank
-            where = name or f"{opname} #{self._counter + 1}"
             raise _ops.ShapeError(f"{where}: {e} (operand shapes {shapes})") from None
+        except KeyError as e:                                    # a shape rule's attribute not given
+            raise _ops.ShapeError(f"{where}: {opname} needs the attribute {e.args[0]!r}") from None
         if name is None:
             self._counter += 1
             name = f"{opname}_{self._counter}"

@@ -35,29 +35,45 @@ class DecoderConfig:
 
     @classmethod
     def from_hf(cls, d: dict, source: str = "config.json") -> "DecoderConfig":
-        """Read the keys fuselm needs; a missing one is named in the error."""
-        def need(key):
-            if key not in d:
+        """Read the keys fuselm needs; a missing one, or one of the wrong type or range, is named
+        in the error."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"{source}: not a JSON object")
+
+        def number(key, kind=int, default=None, required=False):
+            """d[key] as `kind` (positive where an int), `default` where absent or null."""
+            if key not in d and required:
                 raise ConfigError(f"{source}: missing required key '{key}'")
-            return d[key]
+            raw = d.get(key)
+            if raw is None:
+                return default
+            try:
+                value = kind(raw)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{source}: {key} = {raw!r} is not {'an integer' if kind is int else 'a number'}") from None
+            if kind is int and (isinstance(raw, float) and value != raw or value < 1):
+                raise ConfigError(f"{source}: {key} = {raw!r} must be a positive integer")
+            return value
+
+        def need(key):
+            return number(key, required=True)
 
         archs = d.get("architectures") or [d.get("model_type", "?")]
-        heads = int(need("num_attention_heads"))
-        hidden = int(need("hidden_size"))
+        heads, hidden = need("num_attention_heads"), need("hidden_size")
         cfg = cls(
             architecture=archs[0],
-            vocab_size=int(need("vocab_size")),
+            vocab_size=need("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            intermediate_size=need("intermediate_size"),
+            num_layers=need("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            num_kv_heads=number("num_key_value_heads", default=heads),
+            head_dim=number("head_dim", default=hidden // heads),
+            rms_norm_eps=number("rms_norm_eps", float, 1e-6),
+            rope_theta=number("rope_theta", float, (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
             rope_scaling=d.get("rope_scaling") or _scaling_in(d.get("rope_parameters")),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            max_position_embeddings=number("max_position_embeddings", default=4096),
             sliding_window=d.get("sliding_window") if d.get("use_sliding_window", True) else None,
             attention_bias=bool(d.get("attention_bias", False)),
             extra=d,
@@ -80,12 +96,23 @@ def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:
     hd = cfg.head_dim
     inv = 1.0 / cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
     sc = cfg.rope_scaling or {}
+    if not isinstance(sc, dict):
+        raise ConfigError(f"rope_scaling {sc!r} is not an object")
     kind = sc.get("rope_type", sc.get("type"))
+
+    def param(name):
+        try:
+            return float(sc[name])
+        except KeyError:
+            raise ConfigError(f"rope_scaling of type '{kind}' needs '{name}'") from None
+        except (TypeError, ValueError):
+            raise ConfigError(f"rope_scaling {name} = {sc[name]!r} is not a number") from None
+
     if kind == "linear":
-        inv = inv / sc["factor"]
+        inv = inv / param("factor")
     elif kind == "llama3":
-        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
-        old = sc["original_max_position_embeddings"]
+        factor, lo, hi = param("factor"), param("low_freq_factor"), param("high_freq_factor")
+        old = param("original_max_position_embeddings")
         wavelen = 2 * math.pi / inv
         scaled = np.where(wavelen > old / lo, inv / factor, inv)
         smooth = (old / wavelen - lo) / (hi - lo)

@@ -55,8 +55,10 @@ def self_attention(g: Graph, cfg: DecoderConfig, layer: int, h: Value, pos: Valu
     return linear(g, a, f"{p}.o_proj", cfg.hidden_size, o_bias)
 
 
-def glu_mlp(g: Graph, cfg: DecoderConfig, layer: int, h: Value, act: str = "silu", bias: bool = False) -> Value:
-    """down(act(gate(h)) * up(h)) of layer `layer` (SwiGLU with act = "silu")."""
+def glu_mlp(g: Graph, cfg: DecoderConfig, layer: int, h: Value, act: str | None = None, bias: bool = False) -> Value:
+    """down(act(gate(h)) * up(h)) of layer `layer`: `act` a DSL op, by default the config's
+    `hidden_act` (SwiGLU for "silu", the default; an activation fuselm lacks is a ConfigError)."""
+    act = act or activation(cfg.extra.get("hidden_act") or "silu")
     p, inter = f"model.layers.{layer}.mlp", cfg.intermediate_size
     gate = linear(g, h, f"{p}.gate_proj", inter, bias)
     up = linear(g, h, f"{p}.up_proj", inter, bias)

@@ -1,7 +1,6 @@
 """Opening a checkpoint (Hugging Face folder or GGUF file) and loading the weights a graph asks for."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from ..models.config import DecoderConfig
 from .gguf_config import config_from_gguf, generation_from_gguf
 from .gguf_store import GGUFStore, read_gguf
 from .gguf_tokenizer import tokenizer_from_gguf
+from .json_file import read_object
 from .safetensors_store import open_safetensors_folder
 from .tensor_store import TensorStore
 from .tokenizer import TextTokenizer
@@ -50,8 +50,8 @@ def _open_folder(folder: Path) -> Checkpoint:
     cfg_path = folder / "config.json"
     if not cfg_path.exists():
         raise FuselmError(f"{folder}: no config.json")
-    raw = _read_json(cfg_path)
-    generation = _read_json(folder / "generation_config.json") if (folder / "generation_config.json").exists() else {}
+    raw = read_object(cfg_path)
+    generation = read_object(folder / "generation_config.json", missing={})
     tensors = open_safetensors_folder(folder)
     tokenizer = TextTokenizer.from_folder(folder, raw, generation)
     return Checkpoint(folder, DecoderConfig.from_hf(raw, str(cfg_path)), tensors, tokenizer, generation)
@@ -63,13 +63,6 @@ def _open_gguf(path: Path) -> Checkpoint:
     cfg = DecoderConfig.from_hf(raw, str(path))
     store = GGUFStore(reader, path, cfg.num_heads, cfg.num_kv_heads)
     return Checkpoint(path, cfg, store, tokenizer_from_gguf(reader, path), generation_from_gguf(raw))
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise FuselmError(f"{path}: invalid JSON ({' '.join(str(e).split())})") from None
 
 
 def load_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, progress: bool = True) -> dict[str, np.ndarray]:

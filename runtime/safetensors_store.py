@@ -34,6 +34,8 @@ def read_header(path: Path) -> tuple[dict, int]:
             header = json.loads(f.read(n))
     except (struct.error, ValueError, UnicodeDecodeError) as e:
         raise FuselmError(f"{path}: not a valid safetensors file ({_one_line(e)})") from None
+    if not isinstance(header, dict):
+        raise FuselmError(f"{path}: not a valid safetensors file (its header is not a JSON object)")
     header.pop("__metadata__", None)
     start, data_size = 8 + n, size - 8 - n
     for name, entry in header.items():
@@ -97,9 +99,12 @@ def open_safetensors_folder(folder: Path) -> SafetensorsStore:
     index = folder / "model.safetensors.index.json"
     if index.exists():
         try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, AttributeError) as e:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, AttributeError, TypeError) as e:
             raise FuselmError(f"{index}: not a valid index ({_one_line(e)})") from None
+        if bad := [s for s in shards if not isinstance(s, str)]:
+            raise FuselmError(f"{index}: not a valid index (shard names must be strings, got {bad[0]!r})")
+        shards = sorted(shards)
         files = [folder / s for s in shards]
         for f in files:
             if not f.exists():

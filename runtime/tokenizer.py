@@ -5,7 +5,6 @@ A TextTokenizer comes from a Hugging Face folder (tokenizer.json + tokenizer_con
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -13,6 +12,7 @@ import tokenizers
 
 from ..errors import FuselmError
 from . import chat_template
+from .json_file import read_object
 
 # Tokens that end a turn or a document in common vocabularies; generation stops on any present.
 STOP_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end_of_text|>", "<end_of_turn>", "<|endoftext|>")
@@ -106,19 +106,10 @@ class TextTokenizer:
             backend = tokenizers.Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises its own Exception type on bad JSON
             raise FuselmError(f"{path}: cannot read tokenizer ({' '.join(str(e).split())})") from None
-        tok_cfg = _read_json(folder / "tokenizer_config.json")
+        tok_cfg = read_object(folder / "tokenizer_config.json", missing={})
         special = {k: _token_text(tok_cfg.get(k)) for k in SPECIAL_KEYS}
         eos = [i for d in (config or {}, generation or {}) for i in _as_list(d.get("eos_token_id"))]
         return cls(backend, _find_chat_template(folder, tok_cfg), special, eos)
-
-
-def _read_json(path: Path) -> dict:
-    if not path.exists():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise FuselmError(f"{path}: invalid JSON ({e})") from None
 
 
 def _token_text(value) -> str | None:
@@ -134,7 +125,7 @@ def _find_chat_template(folder: Path, tok_cfg: dict) -> str | None:
     """transformers >= 4.43 may save the template as chat_template.jinja or chat_template.json."""
     if (folder / "chat_template.jinja").exists():
         return (folder / "chat_template.jinja").read_text(encoding="utf-8")
-    template = _read_json(folder / "chat_template.json").get("chat_template") or tok_cfg.get("chat_template")
+    template = read_object(folder / "chat_template.json", missing={}).get("chat_template") or tok_cfg.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template}
         template = named.get("default") or next(iter(named.values()), None)

@@ -150,6 +150,14 @@ def test_llama_biases_vs_transformers(h, flag, bias):
     compare(h, model, weights, cfg, [1, 2, 3, 4], [5], f"llama {flag}")
 
 
+def test_llama_hidden_act_vs_transformers(h):
+    """A Llama config's hidden_act is the MLP's activation (here GELU, tanh form), as in transformers."""
+    model, weights, cfg = h.make_hf_model(
+        "LlamaForCausalLM", seed=5, vocab_size=30, hidden_size=16, intermediate_size=20,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, hidden_act="gelu_pytorch_tanh")
+    compare(h, model, weights, cfg, [1, 2, 3, 4], [5], "llama hidden_act")
+
+
 def test_from_hf_reads_rope_parameters():
     import transformers
 
