@@ -18,13 +18,20 @@ ARCHITECTURES = {
 
 
 def build_graph(cfg: DecoderConfig) -> Graph:
-    """The DSL graph of one decode/prefill step of `cfg`'s architecture."""
+    """The DSL graph of one decode/prefill step of `cfg`'s architecture; a setting the builder
+    refuses is a ConfigError naming the config's file."""
+    where = f"{cfg.source}: " if cfg.source else ""
     try:
         builder = ARCHITECTURES[cfg.architecture]
     except KeyError:
-        raise ConfigError(f"unsupported architecture '{cfg.architecture}'; supported: "
+        raise ConfigError(f"{where}unsupported architecture '{cfg.architecture}'; supported: "
                           f"{', '.join(sorted(ARCHITECTURES))}") from None
-    return builder(cfg)
+    try:
+        return builder(cfg)
+    except ConfigError as e:
+        if where and not str(e).startswith(where):
+            raise ConfigError(where + str(e)) from None
+        raise
 
 
 __all__ = ["ARCHITECTURES", "ConfigError", "DecoderConfig", "build_graph", "rope_inv_freq"]

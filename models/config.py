@@ -32,6 +32,7 @@ class DecoderConfig:
     sliding_window: int | None = None
     attention_bias: bool = False
     extra: dict = field(default_factory=dict, compare=False)  # architecture-specific keys
+    source: str = field(default="", compare=False)            # the file it was read from, for errors
 
     @classmethod
     def from_hf(cls, d: dict, source: str = "config.json") -> "DecoderConfig":
@@ -77,6 +78,7 @@ class DecoderConfig:
             sliding_window=d.get("sliding_window") if d.get("use_sliding_window", True) else None,
             attention_bias=bool(d.get("attention_bias", False)),
             extra=d,
+            source=source,
         )
         if cfg.num_heads % cfg.num_kv_heads:
             raise ConfigError(f"{source}: num_attention_heads {heads} is not a multiple of "
