@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,41 +42,28 @@ class DecoderConfig:
         if not isinstance(d, dict):
             raise ConfigError(f"{source}: not a JSON object")
 
-        def number(key, kind=int, default=None, required=False):
-            """d[key] as `kind` (positive where an int), `default` where absent or null."""
-            if key not in d and required:
-                raise ConfigError(f"{source}: missing required key '{key}'")
-            raw = d.get(key)
-            if raw is None:
-                return default
-            try:
-                value = kind(raw)
-            except (TypeError, ValueError):
-                raise ConfigError(f"{source}: {key} = {raw!r} is not {'an integer' if kind is int else 'a number'}") from None
-            if kind is int and (isinstance(raw, float) and value != raw or value < 1):
-                raise ConfigError(f"{source}: {key} = {raw!r} must be a positive integer")
-            return value
-
-        def need(key):
-            return number(key, required=True)
+        def number(key, kind=int, default=None, required=False, table=d):
+            return _number(table, key, source, kind, default, required)
 
         archs = d.get("architectures") or [d.get("model_type", "?")]
-        heads, hidden = need("num_attention_heads"), need("hidden_size")
+        heads, hidden = number("num_attention_heads", required=True), number("hidden_size", required=True)
+        rope_parameters = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
+        window = d.get("use_sliding_window", True) and number("sliding_window", default=0)
         cfg = cls(
             architecture=archs[0],
-            vocab_size=need("vocab_size"),
+            vocab_size=number("vocab_size", required=True),
             hidden_size=hidden,
-            intermediate_size=need("intermediate_size"),
-            num_layers=need("num_hidden_layers"),
+            intermediate_size=number("intermediate_size", required=True),
+            num_layers=number("num_hidden_layers", required=True),
             num_heads=heads,
-            num_kv_heads=number("num_key_value_heads", default=heads),
-            head_dim=number("head_dim", default=hidden // heads),
+            num_kv_heads=number("num_key_value_heads", default=0) or heads,     # 0 or null: as many as heads
+            head_dim=number("head_dim", default=0) or hidden // heads,
             rms_norm_eps=number("rms_norm_eps", float, 1e-6),
-            rope_theta=number("rope_theta", float, (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            rope_scaling=d.get("rope_scaling") or _scaling_in(d.get("rope_parameters")),
+            rope_theta=number("rope_theta", float, number("rope_theta", float, 10000.0, table=rope_parameters)),
+            rope_scaling=d.get("rope_scaling") or _scaling_in(rope_parameters),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             max_position_embeddings=number("max_position_embeddings", default=4096),
-            sliding_window=d.get("sliding_window") if d.get("use_sliding_window", True) else None,
+            sliding_window=window or None,
             attention_bias=bool(d.get("attention_bias", False)),
             extra=d,
             source=source,
@@ -84,6 +72,26 @@ class DecoderConfig:
             raise ConfigError(f"{source}: num_attention_heads {heads} is not a multiple of "
                               f"num_key_value_heads {cfg.num_kv_heads}")
         return cfg
+
+
+def _number(d: dict, key: str, source: str, kind=int, default=None, required: bool = False):
+    """d[key] as `kind`, `default` where absent or null; an int must be a whole number, at least 1
+    (0 allowed where the default is 0: "none"). Anything else is a ConfigError naming key and file."""
+    raw = d.get(key)
+    if raw is None:
+        if required:
+            raise ConfigError(f"{source}: missing required key '{key}'")
+        return default
+    what = "an integer" if kind is int else "a number"
+    try:
+        value = kind(raw)
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{source}: {key} = {raw!r} is not {what}") from None
+    if isinstance(raw, (bool, np.bool_)) or isinstance(raw, numbers.Real) and value != raw:
+        raise ConfigError(f"{source}: {key} = {raw!r} is not {what}")
+    if kind is int and value < (0 if default == 0 else 1):
+        raise ConfigError(f"{source}: {key} = {raw!r} must be a positive integer")
+    return value
 
 
 def _scaling_in(params: dict | None) -> dict | None:

@@ -17,7 +17,7 @@ def build(cfg: DecoderConfig) -> Graph:
     E, top_k = int(cfg.extra.get("num_local_experts", 8)), int(cfg.extra.get("num_experts_per_tok", 2))
     if not 1 <= top_k <= E:
         raise ConfigError(f"num_experts_per_tok {top_k} with {E} experts")
-    act, windows = activation(cfg.extra.get("hidden_act", "silu")), layer_windows(cfg)
+    act, windows = activation(cfg.extra.get("hidden_act") or "silu"), layer_windows(cfg)
     x = g.op("embedding", g.weight("model.embed_tokens.weight", (cfg.vocab_size, D)), ids)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}"

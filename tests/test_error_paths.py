@@ -340,12 +340,19 @@ def test_pull_of_a_bad_download_is_one_error_line(capsys, monkeypatch, tmp_path,
     ({**TINY, "rms_norm_eps": "tiny"}, "rms_norm_eps = 'tiny' is not a number"),
     ({**TINY, "rope_scaling": {"rope_type": "linear"}}, "rope_scaling of type 'linear' needs 'factor'"),
     ({**TINY, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs 'low_freq_factor'"),
+    ({**TINY, "vocab_size": None}, "missing required key 'vocab_size'"),
+    ({**TINY, "num_key_value_heads": True}, "num_key_value_heads = True is not an integer"),
+    ({**TINY, "num_key_value_heads": 1.5}, "num_key_value_heads = 1.5 is not an integer"),
+    ({**TINY, "max_position_embeddings": float("inf")}, "max_position_embeddings = inf is not an integer"),
+    ({**TINY, "rope_parameters": {"rope_theta": "big"}}, "rope_theta = 'big' is not a number"),
+    ({**TINY, "sliding_window": "wide"}, "sliding_window = 'wide' is not an integer"),
 ])
 def test_inspect_of_a_malformed_config(capsys, tmp_path, content, names):
-    """config.json values of the wrong type or out of range: one error line naming the key."""
+    """config.json values of the wrong type or out of range: one error line naming the file and the key."""
     path = tmp_path / "config.json"
     path.write_text(content if isinstance(content, str) else json.dumps(content))
-    assert names in cli_error(capsys, "inspect", str(path))
+    line = cli_error(capsys, "inspect", str(path))
+    assert line.startswith(f"error: {path}: ") and names in line, line
 
 
 @pytest.mark.parametrize("name,content,says", [
@@ -383,4 +390,5 @@ def test_an_activation_fuselm_lacks_is_refused_not_replaced(capsys, tmp_path):
     with SiLU in its place)."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**TINY, "hidden_act": "relu"}))
-    assert "activation 'relu' is not supported" in cli_error(capsys, "inspect", str(path))
+    line = cli_error(capsys, "inspect", str(path))
+    assert line.startswith(f"error: {path}: activation 'relu' is not supported"), line
