@@ -21,17 +21,13 @@ def build_graph(cfg: DecoderConfig) -> Graph:
     """The DSL graph of one decode/prefill step of `cfg`'s architecture; a setting the builder
     refuses is a ConfigError naming the config's file."""
     where = f"{cfg.source}: " if cfg.source else ""
-    try:
-        builder = ARCHITECTURES[cfg.architecture]
-    except KeyError:
+    if cfg.architecture not in ARCHITECTURES:
         raise ConfigError(f"{where}unsupported architecture '{cfg.architecture}'; supported: "
-                          f"{', '.join(sorted(ARCHITECTURES))}") from None
+                          f"{', '.join(sorted(ARCHITECTURES))}")
     try:
-        return builder(cfg)
-    except ConfigError as e:
-        if where and not str(e).startswith(where):
-            raise ConfigError(where + str(e)) from None
-        raise
+        return ARCHITECTURES[cfg.architecture](cfg)
+    except ConfigError as e:   # the builders' refusals (activation, layer_types, experts) name no file
+        raise ConfigError(where + str(e)) from None
 
 
 __all__ = ["ARCHITECTURES", "ConfigError", "DecoderConfig", "build_graph", "rope_inv_freq"]

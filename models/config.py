@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -42,13 +43,12 @@ class DecoderConfig:
         if not isinstance(d, dict):
             raise ConfigError(f"{source}: not a JSON object")
 
-        def number(key, kind=int, default=None, required=False, table=d):
-            return _number(table, key, source, kind, default, required)
+        number = partial(_number, d, source)
 
         archs = d.get("architectures") or [d.get("model_type", "?")]
         heads, hidden = number("num_attention_heads", required=True), number("hidden_size", required=True)
         rope_parameters = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
-        window = d.get("use_sliding_window", True) and number("sliding_window", default=0)
+        window = d.get("use_sliding_window", True) and number("sliding_window", default=0, low=0)
         cfg = cls(
             architecture=archs[0],
             vocab_size=number("vocab_size", required=True),
@@ -56,10 +56,10 @@ class DecoderConfig:
             intermediate_size=number("intermediate_size", required=True),
             num_layers=number("num_hidden_layers", required=True),
             num_heads=heads,
-            num_kv_heads=number("num_key_value_heads", default=0) or heads,     # 0 or null: as many as heads
-            head_dim=number("head_dim", default=0) or hidden // heads,
+            num_kv_heads=number("num_key_value_heads", default=0, low=0) or heads,   # 0 or null: as many as heads
+            head_dim=number("head_dim", default=0, low=0) or hidden // heads,
             rms_norm_eps=number("rms_norm_eps", float, 1e-6),
-            rope_theta=number("rope_theta", float, number("rope_theta", float, 10000.0, table=rope_parameters)),
+            rope_theta=number("rope_theta", float, _number(rope_parameters, source, "rope_theta", float, 10000.0)),
             rope_scaling=d.get("rope_scaling") or _scaling_in(rope_parameters),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             max_position_embeddings=number("max_position_embeddings", default=4096),
@@ -74,9 +74,9 @@ class DecoderConfig:
         return cfg
 
 
-def _number(d: dict, key: str, source: str, kind=int, default=None, required: bool = False):
-    """d[key] as `kind`, `default` where absent or null; an int must be a whole number, at least 1
-    (0 allowed where the default is 0: "none"). Anything else is a ConfigError naming key and file."""
+def _number(d: dict, source: str, key: str, kind=int, default=None, required: bool = False, low: int = 1):
+    """d[key] as `kind`, `default` where absent or null; an int must be a whole number of at least
+    `low` (0 or 1). Anything else is a ConfigError naming the key and `source`, the file."""
     raw = d.get(key)
     if raw is None:
         if required:
@@ -89,8 +89,8 @@ def _number(d: dict, key: str, source: str, kind=int, default=None, required: bo
         raise ConfigError(f"{source}: {key} = {raw!r} is not {what}") from None
     if isinstance(raw, (bool, np.bool_)) or isinstance(raw, numbers.Real) and value != raw:
         raise ConfigError(f"{source}: {key} = {raw!r} is not {what}")
-    if kind is int and value < (0 if default == 0 else 1):
-        raise ConfigError(f"{source}: {key} = {raw!r} must be a positive integer")
+    if kind is int and value < low:
+        raise ConfigError(f"{source}: {key} = {raw!r} must be a {'positive' if low == 1 else 'non-negative'} integer")
     return value
 
 
