@@ -21,9 +21,6 @@ SINGLE_ROWS = env_int("FUSELM_ATTN_SINGLE_ROWS", 4, 1, 32)      # its cache rows
 # per KV head, sm_80 on), comma-separated: "split", "single"; "0" for none.
 MMA = env_set("FUSELM_ATTN_MMA", "split,single", {"split", "single"}, "kernels")
 SMEM = 48 * 1024   # static shared memory a kernel may use
-# The split asks L2 for the next layer's cache rows of its chunk once its own are in (see
-# compiler/plan_prefetch.py): 0 no, 1 plain prefetches, 2 with the evict_last priority.
-PREFETCH_NEXT = env_int("FUSELM_ATTN_PREFETCH_NEXT", 0, 0, 2)
 
 
 def lanes_per_row(head_dim: int) -> int:
@@ -122,7 +119,6 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int, tokens: int 
                           f"bytes of shared memory per warp in the attention kernel; at most {SMEM} are supported")
     nchunk = -(-rows // chunk)
     record = (hd + 3) // 4 * 4 + 4                                      # Record<HD>::FLOATS
-    prefetch = launch.get("prefetch") if tokens == 1 and PREFETCH_NEXT else None
     return {"H": a["n_heads"], "KV": a["n_kv_heads"], "HD": hd, "chunk": chunk, "split_pass": split_type,
             "nchunk": nchunk, "window": int(a.get("window") or 0), "scale": cexpr.float_literal(a["scale"]),
             "softcap": cexpr.float_literal(a.get("softcap") or 0.0), "threads": split_warps(hd, group) * 32,
@@ -133,7 +129,4 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int, tokens: int 
             "q": params.ref(q), "kc": params.ref(kc), "vc": params.ref(vc), "pos": params.ref(pos),
             "out": params.ref(n, written=True),
             "ws": params.extra("float*", "workspace") if tokens == 1 else None,   # the split's records
-            "workspace_floats": a["n_heads"] * nchunk * record if tokens == 1 else 0, "tokens": tokens,
-            "prefetch": PREFETCH_NEXT if prefetch else 0,
-            "next_kc": params.ref(prefetch[0]) if prefetch else "nullptr",
-            "next_vc": params.ref(prefetch[1]) if prefetch else "nullptr"}
+            "workspace_floats": a["n_heads"] * nchunk * record if tokens == 1 else 0, "tokens": tokens}

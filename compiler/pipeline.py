@@ -21,7 +21,6 @@ from .infer_shapes import infer_shapes
 from .keep_state import keep_state
 from .lower import to_networkx
 from .plan_buffers import plan_buffers
-from .plan_prefetch import plan_prefetch
 from .schedule import schedule
 from .validate import validate
 
@@ -34,7 +33,7 @@ def passes(fuse: bool = True, tokens: int = 1, state_only: bool = False) -> list
     """The pass list, in order: what the state needs (state_only: a prompt's prefill), shapes,
     the fusion passes (unless fuse=False), schedule, buffers (the only one that `tokens` changes)."""
     return [*([keep_state] if state_only else []), infer_shapes, *(FUSION_PASSES if fuse else []), schedule,
-            plan_prefetch, partial(plan_buffers, tokens=tokens)]
+            partial(plan_buffers, tokens=tokens)]
 
 
 def compile_graphs(graph: Graph, sizes: list[int], fuse: bool = True, state_only: bool = False) -> dict[int, nx.DiGraph]:

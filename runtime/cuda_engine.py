@@ -20,7 +20,7 @@ from ..compiler import compile_graph
 from ..dsl import Graph
 from ..errors import FuselmError
 from .engine import SamplingParams
-from .launch import arena_view, bind_launch, load_cubin, pdl_wanted, set_l2_persisting
+from .launch import arena_view, bind_launch, load_cubin, pdl_wanted
 from .prefill import Prefill, compile_planned, plan as prefill_plan
 
 SAMPLING_ARGS = np.dtype([("temperature", "f4"), ("top_p", "f4"), ("min_p", "f4"),
@@ -79,7 +79,6 @@ class CudaEngine:
         self.position = 0
         self.arch = arch or f"sm_{cupy.cuda.Device().compute_capability}"
         self.pdl = pdl_wanted(cupy.cuda.Device().compute_capability)
-        self.l2_persisting = set_l2_persisting(cupy)
         t0 = time.perf_counter()
         self.G = compile_graph(graph, fuse=fuse, tokens=1, pass_list=pass_list)   # pass_list: tests
         self.kernels = generate(self.G, rows=ctx)

@@ -101,16 +101,3 @@ def load_cubin(cupy, cubin: bytes):
         path.write_bytes(cubin)
     return cupy.RawModule(path=str(path))
 
-
-
-def set_l2_persisting(cupy) -> int:
-    """Set aside FUSELM_L2_PERSIST_MB of L2 for persisting (evict_last) lines, at most what the
-    device allows; 0 (the default) leaves the device's setting. Returns the bytes set aside."""
-    from ..codegen.knobs import env_int
-    want = env_int("FUSELM_L2_PERSIST_MB", 0, 0, 1024) << 20
-    if not want:
-        return 0
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    size = min(want, int(props.get("persistingL2CacheMaxSize", 0)))
-    cupy.cuda.runtime.deviceSetLimit(0x06, size)   # cudaLimitPersistingL2CacheSize
-    return size

@@ -18,28 +18,11 @@ struct Record {
     static constexpr int MAX_AT = (HD + 3) / 4 * 4, SUM_AT = MAX_AT + 1, FLOATS = MAX_AT + 4;
 };
 
-// Ask L2 for rows [start, end) of KV head blockIdx.x in caches kc and vc (rows of KV x HD), one
-// 128-byte line per thread at a time, without waiting: PREFETCH 1 plain, 2 with evict_last.
-template <int KV, int HD, int PREFETCH>
-__device__ __forceinline__ void l2_prefetch_cache_rows(const bf16_t* kc, const bf16_t* vc, int start, int end) {
-    constexpr int LINES = (HD * 2 + 127) / 128;   // lines per row of one head
-    const int n = (end - start) * LINES;
-    for (int i = threadIdx.x; i < 2 * n; i += blockDim.x) {
-        const int j = i < n ? i : i - n;
-        const char* line = reinterpret_cast<const char*>((i < n ? kc : vc) + (size_t)(start + j / LINES) * KV * HD
-                                                         + blockIdx.x * HD) + 128 * (j % LINES);
-        if constexpr (PREFETCH == 2) asm volatile("prefetch.global.L2::evict_last [%0];" :: "l"(line));
-        else asm volatile("prefetch.global.L2 [%0];" :: "l"(line));
-    }
-}
-
 // Flash-decoding split: block (KV head, chunk blockIdx.y) leaves its chunk's softmax state of each
-// query head in the workspace for attention_combine. With PREFETCH, once its rows are in, it asks
-// L2 for the same rows of the next layer's caches (next_kc, next_vc; see compiler/plan_prefetch.py).
-template <int H, int KV, int HD, class P, int NCHUNK, int PREFETCH>
+// query head in the workspace for attention_combine.
+template <int H, int KV, int HD, class P, int NCHUNK>
 __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc, const bf16_t* vc, const int* pos_p,
-                                                int window, float scale, float softcap, float* ws,
-                                                const bf16_t* next_kc, const bf16_t* next_vc) {
+                                                int window, float scale, float softcap, float* ws) {
     constexpr int G = H / KV;
     const int c = blockIdx.y;
     // A graph input, read before the wait: the previous step's sampler wrote it, and has finished,
@@ -55,7 +38,6 @@ __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc
     pass.load_queries(q, scale);
     typename P::State st;
     pass.softmax(softcap, st);
-    if constexpr (PREFETCH > 0) l2_prefetch_cache_rows<KV, HD, PREFETCH>(next_kc, next_vc, start, end);
     P::block_merge(st, [&](int g, int d, float m, float l, float a) {
         float* out = ws + ((size_t)(blockIdx.x * G + g) * NCHUNK + c) * Record<HD>::FLOATS;
         out[d] = a;
