@@ -5,7 +5,8 @@ prints and returns: copy bandwidth, decode tok/s (median of runs of 128 tokens) 
 bytes per token and the fraction of the bandwidth achieved, time to first token for 32- and
 512-token prompts (through the batched prefill where the model has one), decode tok/s at 4k
 context, compile time cold and warm, warm start to the first token, load time, peak GPU memory,
-optionally per-kernel-family time and each kernel's marginal time inside the step (`--profile`),
+optionally per-kernel-family time, each kernel's marginal time inside the step and the prefill step's
+time per kernel function (`--profile`),
 and Hugging Face transformers on the same shapes (`--peers hf`).
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ..errors import FuselmError
 from ..models import build_graph
 from ..models.presets import PRESETS, preset
 from .engine import SamplingParams
-from .profile import kernel_profile, step_ablation
+from .profile import kernel_profile, prefill_profile, step_ablation
 
 GREEDY = SamplingParams()
 
@@ -172,6 +173,9 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
     if do_profile:
         res["ablation"], res["ablation_4k"] = ablation, ablation_4k
         res["profile"] = kernel_profile(engine)
+        if engine.batched_prefill and not decode_only:
+            # the last step of the 512-token prompt: its attention walks the most rows
+            res["prefill_profile"] = prefill_profile(engine, start=512 - max(engine.batched_prefill.sizes))
     del engine
     cp.get_default_memory_pool().free_all_blocks()
     if "hf" in peers:
@@ -237,6 +241,11 @@ def run(models: list[str], out: str | None = None, **kw) -> dict:
                       "saved without:")
                 for fn, w in a["without"].items():
                     print(f"      {w['saved_us']:8.1f} us  {w['launches']:3d} x {fn}")
+        if r.get("prefill_profile"):
+            pp = r["prefill_profile"]
+            print(f"    prefill step of {pp['tokens']} tokens: {pp['step_us']} us as a graph; launches alone:")
+            for fn, f in sorted(pp["functions"].items(), key=lambda kv: -kv[1]["us"]):
+                print(f"      {f['us']:8.1f} us {f['GBps']:8.1f} GB/s  {f['launches']:3d} x {fn}")
         if out:   # after every model, so a run cut short keeps what it measured
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             Path(out).write_text(json.dumps(record, indent=1) + "\n")

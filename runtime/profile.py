@@ -65,3 +65,33 @@ def step_ablation(engine, reps: int = 30) -> dict:
                       "saved_us": round(whole - graph_us(lambda k, launch: launch.function != f), 1)}
     gemv_only = graph_us(lambda k, launch: k.family == "gemv")
     return {"step_us": round(whole, 1), "gemv_only_us": round(gemv_only, 1), "without": without}
+
+
+def prefill_profile(engine, start: int = 0, reps: int = 10) -> dict:
+    """The largest prefill step (tokens start, start + 1, ... of random ids) replayed as its CUDA
+    graph, then each of its launches timed alone: the step's microseconds, and per kernel function
+    its family, launches, microseconds per step and GB/s of the bytes codegen counted (a gemm's
+    weights once, its activations for every token). Leaves those cache rows rewritten (a bench's
+    prompts write them again)."""
+    import cupy as cp
+    import numpy as np
+    prefill = engine.batched_prefill
+    tokens = max(prefill.sizes)
+    step = prefill.steps[tokens]
+    ids = np.random.default_rng(0).integers(0, engine.G.nodes[engine.logits_value]["shape"][-1], tokens)
+    step.run(ids.tolist(), start)            # ids and positions in place, graph captured
+    whole = _elapsed_us(cp, engine.stream, lambda: step.run(ids.tolist(), start), reps)
+    per = {}
+    calls = iter(step.calls)
+    with engine.stream:
+        for k in step.kernels:
+            for launch in k.launches:
+                call = next(calls)
+                f = per.setdefault(launch.function, {"family": k.family, "launches": 0, "us": 0.0, "bytes": 0})
+                f["launches"] += 1
+                f["us"] += _elapsed_us(cp, engine.stream, lambda: call(engine.stream), reps)
+            per[k.launches[-1].function]["bytes"] += k.bytes_read + k.bytes_written
+    for f in per.values():
+        f["GBps"] = round(f["bytes"] / f["us"] / 1e3, 1) if f["us"] else 0.0
+        f["us"] = round(f["us"], 1)
+    return {"tokens": tokens, "start": start, "step_us": round(whole, 1), "functions": per}
