@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from functools import lru_cache
+from pathlib import Path
 
 import jinja2
 from jinja2.ext import Extension, loopcontrols
@@ -34,9 +34,9 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-@lru_cache(maxsize=8)
-def compile_template(source: str) -> jinja2.Template:
-    """The compiled template: sandboxed, trim_blocks and lstrip_blocks on, as transformers does."""
+def compile_template(source: str, origin: str | Path | None = None) -> jinja2.Template:
+    """The compiled template: sandboxed, trim_blocks and lstrip_blocks on, as transformers does.
+    A syntax error is one line naming `origin`, the file the template came from (where given)."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[_GenerationTag, loopcontrols])
     env.filters["tojson"] = _tojson
@@ -45,16 +45,17 @@ def compile_template(source: str) -> jinja2.Template:
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
-        raise FuselmError(f"chat template: syntax error on line {e.lineno}: {e.message}") from None
+        where = f"{origin}: " if origin else ""
+        raise FuselmError(f"{where}chat template: syntax error on line {e.lineno}: {e.message}") from None
 
 
-def render(source: str, messages: list[dict], add_generation_prompt: bool, special_tokens: dict,
-           **kwargs) -> str:
-    """Render `messages`; message keys whose value is None are dropped, as transformers does."""
+def render(template: jinja2.Template, messages: list[dict], add_generation_prompt: bool,
+           special_tokens: dict, **kwargs) -> str:
+    """Render `messages` through a template from compile_template; message keys whose value is None
+    are dropped, as transformers does."""
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
     context = {**special_tokens, "tools": None, "documents": None, **kwargs}
     try:
-        return compile_template(source).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                               **context)
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
     except jinja2.TemplateError as e:
         raise FuselmError(f"chat template: {' '.join(str(e).split())}") from None

@@ -33,7 +33,8 @@ class Checkpoint:
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """Open a Hugging Face folder (config.json, safetensors, tokenizer.json) or a .gguf file.
-    Reads headers and metadata only; tensors are read by load_weights."""
+    Reads headers and metadata only; tensors are read by load_weights. The config and the tokenizer
+    (chat template compiled) are checked before the tensor headers."""
     path = Path(path)
     if not path.exists():
         raise FuselmError(f"{path}: no such file or folder")
@@ -51,18 +52,19 @@ def _open_folder(folder: Path) -> Checkpoint:
     if not cfg_path.exists():
         raise FuselmError(f"{folder}: no config.json")
     raw = read_object(cfg_path)
+    cfg = DecoderConfig.from_hf(raw, str(cfg_path))
     generation = read_object(folder / "generation_config.json", missing={})
-    tensors = open_safetensors_folder(folder)
     tokenizer = TextTokenizer.from_folder(folder, raw, generation)
-    return Checkpoint(folder, DecoderConfig.from_hf(raw, str(cfg_path)), tensors, tokenizer, generation)
+    return Checkpoint(folder, cfg, open_safetensors_folder(folder), tokenizer, generation)
 
 
 def _open_gguf(path: Path) -> Checkpoint:
     reader = read_gguf(path)
     raw = config_from_gguf(reader, path)
     cfg = DecoderConfig.from_hf(raw, str(path))
+    tokenizer = tokenizer_from_gguf(reader, path)
     store = GGUFStore(reader, path, cfg.num_heads, cfg.num_kv_heads)
-    return Checkpoint(path, cfg, store, tokenizer_from_gguf(reader, path), generation_from_gguf(raw))
+    return Checkpoint(path, cfg, store, tokenizer, generation_from_gguf(raw))
 
 
 def load_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, progress: bool = True) -> dict[str, np.ndarray]:

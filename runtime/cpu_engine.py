@@ -48,9 +48,9 @@ class CpuEngine:
         """Feed `ids` at the current position in one step; return the sampled next id. Starts a
         new sampler, so a seeded generation is reproducible from its prompt on."""
         if len(ids) == 0:
-            raise FuselmError("cannot prefill an empty list of tokens")
+            raise FuselmError("empty prompt: nothing to feed")
         if self.position + len(ids) > self.max_context:
-            raise FuselmError(f"prompt of {self.position + len(ids)} tokens does not fit the "
+            raise FuselmError(f"prompt of {len(ids)} tokens at position {self.position} does not fit the "
                               f"context of {self.max_context}")
         self._sampler = Sampler(sampling)
         return self._step(ids)
@@ -58,7 +58,7 @@ class CpuEngine:
     def decode(self, token: int, sampling: SamplingParams) -> int:
         """Feed one token; return the sampled next id."""
         if self.position >= self.max_context:
-            raise FuselmError(f"the context of {self.max_context} tokens is full")
+            raise FuselmError(f"the conversation reached the context of {self.max_context} tokens")
         if self._sampler is None or self._sampler.params != sampling:
             self._sampler = Sampler(sampling)
         return self._step([token])

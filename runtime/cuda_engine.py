@@ -39,6 +39,17 @@ def check_variant(kernels, variant: str | None) -> None:
         raise FuselmError(f"variant '{variant}': no kernel of this graph has it (known: {', '.join(sorted(known))})")
 
 
+def check_weights(graph: Graph, weights: Mapping[str, object]) -> None:
+    """A one-line error naming the first of `graph`'s weights that `weights` lacks or has in
+    another shape (before anything is compiled or uploaded)."""
+    for node in graph.sources("weight"):
+        w = weights.get(node.name) if hasattr(weights, "get") else None
+        if w is None:
+            raise FuselmError(f"missing weight '{node.name}'")
+        if tuple(w.shape) != node.shape:
+            raise FuselmError(f"weight '{node.name}' has shape {tuple(w.shape)}, expected {node.shape}")
+
+
 def gpu_available() -> bool:
     """Whether CuPy imports and sees at least one CUDA device."""
     try:
@@ -72,6 +83,9 @@ class CudaEngine:
                  use_graph: bool = True, arch: str | None = None, pass_list=None, variant: str | None = None,
                  batched_prefill: bool = True):
         import cupy
+        if ctx <= 0:
+            raise FuselmError(f"context must be a positive number of tokens, got {ctx}")
+        check_weights(graph, weights)
         self.cp, self.graph, self.max_context, self.use_graph = cupy, graph, ctx, use_graph
         # None: each kernel's variant by position; a name ("single", or "general" for the launches
         # without variants): that one at every position, where a kernel has it (tests).
@@ -128,14 +142,7 @@ class CudaEngine:
     # ---- memory ----
     def _allocate(self, weights: Mapping[str, object], vocab: int) -> None:
         cp, G = self.cp, self.G
-        self.weights = {}
-        for node in self.graph.sources("weight"):
-            w = weights.get(node.name) if hasattr(weights, "get") else weights[node.name]
-            if w is None:
-                raise FuselmError(f"missing weight '{node.name}'")
-            if tuple(w.shape) != node.shape:
-                raise FuselmError(f"weight '{node.name}' has shape {tuple(w.shape)}, expected {node.shape}")
-            self.weights[node.name] = as_device_bf16(cp, w)
+        self.weights = {node.name: as_device_bf16(cp, weights[node.name]) for node in self.graph.sources("weight")}
         self.constants = {k: cp.asarray(v, cp.float32) for k, v in G.graph["constants"].items()}
         self.states = {n.name: cp.zeros((self.max_context, n.shape[-1]), cp.uint16)
                        for n in self.graph.sources("state")}
@@ -280,7 +287,8 @@ class CudaEngine:
 
     def prefill(self, ids: Sequence[int], sampling: SamplingParams) -> int:
         if self.position + len(ids) > self.max_context:
-            raise FuselmError(f"prompt of {len(ids)} tokens does not fit the context of {self.max_context}")
+            raise FuselmError(f"prompt of {len(ids)} tokens at position {self.position} does not fit the "
+                              f"context of {self.max_context}")
         if not len(ids):
             raise FuselmError("empty prompt: nothing to feed")
         self._set_sampling(sampling)

@@ -62,7 +62,7 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader, path: Path) -> TextTokenizer:
             single, specials = [*single, special["eos_token"]], specials + [(special["eos_token"], ids["eos"])]
         backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=list(dict(specials).items()))
     eos = [ids["eos"]] if ids["eos"] is not None else []
-    return TextTokenizer(backend, metadata(reader, "tokenizer.chat_template"), special, eos)
+    return TextTokenizer(backend, metadata(reader, "tokenizer.chat_template"), special, eos, template_origin=path)
 
 
 def _byte_level(tokens: list[str], merges: list[str], pre: str | None) -> Tokenizer:

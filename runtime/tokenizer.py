@@ -11,7 +11,7 @@ from typing import Iterable, Sequence
 import tokenizers
 
 from ..errors import FuselmError
-from . import chat_template
+from . import chat_template as templates
 from .json_file import read_object
 
 # Tokens that end a turn or a document in common vocabularies; generation stops on any present.
@@ -52,12 +52,16 @@ class StreamDecoder:
 
 
 class TextTokenizer:
-    """Encode, decode, stream and render chats; `stop_ids` are every id that ends generation."""
+    """Encode, decode, stream and render chats; `stop_ids` are every id that ends generation.
+    `template_origin` is the file the chat template came from, named by its syntax errors."""
 
     def __init__(self, backend: tokenizers.Tokenizer, chat_template: str | None = None,
-                 special_tokens: dict[str, str] | None = None, eos_ids: Iterable[int] = ()):
+                 special_tokens: dict[str, str] | None = None, eos_ids: Iterable[int] = (),
+                 template_origin: str | Path | None = None):
         self.backend = backend
         self.chat_template = chat_template
+        # compiled once, here: a broken template fails while the checkpoint opens, before weights load
+        self._template = templates.compile_template(chat_template, template_origin) if chat_template else None
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self.bos_id = self.token_id(self.special_tokens.get("bos_token"))
         stop = set(eos_ids) | {self.token_id(t) for t in (self.special_tokens.get("eos_token"), *STOP_TOKENS)}
@@ -90,15 +94,15 @@ class TextTokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """The prompt text of `messages` ([{"role": ..., "content": ...}]), as transformers renders it."""
-        if not self.chat_template:
+        if self._template is None:
             raise FuselmError("this tokenizer has no chat template; pass the prompt as plain text")
-        return chat_template.render(self.chat_template, messages, add_generation_prompt,
-                                    self.special_tokens, **kwargs)
+        return templates.render(self._template, messages, add_generation_prompt, self.special_tokens, **kwargs)
 
     @classmethod
     def from_folder(cls, folder: Path, config: dict | None = None, generation: dict | None = None) -> "TextTokenizer":
         """tokenizer.json, with chat template and special tokens from tokenizer_config.json
-        (or chat_template.jinja / chat_template.json), and eos ids from the two configs."""
+        (or chat_template.jinja / chat_template.json), and eos ids from the two configs.
+        The chat template is compiled here: a syntax error names the file that holds it."""
         path = folder / "tokenizer.json"
         if not path.exists():
             raise FuselmError(f"{folder}: no tokenizer.json")
@@ -109,7 +113,8 @@ class TextTokenizer:
         tok_cfg = read_object(folder / "tokenizer_config.json", missing={})
         special = {k: _token_text(tok_cfg.get(k)) for k in SPECIAL_KEYS}
         eos = [i for d in (config or {}, generation or {}) for i in _as_list(d.get("eos_token_id"))]
-        return cls(backend, _find_chat_template(folder, tok_cfg), special, eos)
+        template, origin = _find_chat_template(folder, tok_cfg)
+        return cls(backend, template, special, eos, template_origin=origin)
 
 
 def _token_text(value) -> str | None:
@@ -121,12 +126,17 @@ def _as_list(value) -> list[int]:
     return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
-def _find_chat_template(folder: Path, tok_cfg: dict) -> str | None:
-    """transformers >= 4.43 may save the template as chat_template.jinja or chat_template.json."""
-    if (folder / "chat_template.jinja").exists():
-        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
-    template = read_object(folder / "chat_template.json", missing={}).get("chat_template") or tok_cfg.get("chat_template")
+def _find_chat_template(folder: Path, tok_cfg: dict) -> tuple[str | None, Path]:
+    """The template and the file it is in: transformers >= 4.43 may save it as chat_template.jinja
+    or chat_template.json rather than in tokenizer_config.json."""
+    origin = folder / "chat_template.jinja"
+    if origin.exists():
+        return origin.read_text(encoding="utf-8"), origin
+    origin = folder / "chat_template.json"
+    template = read_object(origin, missing={}).get("chat_template")
+    if not template:
+        origin, template = folder / "tokenizer_config.json", tok_cfg.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template}
         template = named.get("default") or next(iter(named.values()), None)
-    return template
+    return template, origin

@@ -3,18 +3,35 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+import pytest
 
 from fuselm.codegen import generate
 from fuselm.compiler import compile_graph
+from fuselm.errors import FuselmError
 from fuselm.models import DecoderConfig, build_graph
 from fuselm.runtime.bench import step_bytes
-from fuselm.runtime.cuda_engine import to_bf16_bits
+from fuselm.runtime.cuda_engine import check_weights, to_bf16_bits
 
 
 def test_bf16_bits_round_to_nearest_even_like_ml_dtypes():
     x = np.concatenate([np.random.default_rng().standard_normal(10000).astype(np.float32) * 100,
                         np.float32([0.0, -0.0, 1.0, 3.0e38, -1e-40, 1.00390625, 1.01171875])])
     assert (to_bf16_bits(x) == x.astype(ml_dtypes.bfloat16).view(np.uint16)).all()
+
+
+def test_weights_the_graph_lacks_or_has_in_another_shape_are_named_before_any_compile():
+    graph = build_graph(DecoderConfig.from_hf(dict(
+        architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)))
+    weights = {n.name: np.zeros(n.shape, np.float32) for n in graph.sources("weight")}
+    check_weights(graph, weights)                       # complete: no error
+    name = "model.layers.1.mlp.down_proj.weight"
+    with pytest.raises(FuselmError, match=f"^missing weight '{name}'$"):
+        check_weights(graph, {k: v for k, v in weights.items() if k != name})
+    with pytest.raises(FuselmError, match=f"^missing weight '{name}'$"):
+        check_weights(graph, {**weights, name: None})
+    with pytest.raises(FuselmError, match=rf"^weight '{name}' has shape \(128, 64\), expected \(64, 128\)$"):
+        check_weights(graph, {**weights, name: weights[name].T})
 
 
 class _Cache:

@@ -30,7 +30,7 @@ from fuselm.dsl import Graph, ShapeError
 from fuselm.errors import FuselmError
 from fuselm.models import ConfigError, DecoderConfig, build_graph
 from fuselm.models.presets import preset
-from fuselm.runtime import default_model
+from fuselm.runtime import chat_template, default_model
 from fuselm.runtime.checkpoint import open_checkpoint
 from fuselm.runtime.cpu_engine import CpuEngine
 from fuselm.runtime.engine import SamplingParams
@@ -123,11 +123,76 @@ def test_chat_with_a_model_without_a_template(capsys, tiny):
     assert line == "error: this model has no chat template; run without --chat"
 
 
-def test_chat_template_with_a_syntax_error(capsys, tiny):
-    """A chat template that is not valid Jinja is one error line giving the template line."""
-    (tiny / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for %}{{ m }}"}))
-    line = cli_error(capsys, "run", str(tiny), "-p", "w1", "-n", "2", "--chat", "--device", "cpu")
-    assert line.startswith("error: chat template: syntax error on line 1: ")
+BROKEN_TEMPLATE = "{% for %}{{ m }}"   # a for without a target: a Jinja syntax error on line 1
+
+
+def template_error(path, line: int = 1) -> str:
+    """A pattern for the start of the error of a broken chat template on `line` of the file `path`."""
+    return "^" + re.escape(f"{path}: chat template: syntax error on line {line}: ")
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_chat_template_with_a_syntax_error(capsys, tiny, chat):
+    """A chat template that is not valid Jinja is one `fuselm run` error line naming the file it is
+    in and the template line, with or without --chat: it is compiled when the model opens."""
+    (tiny / "tokenizer_config.json").write_text(json.dumps({"chat_template": BROKEN_TEMPLATE}))
+    line = cli_error(capsys, "run", str(tiny), "-p", "w1", "-n", "2", "--device", "cpu",
+                     *(["--chat"] if chat else []))
+    assert line.startswith(f"error: {tiny / 'tokenizer_config.json'}: chat template: syntax error on line 1: ")
+
+
+@pytest.mark.parametrize("weights", ["absent", "garbage"])
+def test_broken_chat_template_fails_before_the_weights(tiny, weights):
+    """fuselm.load of a folder whose tokenizer_config.json holds a broken template names that file
+    before any weight is read: with model.safetensors absent or garbage the template error is still
+    the one raised (and the weights' own error is what follows once the template is fixed)."""
+    weights_file = tiny / "model.safetensors"
+    if weights == "absent":
+        weights_file.unlink()
+    else:
+        weights_file.write_bytes(b"\xff" * 64)
+    (tiny / "tokenizer_config.json").write_text(json.dumps({"chat_template": BROKEN_TEMPLATE}))
+    api_error(FuselmError, template_error(tiny / "tokenizer_config.json"), fuselm.load, tiny, device="cpu",
+              progress=False)
+    (tiny / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}"}))
+    with pytest.raises(FuselmError, match=re.escape(str(tiny if weights == "absent" else weights_file))):
+        fuselm.load(tiny, device="cpu", progress=False)
+
+
+@pytest.mark.parametrize("name,content,line", [
+    ("tokenizer_config.json", json.dumps({"chat_template": [{"name": "default", "template": BROKEN_TEMPLATE}]}),
+     1),
+    ("chat_template.json", json.dumps({"chat_template": BROKEN_TEMPLATE}), 1),
+    ("chat_template.jinja", "{{ bos_token }}\n{% for m in messages %}{{ m['content'] }}{% endfor %}\n{% if %}", 3),
+])
+def test_broken_chat_template_names_the_file_it_is_in(tiny, name, content, line):
+    """open_checkpoint names whichever file held the template: a named template list in
+    tokenizer_config.json, chat_template.json or chat_template.jinja."""
+    (tiny / name).write_text(content)
+    api_error(FuselmError, template_error(tiny / name, line), open_checkpoint, tiny)
+
+
+def test_broken_gguf_chat_template_names_the_file(tmp_path):
+    """A GGUF whose tokenizer.chat_template is not valid Jinja names the .gguf file."""
+    w = gguf_writer(tmp_path / "tmpl.gguf", "llama", **GGUF_HPARAMS)
+    w.add_chat_template(BROKEN_TEMPLATE)
+    path = finish(w, tmp_path / "tmpl.gguf")
+    api_error(FuselmError, template_error(path), open_checkpoint, path)
+
+
+def test_valid_chat_template_is_compiled_once_and_renders(tiny, monkeypatch):
+    """A valid template renders as before, through the tokenizer and through chat generation, and
+    is compiled once when the checkpoint opens, not again per prompt."""
+    template = ("{{ bos_token }} {% for m in messages %}w3 {{ m['content'] }} {% endfor %}"
+                "{% if add_generation_prompt %}w4{% endif %}")
+    (tiny / "tokenizer_config.json").write_text(json.dumps({"bos_token": "w0", "chat_template": template}))
+    model = fuselm.load(tiny, device="cpu", progress=False)
+    monkeypatch.setattr(chat_template, "compile_template", lambda *a: pytest.fail("compiled again"))
+    chat = [{"role": "user", "content": "w1 w2"}]
+    assert model.tokenizer.apply_chat_template(chat) == "w0 w3 w1 w2 w4"
+    assert model.tokenizer.apply_chat_template(chat, add_generation_prompt=False) == "w0 w3 w1 w2 "
+    list(model.generate("w1 w2", 2, chat=True))
+    assert model.last_stats.prompt_tokens == 5   # w0 w3 w1 w2 w4: the words of the rendered chat
 
 
 def test_apply_chat_template_without_a_template(tiny):
@@ -284,7 +349,7 @@ def test_cpu_engine_rejects_an_empty_context_or_prompt(tiny):
     engine = fuselm.load(tiny, device="cpu", progress=False).engine
     api_error(FuselmError, "^context must be a positive number of tokens, got 0$",
               CpuEngine, engine.graph, engine.weights, 0)
-    api_error(FuselmError, "^cannot prefill an empty list of tokens$", engine.prefill, [], SamplingParams())
+    api_error(FuselmError, "^empty prompt: nothing to feed$", engine.prefill, [], SamplingParams())
     assert engine.position == 0
 
 

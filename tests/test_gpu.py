@@ -4,6 +4,7 @@ activation arena with NaN first, so an element no kernel wrote shows up as NaN."
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from fuselm.dsl import Graph
+from fuselm.errors import FuselmError
 from fuselm.models import DecoderConfig, build_graph
 from fuselm.models.presets import PRESETS
 from fuselm.runtime.cuda_engine import gpu_available
@@ -133,6 +135,21 @@ def cache_rows(eng, rows: int) -> dict[str, np.ndarray]:
     return {n: (cp.asnumpy(c[:rows]).astype(np.uint32) << 16).view(np.float32) for n, c in eng.states.items()}
 
 
+BF16_NAN = 0x7FC0   # a bf16 quiet NaN's bits: the poison of the (uint16) KV caches
+
+
+def cache_bits(eng, rows: int | None = None) -> dict[str, np.ndarray]:
+    """The first `rows` rows (None: all) of every KV cache of `eng`, as their bf16 bits (uint16)."""
+    import cupy as cp
+    eng.stream.synchronize()
+    return {n: cp.asnumpy(c[:rows]) for n, c in eng.states.items()}
+
+
+def bf16_finite(bits: np.ndarray) -> bool:
+    """Whether no element of these bf16 bits is a NaN or an infinity (exponent all ones)."""
+    return bool(((bits & 0x7F80) != 0x7F80).all())
+
+
 PREFILL_ARCHS = {"LlamaForCausalLM": {}, **ARCH_TINY}
 
 
@@ -190,7 +207,10 @@ def test_batched_prefill_of_a_long_prompt_at_real_shapes():
     """SmolLM2's shapes, a 700-token prompt: the per-token attention walks several passes of the
     cache, and eleven steps of the 64-token graph replay one CUDA graph (with split-K gemms);
     caches and logits as one-token steps leave them, and a second run leaves the same bits (its
-    last token's decode step includes GEMVs whose rows four warps share)."""
+    last token's decode step includes GEMVs whose rows four warps share). Before the second run the
+    caches are poisoned with bf16 NaN, and the decode and prefill arenas (the logits among them) and
+    runtime buffers with NaN: a cache row or logit it did not write shows."""
+    import cupy as cp
     rng = np.random.default_rng()
     cfg = DecoderConfig.from_hf(PRESETS["smollm2-135m"])
     graph = build_graph(cfg)
@@ -209,12 +229,31 @@ def test_batched_prefill_of_a_long_prompt_at_real_shapes():
     # The same prompt again: every sum over slices of k (split-K prefill gemms, the decode GEMVs'
     # warps sharing a row) adds them in a fixed order, so the bits do not depend on timing. (Not
     # so a MoE's batched prefill with over 2 experts per token: moe_down_tokens adds by atomics.)
-    logits = batched.logits()
+    logits, bits = batched.logits(), cache_bits(batched, len(prompt))
+    assert all(bf16_finite(b) for b in bits.values()) and np.isfinite(logits).all()
     batched.reset()
+    with batched.stream:                                   # poison, ordered before the second run
+        for c in batched.states.values():
+            c.fill(BF16_NAN)
+        batched.arena.view(cp.float32).fill(cp.nan)        # the decode step's activations
+        batched.buffer("logits").fill(cp.nan)              # (the logits are one of them)
+        batched.workspace.fill(cp.nan)
+        batched.batched_prefill.arena.view(cp.float32).fill(cp.nan)
+        batched.batched_prefill.workspace.fill(cp.nan)
+        batched.batched_prefill.buffers["gemm_slabs"].fill(cp.nan)
     batched.prefill(prompt, SamplingParams())
-    again = cache_rows(batched, len(prompt))
-    assert all(np.array_equal(a[n], again[n]) for n in a), "a second prefill of the same prompt differs"
-    assert np.array_equal(logits, batched.logits()), "the last prompt token's logits differ the second time"
+    again, again_logits = cache_bits(batched), batched.logits()
+    # Rows 0 .. 699 are the prompt's: the prefill steps write 0 .. 698 (and padding up to the end of
+    # their last step, which the last token's decode step overwrites at 699); rows from the end of
+    # the last step on are no step's, and stay poisoned. The padding's rows are not compared.
+    end = sum(batched.batched_prefill.plan(len(prompt) - 1, 0))
+    assert len(prompt) <= end < batched.max_context, end
+    assert all(bf16_finite(again[n][:len(prompt)]) for n in again), "the second prefill left poisoned cache rows"
+    assert all(np.array_equal(bits[n], again[n][:len(prompt)]) for n in bits), "a second prefill of the same prompt differs"
+    assert all((again[n][end:] == BF16_NAN).all() for n in again), f"the second prefill wrote cache rows past {end}"
+    assert np.isfinite(again_logits).all(), "the second run left poisoned or non-finite logits"
+    assert np.array_equal(logits.view(np.uint32), again_logits.view(np.uint32)), \
+        "the last prompt token's logits differ the second time"
 
 
 def test_batched_prefill_of_a_second_turn_near_the_context_end():
@@ -562,3 +601,131 @@ def test_real_shapes_match_transformers(name):
     assert agree == clear
     del hf, eng, weights
     torch.cuda.empty_cache()
+
+
+# ---- the CUDA engine's user-facing errors: one line naming the problem, and nothing lost -------------
+
+def test_a_missing_or_misshapen_weight_is_named():
+    """CudaEngine checks each of the graph's weights before uploading it (_allocate): one the
+    mapping lacks (or maps to None) is a one-line error naming it; one of another shape, host
+    array or device bits, names it and both shapes."""
+    import cupy as cp
+
+    from fuselm.runtime.cuda_engine import to_bf16_bits
+    rng = np.random.default_rng()
+    graph = build_graph(DecoderConfig.from_hf(TINY))
+    weights = random_weights(graph, rng)
+    nodes = list(graph.sources("weight"))
+    missing = nodes[len(nodes) // 2].name
+    for given in ({k: v for k, v in weights.items() if k != missing}, {**weights, missing: None}):
+        with pytest.raises(FuselmError, match=f"^missing weight '{re.escape(missing)}'$"):
+            engine_for(graph, given, batched_prefill=False)
+    bad = next(n for n in reversed(nodes) if len(n.shape) == 2 and n.shape[0] != n.shape[1])
+    for wrong in (weights[bad.name].T, weights[bad.name][:-1], cp.asarray(to_bf16_bits(weights[bad.name].T))):
+        message = f"weight '{bad.name}' has shape {tuple(wrong.shape)}, expected {bad.shape}"
+        with pytest.raises(FuselmError, match=f"^{re.escape(message)}$"):
+            engine_for(graph, {**weights, bad.name: wrong}, batched_prefill=False)
+
+
+def test_an_unknown_variant_is_refused_by_the_engine():
+    """CudaEngine(variant=...) goes through check_variant: a name no kernel has is a one-line
+    error listing the ones there are (a Llama's attention: "single"; "general" always)."""
+    rng = np.random.default_rng()
+    graph = build_graph(DecoderConfig.from_hf(TINY))
+    with pytest.raises(FuselmError, match=r"^variant 'singel': no kernel of this graph has it \(known: general, single\)$"):
+        engine_for(graph, random_weights(graph, rng), variant="singel")
+
+
+def sampler_step(eng) -> int:
+    """The sampler's step counter on the device (SamplingArgs.step)."""
+    from fuselm.runtime.cuda_engine import SAMPLING_ARGS
+    at = SAMPLING_ARGS.fields["step"][1]
+    eng.stream.synchronize()
+    return int(eng.sampling_args[at:at + 4].view(np.int32).get()[0])
+
+
+def test_a_prompt_past_the_context_or_an_empty_one_is_refused_and_changes_nothing():
+    """CudaEngine.prefill refuses a prompt that does not fit the rows left (on the first turn and
+    on a later one) and an empty prompt, and SamplingParams.validate refuses bad sampling
+    settings (a ValueError: generate() and the API turn it into a FuselmError), all before
+    anything moves: the next prompt gives the tokens, logits, seen marks, position and sampler
+    step that it gives without the refused calls."""
+    rng = np.random.default_rng()
+    cfg = DecoderConfig.from_hf(TINY)
+    graph = build_graph(cfg)
+    eng = engine_for(graph, random_weights(graph, rng, std=0.3), ctx=64)
+    penal = SamplingParams(repetition_penalty=1.3)          # the seen marks matter to the picks
+    first, second, long_ = (rng.integers(0, cfg.vocab_size, n).tolist() for n in (40, 20, 30))
+    with pytest.raises(FuselmError, match="^prompt of 65 tokens at position 0 does not fit the context of 64$"):
+        eng.prefill(rng.integers(0, cfg.vocab_size, 65).tolist(), penal)
+    assert eng.position == 0
+    picks = [eng.prefill(first, penal)]
+    assert eng.position == 40
+    # 40 + 30 rows of 64: the message names the prompt's length, where it starts and the context
+    with pytest.raises(FuselmError, match="^prompt of 30 tokens at position 40 does not fit the context of 64$"):
+        eng.prefill(long_, penal)
+    with pytest.raises(FuselmError, match="^empty prompt: nothing to feed$"):
+        eng.prefill([], penal)
+    with pytest.raises(ValueError, match=r"^top_p must be in \(0, 1\], got 0.0$"):
+        eng.prefill(second, SamplingParams(top_p=0.0))
+    with pytest.raises(ValueError, match="^repetition_penalty must be > 0, got 0.0$"):
+        eng.decode(second[0], SamplingParams(repetition_penalty=0.0))
+    assert eng.position == 40
+    picks.append(eng.prefill(second, penal))
+    got = (picks, eng.logits(), eng.seen.get(), eng.position, sampler_step(eng))
+    eng.reset()                                             # the same turns, nothing refused
+    want = ([eng.prefill(first, penal), eng.prefill(second, penal)], eng.logits(), eng.seen.get(),
+            eng.position, sampler_step(eng))
+    print(f"refused prompts: picks {got[0]} and {want[0]} without them, position {got[3]}, sampler step {got[4]}")
+    assert got[0] == want[0], "the refused calls changed the picks"
+    assert np.array_equal(got[1].view(np.uint32), want[1].view(np.uint32)), "the refused calls changed the logits"
+    assert np.array_equal(got[2], want[2]), "the refused calls changed the seen marks"
+    assert got[3:] == want[3:] == (60, 60), "the refused calls moved the position or the sampler's step"
+
+
+def test_decoding_past_the_context_is_refused_and_changes_nothing():
+    """CudaEngine.decode at a full cache (feed: position == ctx) is a one-line error naming the
+    context, as is a prompt of one token then; the last step's logits and the position stay, and
+    after reset() the same conversation gives the same tokens."""
+    rng = np.random.default_rng()
+    cfg = DecoderConfig.from_hf(TINY)
+    graph = build_graph(cfg)
+    eng = engine_for(graph, random_weights(graph, rng, std=0.3), ctx=64)
+    prompt = rng.integers(0, cfg.vocab_size, 60).tolist()
+    runs = []
+    for _ in range(2):
+        eng.reset()
+        toks = [eng.prefill(prompt, SamplingParams())]
+        for _ in range(4):                                 # positions 60 .. 63: the last rows
+            toks.append(eng.decode(toks[-1], SamplingParams()))
+        assert eng.position == 64
+        runs.append(toks)
+        last = eng.logits()
+        with pytest.raises(FuselmError, match="^the conversation reached the context of 64 tokens$"):
+            eng.decode(toks[-1], SamplingParams())
+        with pytest.raises(FuselmError, match="^prompt of 1 tokens at position 64 does not fit the context of 64$"):
+            eng.prefill([toks[-1]], SamplingParams())
+        assert eng.position == 64
+        assert np.array_equal(eng.logits().view(np.uint32), last.view(np.uint32)), "a refused step ran"
+    assert runs[0] == runs[1], runs
+
+
+def test_a_prefill_that_its_steps_cannot_take_is_refused_before_any_step():
+    """Prefill.run (the engine calls it only with what its plan takes) refuses tokens that its
+    steps cannot put in the rows left, naming the context and the step sizes, before it queues
+    a step: the caches stay as they were, and the engine's own prefill of as many tokens (steps
+    as far as they go, the rest one at a time) fills the context."""
+    rng = np.random.default_rng()
+    cfg = DecoderConfig.from_hf(TINY)
+    graph = build_graph(cfg)
+    eng = engine_for(graph, random_weights(graph, rng), ctx=100)
+    assert eng.batched_prefill is not None, eng.prefill_refused
+    sizes = " or ".join(map(str, eng.batched_prefill.sizes))
+    prompt = rng.integers(0, cfg.vocab_size, 100).tolist()  # steps are multiples of 8: at most 96 of 100 rows
+    with pytest.raises(FuselmError, match=f"^prefill of 100 tokens from position 0 does not fit the context "
+                                          f"of 100 in steps of {re.escape(sizes)}$"):
+        eng.batched_prefill.run(prompt, 0)
+    assert all(not b.any() for b in cache_bits(eng).values()), "a refused prefill wrote cache rows"
+    eng.prefill(prompt, SamplingParams())
+    assert eng.position == 100
+    assert all(bf16_finite(b) and b.any(axis=1).all() for b in cache_bits(eng).values())
