@@ -19,6 +19,8 @@ WARPS = env_int("FUSELM_GEMM_WARPS", 4, 1, 8)   # per block; each warp computes 
 # split-K: a kernel's tiles are split until it has this many blocks, or its k slices this few chunks
 BLOCKS = env_int("FUSELM_GEMM_BLOCKS", 512, 1, 1 << 16)
 MIN_CHUNKS = env_int("FUSELM_GEMM_MIN_CHUNKS", 4, 1, 1 << 10)
+# 1: a block waits for the previous kernel once its first chunk's weights are in flight (gemm_tile)
+EARLY = env_int("FUSELM_GEMM_EARLY", 1, 0, 1)
 SLOTS = 16 * WARPS  # rows of each member per block
 SMEM = 48 * 1024    # static shared memory a kernel may use
 
@@ -75,5 +77,5 @@ def context(G: nx.DiGraph, launch: dict, params: Params, tokens: int) -> dict:
     tile_floats = split * (max_tile * tokens + tokens)    # a tile's slabs: dot products and sums of squares
     return {**vec, "zips": zips, "threads": WARPS * 32, "tokens": tokens, "kc": chunk(vec["K"]),
             "max_tile": max_tile, "grid": grid, "splits": split, "slabs": slabs, "counts": counts,
-            "tile_slab_floats": tile_floats,
+            "tile_slab_floats": tile_floats, "early": bool(EARLY),
             "slab_floats": grid * tile_floats if split > 1 else 0, "tile_counts": grid if split > 1 else 0}

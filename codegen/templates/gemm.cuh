@@ -32,7 +32,11 @@ struct StagedX {
 // tile_out[(m R + s) TT + t] = dot product of slot s of member m with token t, and, where NORMED,
 // ss[t] = sum of x[t]^2 for the norm's scale. KS < K: one slice of a split-K tile (splitk_gather
 // adds the slices). xs and tile_out may share memory: xs is not read once tile_out is written.
-template <int K, int KS, int TT, int KC, int M, int R, int N, int HD, bool INTERLEAVED, bool NORMED, int THREADS>
+// EARLY: the block waits for the previous kernel (grid_wait_then_release) only once its first
+// chunk's weights are in flight: they are no kernel's output, and the chunk's round trip then
+// overlaps the previous kernel's tail.
+template <int K, int KS, int TT, int KC, int M, int R, int N, int HD, bool INTERLEAVED, bool NORMED, int THREADS,
+          bool EARLY>
 __device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int tile, int k0, const float* x,
                                           const weight_t* gain, float gain_offset, StagedX<TT, KC>& xs,
                                           float* tile_out, float* ss) {
@@ -64,6 +68,8 @@ __device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int til
                 qa[m][s] = __ldcs(reinterpret_cast<const uint4*>(wa[m] + kc + 32 * s));
                 qb[m][s] = __ldcs(reinterpret_cast<const uint4*>(wb[m] + kc + 32 * s));
             }
+        if constexpr (EARLY)
+            if (kc == k0) grid_wait_then_release();   // x is the previous kernel's output
         __syncthreads();                    // the previous chunk's products are done with xs
 #pragma unroll
         for (int i = 0; i < GROUPS; i++) {
