@@ -73,10 +73,12 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2, tokens: int = 1) -
                         Launch(f"{name}_down", (ctx["grid_down"], 1), ctx["threads"], params.values)]
         else:
             launches = [Launch(name, (ctx["grid"], ctx.get("splits", 1)), ctx["threads"], params.values)]
+            if ctx.get("staged"):   # the gemm's vectors first, one block per token
+                launches.insert(0, Launch(f"{name}_stage", (ctx["tokens"], 1), ctx["stage_threads"], params.values))
         read, written = _traffic(G, launch, rows, weight_bytes, tokens)
         k = KernelSource(name, family, body, launch["nodes"], launches, launch["layer"],
                          read, written, ctx.get("workspace_floats", 0), ctx.get("slab_floats", 0),
-                         ctx.get("tile_counts", 0))
+                         ctx.get("tile_counts", 0), ctx.get("staged_floats", 0))
         if family == "attention" and tokens == 1:
             k.variants = _attention_variants(name, ctx, params.values)
             k.notes["passes"] = {"split": ctx["split_pass"], "one launch": ctx["single_pass"]}

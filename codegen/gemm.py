@@ -2,6 +2,12 @@
 prefill). Each block streams its tile's weight rows once for all the step's tokens, on tensor
 cores (templates/gemm.cuh), then runs the gemv epilogue for every (row, token) of its tile.
 
+The tokens' vectors reach the tensor cores as bf16 hi and lo words (float32 accuracy in two
+products). Converting them is as much work per chunk as the products, and every block of a
+kernel needs the same ones: so a launch of its own (`<kernel>_stage`, a block per token) converts
+them once, with the norm gain and sums of squares of a prologue, and the gemm's blocks copy each
+chunk with cp.async (no registers, one round trip).
+
 A block walks its k in chunks, one memory round trip each, so a kernel lasts at least its chunks'
 round trips however many blocks run. Where a kernel has few tiles (short outputs: the O and down
 projections) and long rows, split-K cuts that chain: `splits` blocks share a tile, each over a
@@ -21,6 +27,10 @@ BLOCKS = env_int("FUSELM_GEMM_BLOCKS", 512, 1, 1 << 16)
 MIN_CHUNKS = env_int("FUSELM_GEMM_MIN_CHUNKS", 4, 1, 1 << 10)
 # 1: a block waits for the previous kernel once its first chunk's weights are in flight (gemm_tile)
 EARLY = env_int("FUSELM_GEMM_EARLY", 1, 0, 1)
+# 1: a launch of its own stages the step's vectors once for all blocks (stage_vectors); 0: each
+# block converts its chunks itself
+STAGED = env_int("FUSELM_GEMM_STAGED", 1, 0, 1)
+STAGE_THREADS = 256
 SLOTS = 16 * WARPS  # rows of each member per block
 SMEM = 48 * 1024    # static shared memory a kernel may use
 
@@ -66,7 +76,8 @@ def unsupported(G: nx.DiGraph, launch: dict, tokens: int) -> str | None:
 def context(G: nx.DiGraph, launch: dict, params: Params, tokens: int) -> dict:
     """Template variables of one gemm kernel for steps of `tokens` tokens (a multiple of 8); where
     it splits K, the runtime buffers it needs: `slab_floats` of float32 slabs ("gemm_slabs") and
-    `tile_counts` zeroed counts ("gemm_counts"), shared by every gemm launch of the step."""
+    `tile_counts` zeroed counts ("gemm_counts"); where the vectors are staged, `staged_floats` of
+    "gemm_x" and a float per token of "gemm_ss". All shared by every gemm launch of the step.""" 
     vec = input_vector(G, launch, params)
     zips, grid = zip_contexts(G, launch, params, lambda members, pairs: SLOTS, batched=True)
     max_tile = max(z["R"] * len(z["members"]) for z in zips)
@@ -75,7 +86,12 @@ def context(G: nx.DiGraph, launch: dict, params: Params, tokens: int) -> dict:
     if split > 1:
         slabs, counts = params.extra("float*", "gemm_slabs"), params.extra("unsigned*", "gemm_counts")
     tile_floats = split * (max_tile * tokens + tokens)    # a tile's slabs: dot products and sums of squares
+    staged = {}
+    if STAGED:   # [tokens, K] hi and lo bf16 words ("gemm_x"), [tokens] sums of squares ("gemm_ss")
+        staged = {"staged_x": params.extra("float*", "gemm_x"), "staged_ss": params.extra("float*", "gemm_ss"),
+                  "staged_floats": tokens * vec["K"], "stage_threads": STAGE_THREADS}
     return {**vec, "zips": zips, "threads": WARPS * 32, "tokens": tokens, "kc": chunk(vec["K"]),
             "max_tile": max_tile, "grid": grid, "splits": split, "slabs": slabs, "counts": counts,
             "tile_slab_floats": tile_floats, "early": bool(EARLY),
-            "slab_floats": grid * tile_floats if split > 1 else 0, "tile_counts": grid if split > 1 else 0}
+            "slab_floats": grid * tile_floats if split > 1 else 0, "tile_counts": grid if split > 1 else 0,
+            "staged": bool(STAGED), **staged}

@@ -179,7 +179,7 @@ def summary(G, kernels, rows: list[Row], ctx: int, position: int | None = None, 
     for kinds, n in sorted(passes.items()):
         out.append("attention passes: " + ", ".join(f"{what} {_pass_label(p)}" for what, p in kinds)
                    + f" ({n} kernel{'s' if n != 1 else ''})")
-    split = {k.name: k.launches[0].grid[1] for k in kernels if k.family == "gemm" and k.launches[0].grid[1] > 1}
+    split = {k.name: k.launches[-1].grid[1] for k in kernels if k.family == "gemm" and k.launches[-1].grid[1] > 1}
     if split:
         out.append(f"split-K: {len(split)} of {len({k.name for k in kernels if k.family == 'gemm'})} gemm kernels "
                    f"split their k (grid: tiles x slices), "

@@ -37,6 +37,7 @@ class KernelSource:
     workspace_floats: int = 0
     slab_floats: int = 0      # split-K gemm (prefill): its "gemm_slabs" floats and "gemm_counts" words
     tile_counts: int = 0
+    staged_floats: int = 0    # gemm with its vectors staged (prefill): its "gemm_x" floats
     notes: dict = field(default_factory=dict)   # for `fuselm inspect`: attention's pass types
     # By increasing `until`; the runtime keeps one CUDA graph per range of positions.
     variants: list[Variant] = field(default_factory=list)

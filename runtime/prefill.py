@@ -113,6 +113,9 @@ class Prefill:
             # the blocks done, which the last one leaves at 0
             "gemm_slabs": cp.empty(max([k.slab_floats for k in kernels] + [1]), cp.float32),
             "gemm_counts": cp.zeros(max([k.tile_counts for k in kernels] + [1]), cp.uint32),
+            # the step's vectors as the gemms stage them, and their sums of squares per token
+            "gemm_x": cp.empty(max([k.staged_floats for k in kernels] + [1]), cp.float32),
+            "gemm_ss": cp.empty(STEP_RANGE[1], cp.float32),
         }
         self.workspace = self.buffers["workspace"]
         self.steps = {t: _Step(self.engine, self.arena, self.buffers, t, G, kernels, cubin)

@@ -319,10 +319,13 @@ def test_every_kernel_argument_has_memory(name, fuse):
 
 def check_prefill_arguments(P, kernels) -> None:
     """Every argument of the prefill kernels is a graph source, a buffer of P's arena or a runtime
-    buffer of runtime/prefill.py that the kernel sizes (the moe workspace, split-K slabs and counts)."""
+    buffer of runtime/prefill.py that the kernel sizes (the moe workspace, split-K slabs and counts,
+    the staged vectors and their sums of squares: one per token, at most the largest step's)."""
     from fuselm.codegen.params import storage_of
+    from fuselm.runtime.prefill import STEP_RANGE
     sized = {"workspace": lambda k: k.workspace_floats, "gemm_slabs": lambda k: k.slab_floats,
-             "gemm_counts": lambda k: k.tile_counts}
+             "gemm_counts": lambda k: k.tile_counts, "gemm_x": lambda k: k.staged_floats,
+             "gemm_ss": lambda k: k.launches[0].grid[0] <= STEP_RANGE[1]}
     for k in kernels:
         for launch in k.all_launches():
             for a in launch.args:

@@ -328,11 +328,16 @@ def test_prefill_shows_the_batched_prefill_graph(capsys, tmp_path):
     launches = doc["launches"]
     assert {l["family"] for l in launches} == {"rowwise", "gemm", "attention"}
     assert all(l["grid"][1] == TOKENS for l in launches if l["family"] == "attention")
+    # each gemm kernel launches its vectors' stage first (one block per token), then the gemm
+    gemms = [l for l in launches if l["family"] == "gemm"]
+    assert all(stage["function"] == gemm["kernel"] + "_stage" and gemm["function"] == gemm["kernel"]
+               and stage["kernel"] == gemm["kernel"] and stage["grid"][0] == TOKENS
+               for stage, gemm in zip(gemms[::2], gemms[1::2]))
     last = [l for l in launches if l["layer"] == 29]
-    assert len(last) == 1 and last[0]["family"] == "gemm"
-    assert sum(n.startswith("linear_") for n in last[0]["nodes"]) == 2                    # K and V only
-    assert sum(n.startswith("kv_write_") for n in last[0]["nodes"]) == 2
-    assert len(launches) == 1 + 29 * 5 + 1          # embedding, 29 whole layers, the last one's K and V
+    assert [l["function"] for l in last] == [last[1]["function"] + "_stage", last[1]["kernel"]]
+    assert sum(n.startswith("linear_") for n in last[1]["nodes"]) == 2                    # K and V only
+    assert sum(n.startswith("kv_write_") for n in last[1]["nodes"]) == 2
+    assert len(launches) == 1 + 29 * (5 + 4) + 2    # embedding, 29 whole layers, the last one's K and V
     rc, out, _ = run_main(capsys, "inspect", "smollm2-135m", "--prefill", "--out", str(tmp_path))
     assert rc == 0 and f"a prefill step of {TOKENS} tokens" in out
     assert "split-K: 1 of 5 gemm kernels split their k" in out      # the down projection (K 1536)

@@ -27,6 +27,126 @@ struct StagedX {
     uint4 hi[TT][STRIDE], lo[TT][STRIDE];
 };
 
+// Entries k .. k + 8 of one token's vector x, loaded with plain loads: x is the previous kernel's
+// output (see gemv.cuh).
+__device__ __forceinline__ void load_entry(const float* x, int k, float (&v)[8]) {
+    const float4 a = *reinterpret_cast<const float4*>(x + k);
+    const float4 b = *reinterpret_cast<const float4*>(x + k + 4);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+// Those 8 values (times the norm gain where NORMED, their squares added to sumsq) as hi and lo
+// bf16 words.
+template <bool NORMED>
+__device__ __forceinline__ void split_entry(float (&v)[8], const weight_t* gain, float gain_offset, int k,
+                                            float& sumsq, uint4& h, uint4& l) {
+    if constexpr (NORMED) {
+        float gv[8];
+        unpack8(__ldg(reinterpret_cast<const uint4*>(gain + k)), gv);
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            sumsq = fmaf(v[j], v[j], sumsq);
+            v[j] *= gv[j] + gain_offset;
+        }
+    }
+    split_bf16x2(v[0], v[1], h.x, l.x);
+    split_bf16x2(v[2], v[3], h.y, l.y);
+    split_bf16x2(v[4], v[5], h.z, l.z);
+    split_bf16x2(v[6], v[7], h.w, l.w);
+}
+
+// gemm_tile's chunks of the tokens' vectors, converted by the block itself from x [TT, K] (the
+// MoE kernels, whose vectors differ per expert): each of the tile's blocks converts them again.
+template <int K, int TT, int KC, bool IS_NORMED, int THREADS>
+struct VectorsFromX {
+    static constexpr bool NORMED = IS_NORMED;
+    static constexpr int ENTRIES = StagedX<TT, KC>::ENTRIES;
+    static constexpr int GROUPS = (TT * ENTRIES + THREADS - 1) / THREADS;   // staged entries per thread
+    static_assert(THREADS % ENTRIES == 0, "a thread stages entries of one column e");
+    const float* x;
+    const weight_t* gain;
+    float gain_offset;
+    float sumsq[GROUPS] = {};
+
+    __device__ __forceinline__ void stage(int kc, StagedX<TT, KC>& xs) {
+#pragma unroll
+        for (int i = 0; i < GROUPS; i++) {
+            const int g = threadIdx.x + i * THREADS, t = g / ENTRIES, e = g % ENTRIES;
+            if (g < TT * ENTRIES) {
+                float v[8];
+                load_entry(x + (size_t)t * K, kc + 8 * e, v);
+                split_entry<NORMED>(v, gain, gain_offset, kc + 8 * e, sumsq[i], xs.hi[t][e], xs.lo[t][e]);
+            }
+        }
+    }
+    // ss[t] = sum of x[t]^2 over the k this block staged: the ENTRIES lanes that staged a token's row meet
+    __device__ __forceinline__ void sums(float* ss) const {
+#pragma unroll
+        for (int i = 0; i < GROUPS; i++) {
+            float v = sumsq[i];
+#pragma unroll
+            for (int o = ENTRIES / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            const int g = threadIdx.x + i * THREADS;
+            if (g % ENTRIES == 0 && g < TT * ENTRIES) ss[g / ENTRIES] = v;
+        }
+    }
+};
+
+// The same chunks made once per kernel by stage_vectors (its own launch before the gemm's), which
+// every block copies as they are, all at once (cp.async: no registers, one round trip), instead
+// of each of a kernel's hundreds of blocks loading and converting them again. `staged` holds
+// [K / KC chunks][hi, lo][TT][ENTRIES] entries; `ss_all` the sums of squares over all of K.
+template <int TT, int KC, bool IS_NORMED, int THREADS>
+struct StagedVectors {
+    static constexpr bool NORMED = IS_NORMED;
+    static constexpr int ENTRIES = StagedX<TT, KC>::ENTRIES, CHUNK = 2 * TT * ENTRIES;
+    const uint4* staged;
+    const float* ss_all;
+
+    __device__ __forceinline__ void stage(int kc, StagedX<TT, KC>& xs) const {
+        const uint4* chunk = staged + (size_t)(kc / KC) * CHUNK;
+#pragma unroll 1   // unrolled, the copies' addresses take registers that the weights need
+        for (int j = 0; j < (CHUNK + THREADS - 1) / THREADS; j++) {
+            const int i = j * THREADS + threadIdx.x, t = (i / ENTRIES) % TT, e = i % ENTRIES;
+            uint4* to = i < TT * ENTRIES ? &xs.hi[t][e] : &xs.lo[t][e];
+            if (CHUNK % THREADS == 0 || i < CHUNK)   // L2 only (.cg): the stage kernel's writes
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                             :: "r"((unsigned)__cvta_generic_to_shared(to)), "l"(chunk + i) : "memory");
+        }
+        asm volatile("cp.async.wait_all;" ::: "memory");
+    }
+    __device__ __forceinline__ void sums(float* ss) const {
+        if constexpr (NORMED)
+            for (int t = threadIdx.x; t < TT; t += THREADS) ss[t] = ss_all[t];
+    }
+};
+
+// The stage kernel's block t: token t's vector as StagedVectors reads it, and its sum of squares.
+// A thread loads all its entries before converting any (one round trip, not one each).
+template <int K, int TT, int KC, bool NORMED, int THREADS>
+__device__ __forceinline__ void stage_vectors(const float* x, const weight_t* gain, float gain_offset,
+                                              uint4* staged, float* ss_all) {
+    constexpr int ENTRIES = StagedX<TT, KC>::ENTRIES, PER = (K / 8 + THREADS - 1) / THREADS;
+    const int t = blockIdx.x;
+    float v[PER][8];
+#pragma unroll
+    for (int i = 0; i < PER; i++)
+        if (i * THREADS + threadIdx.x < K / 8) load_entry(x + (size_t)t * K, 8 * (i * THREADS + threadIdx.x), v[i]);
+    float sumsq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+        const int g = i * THREADS + threadIdx.x;
+        if (g >= K / 8) break;
+        uint4* chunk = staged + (size_t)(g / ENTRIES) * 2 * TT * ENTRIES;
+        split_entry<NORMED>(v[i], gain, gain_offset, 8 * g, sumsq, chunk[t * ENTRIES + g % ENTRIES],
+                            chunk[(TT + t) * ENTRIES + g % ENTRIES]);
+    }
+    if constexpr (NORMED) {
+        sumsq = block_sum(sumsq);
+        if (threadIdx.x == 0) ss_all[t] = sumsq;
+    }
+}
+
 // The block's tile (R slots of each of M members, slot s of member m in rows slot_row(tile, s))
 // against the TT vectors of x [TT, K] (times the norm gain where NORMED), over k in [k0, k0 + KS):
 // tile_out[(m R + s) TT + t] = dot product of slot s of member m with token t, and, where NORMED,
@@ -35,17 +155,14 @@ struct StagedX {
 // EARLY: the block waits for the previous kernel (grid_wait_then_release) only once its first
 // chunk's weights are in flight: they are no kernel's output, and the chunk's round trip then
 // overlaps the previous kernel's tail.
-template <int K, int KS, int TT, int KC, int M, int R, int N, int HD, bool INTERLEAVED, bool NORMED, int THREADS,
-          bool EARLY>
-__device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int tile, int k0, const float* x,
-                                          const weight_t* gain, float gain_offset, StagedX<TT, KC>& xs,
-                                          float* tile_out, float* ss) {
+template <int K, int KS, int TT, int KC, int M, int R, int N, int HD, bool INTERLEAVED, int THREADS, bool EARLY,
+          class Vectors>
+__device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int tile, int k0, Vectors& vectors,
+                                          StagedX<TT, KC>& xs, float* tile_out, float* ss) {
     static_assert(K % KS == 0 && KS % KC == 0 && KC % 32 == 0 && TT % 8 == 0 && R == 16 * (THREADS / 32),
                   "gemm tile shape");
     static_assert(FUSELM_MMA_ARCH, "gemm needs mma.sync on bf16 (sm_80 on); runtime/prefill.py refuses older GPUs");
-    constexpr int SPANS = KC / 32, NT = TT / 8, ENTRIES = StagedX<TT, KC>::ENTRIES;
-    constexpr int GROUPS = (TT * ENTRIES + THREADS - 1) / THREADS;     // staged entries per thread
-    static_assert(THREADS % ENTRIES == 0, "a thread stages entries of one column e");
+    constexpr int SPANS = KC / 32, NT = TT / 8;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
     int pair;
     const int row_a = slot_row<R, N, HD, INTERLEAVED>(tile, 16 * warp + r, pair);
@@ -58,7 +175,6 @@ __device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int til
         wb[m] = W[m] + (size_t)max(row_b, 0) * K + 8 * c;
     }
     float acc[M][NT][4] = {};
-    float sumsq[GROUPS] = {};
     for (int kc = k0; kc < k0 + KS; kc += KC) {
         uint4 qa[M][SPANS], qb[M][SPANS];   // the chunk's weights, in flight while x is staged
 #pragma unroll
@@ -71,32 +187,7 @@ __device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int til
         if constexpr (EARLY)
             if (kc == k0) grid_wait_then_release();   // x is the previous kernel's output
         __syncthreads();                    // the previous chunk's products are done with xs
-#pragma unroll
-        for (int i = 0; i < GROUPS; i++) {
-            const int g = threadIdx.x + i * THREADS, t = g / ENTRIES, e = g % ENTRIES, k = kc + 8 * e;
-            if (g < TT * ENTRIES) {
-                // plain loads: x is the previous kernel's output (see gemv.cuh)
-                const float4 a = *reinterpret_cast<const float4*>(x + (size_t)t * K + k);
-                const float4 b = *reinterpret_cast<const float4*>(x + (size_t)t * K + k + 4);
-                float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-                if constexpr (NORMED) {
-                    float gv[8];
-                    unpack8(__ldg(reinterpret_cast<const uint4*>(gain + k)), gv);
-#pragma unroll
-                    for (int j = 0; j < 8; j++) {
-                        sumsq[i] = fmaf(v[j], v[j], sumsq[i]);
-                        v[j] *= gv[j] + gain_offset;
-                    }
-                }
-                uint4 h, l;
-                split_bf16x2(v[0], v[1], h.x, l.x);
-                split_bf16x2(v[2], v[3], h.y, l.y);
-                split_bf16x2(v[4], v[5], h.z, l.z);
-                split_bf16x2(v[6], v[7], h.w, l.w);
-                xs.hi[t][e] = h;
-                xs.lo[t][e] = l;
-            }
-        }
+        vectors.stage(kc, xs);
         __syncthreads();
 #pragma unroll
         for (int s = 0; s < SPANS; s++)
@@ -124,16 +215,7 @@ __device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int til
             out[8 * TT] = acc[m][nt][2];
             out[8 * TT + 1] = acc[m][nt][3];
         }
-    if constexpr (NORMED) {                 // the ENTRIES lanes that staged a token's row meet
-#pragma unroll
-        for (int i = 0; i < GROUPS; i++) {
-            float v = sumsq[i];
-#pragma unroll
-            for (int o = ENTRIES / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            const int g = threadIdx.x + i * THREADS;
-            if (g % ENTRIES == 0 && g < TT * ENTRIES) ss[g / ENTRIES] = v;
-        }
-    }
+    if constexpr (Vectors::NORMED) vectors.sums(ss);
     __syncthreads();
 }
 

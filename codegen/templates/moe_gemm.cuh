@@ -23,7 +23,8 @@ __device__ __forceinline__ void moe_up_tokens(const float* x, const float* logit
     for (int i = blockIdx.x * THREADS + threadIdx.x; i < TT * D; i += gridDim.x * THREADS) out[i] = 0.0f;
     if (!route_tokens_to<E, TOPK, TT>(logits, e, weight_of)) return;
     const weight_t* const W[2] = {w_gate + (size_t)e * I * D, w_up + (size_t)e * I * D};
-    gemm_tile<D, D, TT, KC, 2, R, I, 0, false, false, THREADS, false>(W, tile, 0, x, nullptr, 0.0f, smem.x, smem.tile, ss);
+    VectorsFromX<D, TT, KC, false, THREADS> vectors{x, nullptr, 0.0f};
+    gemm_tile<D, D, TT, KC, 2, R, I, 0, false, THREADS, false>(W, tile, 0, vectors, smem.x, smem.tile, ss);
     for (int i = threadIdx.x; i < R * TT; i += THREADS) {
         const int s = i % R, t = i / R, row = tile * R + s;
         if (row < I) ws[((size_t)e * TT + t) * I + row] = glu(smem.tile[s * TT + t], smem.tile[(R + s) * TT + t]);
@@ -47,8 +48,8 @@ __device__ __forceinline__ void moe_down_tokens(const float* logits, const weigh
     const int e = blockIdx.x / TILES, tile = blockIdx.x % TILES;
     if (!route_tokens_to<E, TOPK, TT>(logits, e, weight_of)) return;
     const weight_t* const W[1] = {w_down + (size_t)e * D * I};
-    gemm_tile<I, I, TT, KC, 1, R, D, 0, false, false, THREADS, false>(W, tile, 0, ws + (size_t)e * TT * I, nullptr, 0.0f,
-                                                          smem.x, smem.tile, ss);
+    VectorsFromX<I, TT, KC, false, THREADS> vectors{ws + (size_t)e * TT * I, nullptr, 0.0f};
+    gemm_tile<I, I, TT, KC, 1, R, D, 0, false, THREADS, false>(W, tile, 0, vectors, smem.x, smem.tile, ss);
     for (int i = threadIdx.x; i < R * TT; i += THREADS) {
         const int s = i % R, t = i / R, row = tile * R + s;
         if (row < D && weight_of[t] != 0.0f) atomicAdd(out + t * D + row, weight_of[t] * smem.tile[s * TT + t]);
