@@ -77,7 +77,7 @@ def context(G: nx.DiGraph, launch: dict, params: Params, tokens: int) -> dict:
     """Template variables of one gemm kernel for steps of `tokens` tokens (a multiple of 8); where
     it splits K, the runtime buffers it needs: `slab_floats` of float32 slabs ("gemm_slabs") and
     `tile_counts` zeroed counts ("gemm_counts"); where the vectors are staged, `staged_floats` of
-    "gemm_x" and a float per token of "gemm_ss". All shared by every gemm launch of the step.""" 
+    "gemm_x". All shared by every gemm launch of the step."""
     vec = input_vector(G, launch, params)
     zips, grid = zip_contexts(G, launch, params, lambda members, pairs: SLOTS, batched=True)
     max_tile = max(z["R"] * len(z["members"]) for z in zips)
@@ -87,9 +87,10 @@ def context(G: nx.DiGraph, launch: dict, params: Params, tokens: int) -> dict:
         slabs, counts = params.extra("float*", "gemm_slabs"), params.extra("unsigned*", "gemm_counts")
     tile_floats = split * (max_tile * tokens + tokens)    # a tile's slabs: dot products and sums of squares
     staged = {}
-    if STAGED:   # [tokens, K] hi and lo bf16 words ("gemm_x"), [tokens] sums of squares ("gemm_ss")
-        staged = {"staged_x": params.extra("float*", "gemm_x"), "staged_ss": params.extra("float*", "gemm_ss"),
-                  "staged_floats": tokens * vec["K"], "stage_threads": STAGE_THREADS}
+    if STAGED:   # "gemm_x": the staged vectors (bf16 hi and lo words, one float a weight), then
+        # a float per token, the sums of squares (stage_vectors)
+        staged = {"staged_x": params.extra("float*", "gemm_x"), "staged_floats": tokens * vec["K"] + tokens,
+                  "stage_threads": STAGE_THREADS}
     return {**vec, "zips": zips, "threads": WARPS * 32, "tokens": tokens, "kc": chunk(vec["K"]),
             "max_tile": max_tile, "grid": grid, "splits": split, "slabs": slabs, "counts": counts,
             "tile_slab_floats": tile_floats, "early": bool(EARLY),

@@ -100,10 +100,10 @@ def schedule_rows(kernels, position: int | None = None, tokens: int = 1) -> list
     rows = []
     for k in kernels:
         launches = k.launches if position is None else k.launches_at(position)
-        n = len(launches)
+        n, main = len(launches), _main_launch(k, launches)
         workspace = 4 * k.workspace_floats if n > 1 else 0
         for j, launch in enumerate(launches):
-            read = (k.bytes_read if j == 0 else 0) + (workspace if j > 0 else 0)
+            read = (k.bytes_read if j == main else 0) + (workspace if j > 0 else 0)
             written = (k.bytes_written if j == n - 1 else 0) + (workspace if j < n - 1 else 0)
             grid = tuple(tokens if g == "T" else int(g) for g in launch.grid)
             rows.append(Row(len(rows), k.name, launch.function, k.family, k.layer, grid,
@@ -135,6 +135,12 @@ def table(rows: list[Row]) -> str:
     return "\n".join([line(head), line(["-" * w for w in width] + ["-" * 11])] + [line(c) for c in cells])
 
 
+def _main_launch(k, launches) -> int:
+    """The index of the launch that reads a kernel's weights: the one named after the kernel (a
+    gemm after its vectors' stage), else the first (attention's split, a MoE's up)."""
+    return next((j for j, l in enumerate(launches) if l.function == k.name), 0)
+
+
 def _launch_label(function: str, kernel_name: str) -> str:
     """'attention combine' for the extra launch `<kernel name>_combine` of an attention kernel."""
     suffix = function[len(kernel_name):].lstrip("_") if function.startswith(kernel_name) else ""
@@ -155,7 +161,8 @@ def summary(G, kernels, rows: list[Row], ctx: int, position: int | None = None, 
     for L in layers:
         ks = [k for k in kernels if k.layer == L]
         extra = [_launch_label(l.function, k.name) for k in ks
-                 for l in (k.launches if position is None else k.launches_at(position))[1:]]
+                 for launches in [k.launches if position is None else k.launches_at(position)]
+                 for j, l in enumerate(launches) if j != _main_launch(k, launches)]
         label = f"{len(ks)}" + (f" (+{len(extra)} {', '.join(extra)})" if extra else "")
         per_layer[L] = label
     out = []

@@ -245,7 +245,8 @@ def run(models: list[str], out: str | None = None, **kw) -> dict:
             pp = r["prefill_profile"]
             print(f"    prefill step of {pp['tokens']} tokens: {pp['step_us']} us as a graph; launches alone:")
             for fn, f in sorted(pp["functions"].items(), key=lambda kv: -kv[1]["us"]):
-                print(f"      {f['us']:8.1f} us {f['GBps']:8.1f} GB/s  {f['launches']:3d} x {fn}")
+                rate = f"{f['GBps']:8.1f} GB/s" if f["GBps"] is not None else f"{'-':>8s}     "
+                print(f"      {f['us']:8.1f} us {rate}  {f['launches']:3d} x {fn}")
         if out:   # after every model, so a run cut short keeps what it measured
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             Path(out).write_text(json.dumps(record, indent=1) + "\n")

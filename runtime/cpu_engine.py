@@ -50,7 +50,7 @@ class CpuEngine:
         if len(ids) == 0:
             raise FuselmError("empty prompt: nothing to feed")
         if self.position + len(ids) > self.max_context:
-            raise FuselmError(f"prompt of {len(ids)} tokens at position {self.position} does not fit the "
+            raise FuselmError(f"prompt of {len(ids)} token{'s' * (len(ids) != 1)} at position {self.position} does not fit the "
                               f"context of {self.max_context}")
         self._sampler = Sampler(sampling)
         return self._step(ids)

@@ -43,7 +43,7 @@ def check_weights(graph: Graph, weights: Mapping[str, object]) -> None:
     """A one-line error naming the first of `graph`'s weights that `weights` lacks or has in
     another shape (before anything is compiled or uploaded)."""
     for node in graph.sources("weight"):
-        w = weights.get(node.name) if hasattr(weights, "get") else None
+        w = weights[node.name] if node.name in weights else None
         if w is None:
             raise FuselmError(f"missing weight '{node.name}'")
         if tuple(w.shape) != node.shape:
@@ -287,7 +287,7 @@ class CudaEngine:
 
     def prefill(self, ids: Sequence[int], sampling: SamplingParams) -> int:
         if self.position + len(ids) > self.max_context:
-            raise FuselmError(f"prompt of {len(ids)} tokens at position {self.position} does not fit the "
+            raise FuselmError(f"prompt of {len(ids)} token{'s' * (len(ids) != 1)} at position {self.position} does not fit the "
                               f"context of {self.max_context}")
         if not len(ids):
             raise FuselmError("empty prompt: nothing to feed")

@@ -115,7 +115,6 @@ class Prefill:
             "gemm_counts": cp.zeros(max([k.tile_counts for k in kernels] + [1]), cp.uint32),
             # the step's vectors as the gemms stage them, and their sums of squares per token
             "gemm_x": cp.empty(max([k.staged_floats for k in kernels] + [1]), cp.float32),
-            "gemm_ss": cp.empty(STEP_RANGE[1], cp.float32),
         }
         self.workspace = self.buffers["workspace"]
         self.steps = {t: _Step(self.engine, self.arena, self.buffers, t, G, kernels, cubin)
@@ -176,6 +175,15 @@ class _Step:
         if engine.use_graph and self._graph is None:
             with engine.stream:
                 self._graph = engine.capture([(None, None, c) for c in self.calls])
+
+    def replay(self) -> None:
+        """Queue the step again, on the ids and positions its last run left on the device."""
+        with self.engine.stream:
+            if self._graph is not None:
+                self._graph.launch(self.engine.stream)
+            else:
+                for call in self.calls:
+                    call(self.engine.stream)
 
     def run(self, ids, start: int) -> None:
         """Queue one step: `ids` (at most `tokens`; the rest padding) at positions start, ..."""

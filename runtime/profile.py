@@ -71,8 +71,9 @@ def prefill_profile(engine, start: int = 0, reps: int = 10) -> dict:
     """The largest prefill step (tokens start, start + 1, ... of random ids) replayed as its CUDA
     graph, then each of its launches timed alone: the step's microseconds, and per kernel function
     its family, launches, microseconds per step and GB/s of the bytes codegen counted (a gemm's
-    weights once, its activations for every token). Leaves those cache rows rewritten (a bench's
-    prompts write them again)."""
+    weights once, its activations for every token; None for the launches before a kernel's last,
+    to which codegen counts none). Leaves those cache rows rewritten (a bench's prompts write
+    them again)."""
     import cupy as cp
     import numpy as np
     prefill = engine.batched_prefill
@@ -80,7 +81,7 @@ def prefill_profile(engine, start: int = 0, reps: int = 10) -> dict:
     step = prefill.steps[tokens]
     ids = np.random.default_rng(0).integers(0, engine.G.nodes[engine.logits_value]["shape"][-1], tokens)
     step.run(ids.tolist(), start)            # ids and positions in place, graph captured
-    whole = _elapsed_us(cp, engine.stream, lambda: step.run(ids.tolist(), start), reps)
+    whole = _elapsed_us(cp, engine.stream, step.replay, reps)
     per = {}
     calls = iter(step.calls)
     with engine.stream:
@@ -92,6 +93,6 @@ def prefill_profile(engine, start: int = 0, reps: int = 10) -> dict:
                 f["us"] += _elapsed_us(cp, engine.stream, lambda: call(engine.stream), reps)
             per[k.launches[-1].function]["bytes"] += k.bytes_read + k.bytes_written
     for f in per.values():
-        f["GBps"] = round(f["bytes"] / f["us"] / 1e3, 1) if f["us"] else 0.0
+        f["GBps"] = round(f["bytes"] / f["us"] / 1e3, 1) if f["us"] and f["bytes"] else None
         f["us"] = round(f["us"], 1)
     return {"tokens": tokens, "start": start, "step_us": round(whole, 1), "functions": per}

@@ -150,10 +150,14 @@ def test_engine_rejects_what_does_not_fit_the_context(model):
     engine = CpuEngine(graph, weights, ctx=4)
     with pytest.raises(FuselmError, match="^prompt of 5 tokens at position 0 does not fit the context of 4$"):
         engine.prefill([1, 2, 3, 4, 5], SamplingParams())
+    assert engine.position == 0
     engine.prefill([1, 2], SamplingParams())
     with pytest.raises(FuselmError, match="^prompt of 3 tokens at position 2 does not fit the context of 4$"):
         engine.prefill([3, 4, 5], SamplingParams())
+    assert engine.position == 2
     token = engine.prefill([3, 4], SamplingParams())
+    with pytest.raises(FuselmError, match="^prompt of 1 token at position 4 does not fit the context of 4$"):
+        engine.prefill([token], SamplingParams())
     with pytest.raises(FuselmError, match="^the conversation reached the context of 4 tokens$"):
         engine.decode(token, SamplingParams())
 

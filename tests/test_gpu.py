@@ -181,6 +181,7 @@ def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k
         batched.batched_prefill.arena.view(cp.float32).fill(cp.nan)
         batched.batched_prefill.workspace.fill(cp.nan)     # Mixtral's experts' activations
         batched.batched_prefill.buffers["gemm_slabs"].fill(cp.nan)
+        batched.batched_prefill.buffers["gemm_x"].fill(cp.nan)      # the staged vectors and sums
     splits = {l.grid[1] for step in batched.batched_prefill.steps.values() for k in step.kernels
               if k.family == "gemm" for l in k.launches}
     assert max(splits) == 1 if split_k == "default" else max(splits) > 1, splits
@@ -606,7 +607,7 @@ def test_real_shapes_match_transformers(name):
 # ---- the CUDA engine's user-facing errors: one line naming the problem, and nothing lost -------------
 
 def test_a_missing_or_misshapen_weight_is_named():
-    """CudaEngine checks each of the graph's weights before uploading it (_allocate): one the
+    """CudaEngine checks each of the graph's weights before compiling (check_weights): one the
     mapping lacks (or maps to None) is a one-line error naming it; one of another shape, host
     array or device bits, names it and both shapes."""
     import cupy as cp
@@ -703,7 +704,7 @@ def test_decoding_past_the_context_is_refused_and_changes_nothing():
         last = eng.logits()
         with pytest.raises(FuselmError, match="^the conversation reached the context of 64 tokens$"):
             eng.decode(toks[-1], SamplingParams())
-        with pytest.raises(FuselmError, match="^prompt of 1 tokens at position 64 does not fit the context of 64$"):
+        with pytest.raises(FuselmError, match="^prompt of 1 token at position 64 does not fit the context of 64$"):
             eng.prefill([toks[-1]], SamplingParams())
         assert eng.position == 64
         assert np.array_equal(eng.logits().view(np.uint32), last.view(np.uint32)), "a refused step ran"

@@ -92,19 +92,27 @@ struct VectorsFromX {
     }
 };
 
+// Where stage_vectors leaves a step's vectors: `words` holds [K / KC chunks][hi, lo][TT][ENTRIES]
+// 16-byte entries (TT x K floats' worth), then TT floats, each token's sum of x^2 over all of K.
+template <int K, int TT, int KC>
+struct StagedLayout {
+    static constexpr int ENTRIES = StagedX<TT, KC>::ENTRIES, CHUNK = 2 * TT * ENTRIES;
+    static __device__ __forceinline__ float* sums(float* words) { return words + (size_t)TT * K; }
+    static __device__ __forceinline__ const float* sums(const float* words) { return words + (size_t)TT * K; }
+};
+
 // The same chunks made once per kernel by stage_vectors (its own launch before the gemm's), which
 // every block copies as they are, all at once (cp.async: no registers, one round trip), instead
-// of each of a kernel's hundreds of blocks loading and converting them again. `staged` holds
-// [K / KC chunks][hi, lo][TT][ENTRIES] entries; `ss_all` the sums of squares over all of K.
-template <int TT, int KC, bool IS_NORMED, int THREADS>
+// of each of a kernel's hundreds of blocks loading and converting them again.
+template <int K, int TT, int KC, bool IS_NORMED, int THREADS>
 struct StagedVectors {
+    using Layout = StagedLayout<K, TT, KC>;
     static constexpr bool NORMED = IS_NORMED;
-    static constexpr int ENTRIES = StagedX<TT, KC>::ENTRIES, CHUNK = 2 * TT * ENTRIES;
-    const uint4* staged;
-    const float* ss_all;
+    static constexpr int ENTRIES = Layout::ENTRIES, CHUNK = Layout::CHUNK;
+    const float* words;
 
     __device__ __forceinline__ void stage(int kc, StagedX<TT, KC>& xs) const {
-        const uint4* chunk = staged + (size_t)(kc / KC) * CHUNK;
+        const uint4* chunk = reinterpret_cast<const uint4*>(words) + (size_t)(kc / KC) * CHUNK;
 #pragma unroll 1   // unrolled, the copies' addresses take registers that the weights need
         for (int j = 0; j < (CHUNK + THREADS - 1) / THREADS; j++) {
             const int i = j * THREADS + threadIdx.x, t = (i / ENTRIES) % TT, e = i % ENTRIES;
@@ -115,18 +123,18 @@ struct StagedVectors {
         }
         asm volatile("cp.async.wait_all;" ::: "memory");
     }
-    __device__ __forceinline__ void sums(float* ss) const {
-        if constexpr (NORMED)
-            for (int t = threadIdx.x; t < TT; t += THREADS) ss[t] = ss_all[t];
+    __device__ __forceinline__ void sums(float* ss) const {   // over all of K: split-K adds none
+        for (int t = threadIdx.x; t < TT; t += THREADS) ss[t] = Layout::sums(words)[t];
     }
 };
 
 // The stage kernel's block t: token t's vector as StagedVectors reads it, and its sum of squares.
 // A thread loads all its entries before converting any (one round trip, not one each).
 template <int K, int TT, int KC, bool NORMED, int THREADS>
-__device__ __forceinline__ void stage_vectors(const float* x, const weight_t* gain, float gain_offset,
-                                              uint4* staged, float* ss_all) {
-    constexpr int ENTRIES = StagedX<TT, KC>::ENTRIES, PER = (K / 8 + THREADS - 1) / THREADS;
+__device__ __forceinline__ void stage_vectors(const float* x, const weight_t* gain, float gain_offset, float* words) {
+    using Layout = StagedLayout<K, TT, KC>;
+    constexpr int ENTRIES = Layout::ENTRIES, PER = (K / 8 + THREADS - 1) / THREADS;
+    uint4* staged = reinterpret_cast<uint4*>(words);
     const int t = blockIdx.x;
     float v[PER][8];
 #pragma unroll
@@ -137,21 +145,23 @@ __device__ __forceinline__ void stage_vectors(const float* x, const weight_t* ga
     for (int i = 0; i < PER; i++) {
         const int g = i * THREADS + threadIdx.x;
         if (g >= K / 8) break;
-        uint4* chunk = staged + (size_t)(g / ENTRIES) * 2 * TT * ENTRIES;
+        uint4* chunk = staged + (size_t)(g / ENTRIES) * Layout::CHUNK;
         split_entry<NORMED>(v[i], gain, gain_offset, 8 * g, sumsq, chunk[t * ENTRIES + g % ENTRIES],
                             chunk[(TT + t) * ENTRIES + g % ENTRIES]);
     }
     if constexpr (NORMED) {
         sumsq = block_sum(sumsq);
-        if (threadIdx.x == 0) ss_all[t] = sumsq;
+        if (threadIdx.x == 0) Layout::sums(words)[t] = sumsq;
     }
 }
 
 // The block's tile (R slots of each of M members, slot s of member m in rows slot_row(tile, s))
-// against the TT vectors of x [TT, K] (times the norm gain where NORMED), over k in [k0, k0 + KS):
+// against the step's TT vectors as `vectors` stages them chunk by chunk into xs (VectorsFromX,
+// StagedVectors: times the norm gain where NORMED), over k in [k0, k0 + KS):
 // tile_out[(m R + s) TT + t] = dot product of slot s of member m with token t, and, where NORMED,
-// ss[t] = sum of x[t]^2 for the norm's scale. KS < K: one slice of a split-K tile (splitk_gather
-// adds the slices). xs and tile_out may share memory: xs is not read once tile_out is written.
+// ss[t] = the sum of x[t]^2 that `vectors` gives (over the block's k, or over all of K where
+// staged). KS < K: one slice of a split-K tile (splitk_gather adds the slices). xs and tile_out
+// may share memory: xs is not read once tile_out is written.
 // EARLY: the block waits for the previous kernel (grid_wait_then_release) only once its first
 // chunk's weights are in flight: they are no kernel's output, and the chunk's round trip then
 // overlaps the previous kernel's tail.
@@ -225,6 +235,8 @@ __device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int til
 // whichever block that is: results do not depend on timing) into tile_out and ss, leaves the
 // tile's count at 0 for the next launch, and returns true: it runs the epilogue. The others
 // return false. FLOATS = M * R * TT, the tile's dot products; a slab is FLOATS + TT floats.
+// NORMED adds the slices' partial sums of squares; staged vectors give every slice the whole
+// sums, so their kernels pass false and keep the last block's own.
 template <int S, int FLOATS, int TT, bool NORMED, int THREADS>
 __device__ __forceinline__ bool splitk_gather(float* tile_out, float* ss, float* slabs, unsigned* count, int split) {
     static_assert(FLOATS % 4 == 0, "slabs are written as float4");
