@@ -163,7 +163,8 @@ def summary(G, kernels, rows: list[Row], ctx: int, position: int | None = None, 
         extra = [_launch_label(l.function, k.name) for k in ks
                  for launches in [k.launches if position is None else k.launches_at(position)]
                  for j, l in enumerate(launches) if j != _main_launch(k, launches)]
-        label = f"{len(ks)}" + (f" (+{len(extra)} {', '.join(extra)})" if extra else "")
+        kinds = Counter(extra)          # "+4 gemm stage", not the label four times
+        label = f"{len(ks)}" + (" (" + ", ".join(f"+{n} {e}" for e, n in kinds.items()) + ")" if extra else "")
         per_layer[L] = label
     out = []
     counts = Counter(per_layer.values())

@@ -340,6 +340,7 @@ def test_prefill_shows_the_batched_prefill_graph(capsys, tmp_path):
     assert len(launches) == 1 + 29 * (5 + 4) + 2    # embedding, 29 whole layers, the last one's K and V
     rc, out, _ = run_main(capsys, "inspect", "smollm2-135m", "--prefill", "--out", str(tmp_path))
     assert rc == 0 and f"a prefill step of {TOKENS} tokens" in out
+    assert "kernels in layer 0: 5 (+4 gemm stage)" in out and "kernels in layer 29: 1 (+1 gemm stage)" in out
     assert "split-K: 1 of 5 gemm kernels split their k" in out      # the down projection (K 1536)
     assert any(f.name.startswith("gemm_") for f in tmp_path.iterdir())
     rc, out, _ = run_main(capsys, "inspect", "--prefill", "--prefill-tokens", "16", "smollm2-135m", "--json")
