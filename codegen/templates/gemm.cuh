@@ -155,6 +155,75 @@ __device__ __forceinline__ void stage_vectors(const float* x, const weight_t* ga
     }
 }
 
+// The weight rows of a lane's two A-fragment rows in each member: slots 16 w + r and 16 w + r + 8
+// of the tile, from k column 8 c (slots past the end read row 0; the epilogue skips them).
+template <int K, int M, int R, int N, int HD, bool INTERLEAVED>
+struct TileRows {
+    const weight_t* a[M];
+    const weight_t* b[M];
+    __device__ __forceinline__ TileRows(const weight_t* const (&W)[M], int tile) {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
+        int pair;
+        const int row_a = slot_row<R, N, HD, INTERLEAVED>(tile, 16 * warp + r, pair);
+        const int row_b = slot_row<R, N, HD, INTERLEAVED>(tile, 16 * warp + r + 8, pair);
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            a[m] = W[m] + (size_t)max(row_a, 0) * K + 8 * c;
+            b[m] = W[m] + (size_t)max(row_b, 0) * K + 8 * c;
+        }
+    }
+    // the lane's weights of the chunk at kc: its A words for each 32-k span
+    template <int SPANS>
+    __device__ __forceinline__ void load(int kc, uint4 (&qa)[M][SPANS], uint4 (&qb)[M][SPANS]) const {
+#pragma unroll
+        for (int m = 0; m < M; m++)
+#pragma unroll
+            for (int s = 0; s < SPANS; s++) {
+                qa[m][s] = __ldcs(reinterpret_cast<const uint4*>(a[m] + kc + 32 * s));
+                qb[m][s] = __ldcs(reinterpret_cast<const uint4*>(b[m] + kc + 32 * s));
+            }
+    }
+};
+
+// One chunk's products: acc[m][nt] += the lane's weights (qa, qb) x tokens 8 nt .. 8 nt + 7, whose
+// hi and lo words for entry e of token t `vec(t, e, h, l)` reads from shared memory.
+template <int M, int SPANS, int NT, class Vec>
+__device__ __forceinline__ void chunk_products(const uint4 (&qa)[M][SPANS], const uint4 (&qb)[M][SPANS], Vec vec,
+                                               float (&acc)[M][NT][4]) {
+    const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int s = 0; s < SPANS; s++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            uint4 h, l;
+            vec(nt * 8 + r, 4 * s + c, h, l);
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                const uint4 &a = qa[m][s], &b = qb[m][s];
+                mma_16816(acc[m][nt], a.x, b.x, a.y, b.y, h.x, h.y);
+                mma_16816(acc[m][nt], a.x, b.x, a.y, b.y, l.x, l.y);
+                mma_16816(acc[m][nt], a.z, b.z, a.w, b.w, h.z, h.w);
+                mma_16816(acc[m][nt], a.z, b.z, a.w, b.w, l.z, l.w);
+            }
+        }
+}
+
+// acc (slots r and r + 8 of the warp, tokens 8 nt + 2c + {0, 1}) into tile_out [M][R][TT].
+template <int M, int NT, int R, int TT>
+__device__ __forceinline__ void write_tile(const float (&acc)[M][NT][4], float* tile_out) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int m = 0; m < M; m++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            float* out = tile_out + (m * R + 16 * warp + r) * TT + nt * 8 + 2 * c;
+            out[0] = acc[m][nt][0];
+            out[1] = acc[m][nt][1];
+            out[8 * TT] = acc[m][nt][2];
+            out[8 * TT + 1] = acc[m][nt][3];
+        }
+}
+
 // The block's tile (R slots of each of M members, slot s of member m in rows slot_row(tile, s))
 // against the step's TT vectors as `vectors` stages them chunk by chunk into xs (VectorsFromX,
 // StagedVectors: times the norm gain where NORMED), over k in [k0, k0 + KS):
@@ -173,59 +242,93 @@ __device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int til
                   "gemm tile shape");
     static_assert(FUSELM_MMA_ARCH, "gemm needs mma.sync on bf16 (sm_80 on); runtime/prefill.py refuses older GPUs");
     constexpr int SPANS = KC / 32, NT = TT / 8;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
-    int pair;
-    const int row_a = slot_row<R, N, HD, INTERLEAVED>(tile, 16 * warp + r, pair);
-    const int row_b = slot_row<R, N, HD, INTERLEAVED>(tile, 16 * warp + r + 8, pair);
-    const weight_t* wa[M];
-    const weight_t* wb[M];
-#pragma unroll
-    for (int m = 0; m < M; m++) {     // slots past the end read row 0; the epilogue skips them
-        wa[m] = W[m] + (size_t)max(row_a, 0) * K + 8 * c;
-        wb[m] = W[m] + (size_t)max(row_b, 0) * K + 8 * c;
-    }
+    const TileRows<K, M, R, N, HD, INTERLEAVED> rows(W, tile);
     float acc[M][NT][4] = {};
     for (int kc = k0; kc < k0 + KS; kc += KC) {
         uint4 qa[M][SPANS], qb[M][SPANS];   // the chunk's weights, in flight while x is staged
-#pragma unroll
-        for (int m = 0; m < M; m++)
-#pragma unroll
-            for (int s = 0; s < SPANS; s++) {
-                qa[m][s] = __ldcs(reinterpret_cast<const uint4*>(wa[m] + kc + 32 * s));
-                qb[m][s] = __ldcs(reinterpret_cast<const uint4*>(wb[m] + kc + 32 * s));
-            }
+        rows.load(kc, qa, qb);
         if constexpr (EARLY)
             if (kc == k0) grid_wait_then_release();   // x is the previous kernel's output
         __syncthreads();                    // the previous chunk's products are done with xs
         vectors.stage(kc, xs);
         __syncthreads();
-#pragma unroll
-        for (int s = 0; s < SPANS; s++)
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                const uint4 h = xs.hi[nt * 8 + r][4 * s + c], l = xs.lo[nt * 8 + r][4 * s + c];
-#pragma unroll
-                for (int m = 0; m < M; m++) {
-                    const uint4 &a = qa[m][s], &b = qb[m][s];
-                    mma_16816(acc[m][nt], a.x, b.x, a.y, b.y, h.x, h.y);
-                    mma_16816(acc[m][nt], a.x, b.x, a.y, b.y, l.x, l.y);
-                    mma_16816(acc[m][nt], a.z, b.z, a.w, b.w, h.z, h.w);
-                    mma_16816(acc[m][nt], a.z, b.z, a.w, b.w, l.z, l.w);
-                }
-            }
+        chunk_products(qa, qb, [&](int t, int e, uint4& h, uint4& l) { h = xs.hi[t][e]; l = xs.lo[t][e]; }, acc);
     }
     __syncthreads();                        // xs is read no more: tile_out may take its place
-#pragma unroll
-    for (int m = 0; m < M; m++)
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) {   // acc: slots r and r + 8, tokens 8 nt + 2c + {0, 1}
-            float* out = tile_out + (m * R + 16 * warp + r) * TT + nt * 8 + 2 * c;
-            out[0] = acc[m][nt][0];
-            out[1] = acc[m][nt][1];
-            out[8 * TT] = acc[m][nt][2];
-            out[8 * TT + 1] = acc[m][nt][3];
-        }
+    write_tile<M, NT, R, TT>(acc, tile_out);
     if constexpr (Vectors::NORMED) vectors.sums(ss);
+    __syncthreads();
+}
+
+// Two chunks of staged vectors in shared memory, for gemm_tile_ring. Rows are not padded: odd
+// tokens' entries sit half a row over (col), which keeps a quarter warp's reads in
+// chunk_products (two tokens, four entries each) on distinct banks, as StagedX's padding does.
+template <int TT, int KC>
+struct VectorRing {
+    static constexpr int ENTRIES = KC / 8;
+    uint4 hi[2][TT][ENTRIES], lo[2][TT][ENTRIES];
+    static __device__ __forceinline__ int col(int t, int e) { return e ^ ((t & 1) * (ENTRIES / 2)); }
+
+    // Start copying chunk kc of the staged vectors (stage_vectors' layout) into slot b; one
+    // cp.async group per call.
+    template <int K, int THREADS>
+    __device__ __forceinline__ void fetch(const float* words, int kc, int b) {
+        using Layout = StagedLayout<K, TT, KC>;
+        const uint4* chunk = reinterpret_cast<const uint4*>(words) + (size_t)(kc / KC) * Layout::CHUNK;
+#pragma unroll 1   // unrolled, the copies' addresses take registers that the weights need
+        for (int i = threadIdx.x; i < Layout::CHUNK; i += THREADS) {
+            const int t = (i / ENTRIES) % TT, e = col(t, i % ENTRIES);
+            uint4* to = i < TT * ENTRIES ? &hi[b][t][e] : &lo[b][t][e];
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"   // L2 only: the stage kernel's writes
+                         :: "r"((unsigned)__cvta_generic_to_shared(to)), "l"(chunk + i) : "memory");
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+};
+
+// Chunk i of gemm_tile_ring, in ring slot B (a template argument: the weights' slots stay registers).
+template <int B, int K, int TT, int KC, int CHUNKS, int THREADS, int M, int SPANS, int NT, class Rows>
+__device__ __forceinline__ void ring_step(int i, int k0, const Rows& rows, const float* words, VectorRing<TT, KC>& ring,
+                                          uint4 (&qa)[2][M][SPANS], uint4 (&qb)[2][M][SPANS], float (&acc)[M][NT][4]) {
+    if (i + 1 < CHUNKS) {
+        rows.load(k0 + (i + 1) * KC, qa[1 - B], qb[1 - B]);
+        ring.template fetch<K, THREADS>(words, k0 + (i + 1) * KC, 1 - B);
+        asm volatile("cp.async.wait_group 1;" ::: "memory");   // all but the newest group: chunk i's
+    } else {
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
+    }
+    __syncthreads();                           // every thread's copies of chunk i have landed
+    chunk_products(qa[B], qb[B], [&](int t, int e, uint4& h, uint4& l) {
+        h = ring.hi[B][t][ring.col(t, e)];
+        l = ring.lo[B][t][ring.col(t, e)];
+    }, acc);
+    __syncthreads();                           // slot B is read no more: chunk i + 2 may land there
+}
+
+// gemm_tile over staged vectors as a two-stage pipeline in chunks of KC: while a chunk's products
+// run, the next chunk's weights (registers) and vectors (the other ring slot, cp.async) are in
+// flight. The block waits for the previous kernel once its first chunk's weights are. NORMED:
+// ss[t] from the staged sums of squares (all of K).
+template <int K, int KS, int TT, int KC, int M, int R, int N, int HD, bool INTERLEAVED, int THREADS, bool NORMED>
+__device__ __forceinline__ void gemm_tile_ring(const weight_t* const (&W)[M], int tile, int k0, const float* words,
+                                               VectorRing<TT, KC>& ring, float* tile_out, float* ss) {
+    static_assert(K % KS == 0 && KS % KC == 0 && KC % 32 == 0 && TT % 8 == 0 && R == 16 * (THREADS / 32),
+                  "gemm tile shape");
+    static_assert(FUSELM_MMA_ARCH, "gemm needs mma.sync on bf16 (sm_80 on); runtime/prefill.py refuses older GPUs");
+    constexpr int SPANS = KC / 32, NT = TT / 8, CHUNKS = KS / KC;
+    const TileRows<K, M, R, N, HD, INTERLEAVED> rows(W, tile);
+    float acc[M][NT][4] = {};
+    uint4 qa[2][M][SPANS], qb[2][M][SPANS];   // [ring slot]: this chunk's weights and the next's
+    rows.load(k0, qa[0], qb[0]);
+    grid_wait_then_release();                  // the staged vectors are the previous kernel's output
+    ring.template fetch<K, THREADS>(words, k0, 0);
+    for (int i = 0; i < CHUNKS; i += 2) {
+        ring_step<0, K, TT, KC, CHUNKS, THREADS>(i, k0, rows, words, ring, qa, qb, acc);
+        if (i + 1 < CHUNKS) ring_step<1, K, TT, KC, CHUNKS, THREADS>(i + 1, k0, rows, words, ring, qa, qb, acc);
+    }
+    write_tile<M, NT, R, TT>(acc, tile_out);   // the ring is read no more (the last step's barrier)
+    if constexpr (NORMED)
+        for (int t = threadIdx.x; t < TT; t += THREADS) ss[t] = StagedLayout<K, TT, KC>::sums(words)[t];
     __syncthreads();
 }
 
