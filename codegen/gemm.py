@@ -31,8 +31,6 @@ EARLY = env_int("FUSELM_GEMM_EARLY", 1, 0, 1)
 # block converts its chunks itself
 STAGED = env_int("FUSELM_GEMM_STAGED", 1, 0, 1)
 STAGE_THREADS = 256
-# 1 (with STAGED): the k loop as a two-stage pipeline in chunks of at most 64 (gemm_tile_ring)
-PIPELINE = env_int("FUSELM_GEMM_PIPELINE", 0, 0, 1)
 SLOTS = 16 * WARPS  # rows of each member per block
 SMEM = 48 * 1024    # static shared memory a kernel may use
 
@@ -92,10 +90,9 @@ def context(G: nx.DiGraph, launch: dict, params: Params, tokens: int) -> dict:
     if STAGED:   # "gemm_x": the staged vectors (bf16 hi and lo words, one float a weight), then
         # a float per token, the sums of squares (stage_vectors)
         staged = {"staged_x": params.extra("float*", "gemm_x"), "staged_floats": tokens * vec["K"] + tokens,
-                  "stage_threads": STAGE_THREADS,
-                  "stage_kc": min(64, chunk(vec["K"])) if PIPELINE else chunk(vec["K"])}
+                  "stage_threads": STAGE_THREADS}
     return {**vec, "zips": zips, "threads": WARPS * 32, "tokens": tokens, "kc": chunk(vec["K"]),
             "max_tile": max_tile, "grid": grid, "splits": split, "slabs": slabs, "counts": counts,
             "tile_slab_floats": tile_floats, "early": bool(EARLY),
             "slab_floats": grid * tile_floats if split > 1 else 0, "tile_counts": grid if split > 1 else 0,
-            "staged": bool(STAGED), "pipelined": bool(STAGED and PIPELINE), **staged}
+            "staged": bool(STAGED), **staged}

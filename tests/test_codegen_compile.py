@@ -173,34 +173,6 @@ def test_prefill_gemms_compile_without_staging_or_the_early_wait():
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
-PIPELINE_CHECK = """
-from fuselm.codegen import generate, headers, module_source
-from fuselm.codegen.nvrtc import compile_cubin, options, spills
-from fuselm.compiler import compile_graph
-from fuselm.models import build_graph
-from fuselm.models.presets import preset
-for name in ("smollm2-135m", "llama-3.2-1b"):
-    G = compile_graph(build_graph(preset(name)), tokens=64, state_only=True)
-    ks = [k for k in generate(G, rows=4096, tokens=64) if k.family == "gemm"]
-    assert all([l.function for l in k.launches] == [k.name + "_stage", k.name] and "gemm_tile_ring<" in k.source
-               and "gemm_tile<" not in k.source for k in ks), name
-    _, log, _ = compile_cubin(module_source(ks), headers(), options("sm_90", verbose=True), use_cache=False)
-    assert not any(spills(log).values()), (name, spills(log))
-print("ok")
-"""
-
-
-def test_prefill_gemms_compile_as_a_two_stage_pipeline():
-    """FUSELM_GEMM_PIPELINE=1 (a fresh interpreter: read at import): the staged gemms run
-    gemm_tile_ring, chunks of 64 in a two-slot ring; the modules compile for sm_90 without spills."""
-    import os
-    import subprocess
-    import sys
-    env = {**os.environ, "FUSELM_GEMM_PIPELINE": "1"}
-    done = subprocess.run([sys.executable, "-c", PIPELINE_CHECK], env=env, capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
-
-
 def test_random_graphs_compile_for_sm90():
     """Every hypothesis-drawn DSL graph (tests/graph_strategies.py) compiles, fused and not:
     the code generator has no shape or op combination it cannot emit."""
