@@ -194,9 +194,5 @@ class _Step:
         with stream:
             self.ids.set(chunk, stream=stream)
             self.pos.set(np.arange(start, start + self.tokens, dtype=np.int32), stream=stream)
-            if not engine.use_graph:
-                for call in self.calls:
-                    call(stream)
-                return
-            self.capture()
-            self._graph.launch(stream)
+        self.capture()                # where the engine uses graphs and this step has none yet
+        self.replay()
