@@ -23,6 +23,8 @@ MMA = env_set("FUSELM_ATTN_MMA", "split,single", {"split", "single"}, "kernels")
 SMEM = 48 * 1024   # static shared memory a kernel may use
 # The split inside the Q/K/V GEMV before it (fused_context) where it fits: 1, or 0 to launch it alone.
 FUSED = env_int("FUSELM_ATTN_FUSED", 1, 0, 1)
+FUSED_SLEEP = env_int("FUSELM_ATTN_FUSED_SLEEP", 64, 0, 100000)   # experiment: ns between polls
+FUSED_LATE_COPY = env_int("FUSELM_ATTN_FUSED_LATE_COPY", 0, 0, 1)  # experiment: rows copied after the tile
 FUSED_MIN_BLOCKS = 256   # the fused kernel's grid may grow to this for its chunk tasks (small GEMVs)
 
 
@@ -166,4 +168,4 @@ def fused_context(G: nx.DiGraph, launch: dict, params: Params, rows: int, thread
             "smem": threads * 16 * 16,   # SharedChunk::BYTES: 16 slots of 16 bytes per lane
              "window": int(a.get("window") or 0),
             "scale": cexpr.float_literal(a["scale"]), "softcap": cexpr.float_literal(a.get("softcap") or 0.0),
-            "ws": "ws", "count": "count"}
+            "ws": "ws", "count": "count", "sleep": FUSED_SLEEP, "late_copy": FUSED_LATE_COPY}

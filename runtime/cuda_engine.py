@@ -56,8 +56,9 @@ def fused_fits(grid: int, block: int, smem: int, function) -> bool:
     waiting for a place would wait forever."""
     import cupy
     from cupy_backends.cuda.api import driver
-    driver.funcSetAttribute(function.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
-    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, block, smem)
+    ptr = getattr(function, "kernel", function).ptr   # a RawKernel's Function
+    driver.funcSetAttribute(ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(ptr, block, smem)
     return per_sm * cupy.cuda.Device().attributes["MultiProcessorCount"] >= grid
 
 

@@ -78,9 +78,14 @@ def bind_launch(module, launch, buffer_of, pdl: bool, tokens: int = 1):
     fn = module.get_function(launch.function)
     grid = tuple(tokens if g == "T" else g for g in launch.grid)
     args = tuple(buffer_of(a) for a in launch.args)
+    carveout = os.environ.get("FUSELM_CARVEOUT")   # experiment: one shared-memory carveout for every kernel
+    if carveout is not None:
+        from cupy_backends.cuda.api import driver
+        driver.funcSetAttribute(getattr(fn, "kernel", fn).ptr, driver.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                                int(carveout))
     if launch.smem > 48 * 1024:      # past the default limit: the kernel must opt in
         from cupy_backends.cuda.api import driver
-        driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, launch.smem)
+        driver.funcSetAttribute(getattr(fn, "kernel", fn).ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, launch.smem)
     if pdl:
         return PdlLaunch(fn, grid, launch.block, args, launch.smem)
     return lambda stream: fn(grid, (launch.block,), args, stream=stream, shared_mem=launch.smem)
