@@ -21,11 +21,6 @@ SINGLE_ROWS = env_int("FUSELM_ATTN_SINGLE_ROWS", 4, 1, 32)      # its cache rows
 # per KV head, sm_80 on), comma-separated: "split", "single"; "0" for none.
 MMA = env_set("FUSELM_ATTN_MMA", "split,single", {"split", "single"}, "kernels")
 SMEM = 48 * 1024   # static shared memory a kernel may use
-# The split inside the Q/K/V GEMV before it (fused_context) where it fits: 1, or 0 to launch it alone.
-FUSED = env_int("FUSELM_ATTN_FUSED", 1, 0, 1)
-FUSED_SLEEP = env_int("FUSELM_ATTN_FUSED_SLEEP", 64, 0, 100000)   # experiment: ns between polls
-FUSED_LATE_COPY = env_int("FUSELM_ATTN_FUSED_LATE_COPY", 0, 0, 1)  # experiment: rows copied after the tile
-FUSED_MIN_BLOCKS = 256   # the fused kernel's grid may grow to this for its chunk tasks (small GEMVs)
 
 
 def lanes_per_row(head_dim: int) -> int:
@@ -135,37 +130,3 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int, tokens: int 
             "out": params.ref(n, written=True),
             "ws": params.extra("float*", "workspace") if tokens == 1 else None,   # the split's records
             "workspace_floats": a["n_heads"] * nchunk * record if tokens == 1 else 0, "tokens": tokens}
-
-
-def fused_context(G: nx.DiGraph, launch: dict, params: Params, rows: int, threads: int, gemv_grid: int) -> dict | None:
-    """Template variables of the attention split run inside the gemv kernel of `threads` threads
-    and `gemv_grid` blocks that writes its queries and this step's cache rows (gemv.cu.j2's
-    <kernel>_attend, attention_fused.cuh), or None where it does not apply: FUSELM_ATTN_FUSED=0,
-    a pass not on tensor cores, split blocks of another size, or an input the gemv does not touch.
-    The fused variant covers positions from single_until to `until`, where the chunk tasks (one
-    per KV head and chunk) fit in max(gemv_grid, FUSED_MIN_BLOCKS) blocks."""
-    (n,) = launch["nodes"]
-    d = G.nodes[n]
-    q, kc, vc, pos = d["inputs"]
-    a = d["attrs"]
-    kv, hd = a["n_kv_heads"], a["head_dim"]
-    group = a["n_heads"] // kv
-    if not FUSED or not _on_tensor_cores("split", hd, group) or split_warps(hd, group) * 32 != threads:
-        return None
-    known = len(params.values)
-    refs = {k: params.ref(v) for k, v in (("q", q), ("kc", kc), ("vc", vc), ("pos", pos))}
-    if len(params.values) != known:
-        raise FuselmError(f"{n}: paired with a gemv kernel that does not write its inputs")
-    chunk = split_pass(hd, group, kv)[1]
-    until = min(rows, max(gemv_grid, FUSED_MIN_BLOCKS) // kv * chunk)
-    below = min(single_until(hd, group), rows)   # as context() has it
-    if until <= below:
-        return None
-    tasks = kv * -(-until // chunk)
-    return {**refs, "H": a["n_heads"], "KV": kv, "HD": hd, "warps": threads // 32, "nchunk": -(-rows // chunk),
-            "tasks": tasks, "grid": max(gemv_grid, tasks), "orphans": tasks > gemv_grid, "until": until,
-            "single_until": below,
-            "smem": threads * 16 * 16,   # SharedChunk::BYTES: 16 slots of 16 bytes per lane
-             "window": int(a.get("window") or 0),
-            "scale": cexpr.float_literal(a["scale"]), "softcap": cexpr.float_literal(a.get("softcap") or 0.0),
-            "ws": "ws", "count": "count", "sleep": FUSED_SLEEP, "late_copy": FUSED_LATE_COPY}

@@ -49,24 +49,16 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2, tokens: int = 1) -
     if tokens > 1 and (why := prefill_unsupported(G, tokens)):
         raise FuselmError(f"no steps of {tokens} tokens: {why}")
     out = []
-    fused = {}    # attention node -> the fused context of the gemv kernel before it
-    schedule = G.graph["schedule"]
-    for i, launch in enumerate(schedule):
+    for launch in G.graph["schedule"]:
         params = Params(G)
         family = "gemm" if launch["family"] == "gemv" and tokens > 1 else launch["family"]
         mod = FAMILIES[family]
         if mod is attention:
             ctx = mod.context(G, launch, params, rows, tokens)
-            ctx["fused"] = fused.get(launch["nodes"][0])
         elif mod in (gemm, moe):
             ctx = mod.context(G, launch, params, tokens)
         else:
             ctx = mod.context(G, launch, params)
-        if family == "gemv":
-            ctx["attend"] = None
-            if launch.get("attention"):   # compiler/pair_attention.py: the next launch is its attention
-                ctx["attend"] = attention.fused_context(G, schedule[i + 1], params, rows, ctx["threads"], ctx["grid"])
-                fused[launch["attention"]] = ctx["attend"]
         body = environment().get_template(f"{family}.cu.j2").render(
             name="KERNEL", params=params.decls, early_release=EARLY_RELEASE, **ctx)
         name = _name(family, ctx, body)
@@ -90,8 +82,6 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2, tokens: int = 1) -
         if family == "attention" and tokens == 1:
             k.variants = _attention_variants(name, ctx, params.values)
             k.notes["passes"] = {"split": ctx["split_pass"], "one launch": ctx["single_pass"]}
-        if family == "gemv" and ctx["attend"]:
-            k.variants = _gemv_variants(name, ctx, params.values)
         out.append(k)
     return out
 
@@ -106,28 +96,11 @@ def prefill_unsupported(G: nx.DiGraph, tokens: int) -> str | None:
 
 
 def _attention_variants(name: str, ctx: dict, args: list[str]) -> list[Variant]:
-    """Below single_until, one launch walking the whole context replaces split + combine; then,
-    where the split runs inside the gemv kernel before (fused), the combine alone."""
-    out = []
-    if ctx["single_until"] > 0:
-        out.append(Variant("single", ctx["single_until"],
-                           [Launch(f"{name}_single", (ctx["KV"], 1), ctx["single_threads"], args)],
-                           "attention in one launch per layer, a block per KV head (<kernel>_single)"))
-    if ctx["fused"]:
-        out.append(Variant("fused", ctx["fused"]["until"],
-                           [Launch(f"{name}_combine_fused", (ctx["H"], 1), ctx["combine_threads"], args + ["attend_count"])],
-                           "the split inside the Q/K/V gemv kernel before; the combine alone (<kernel>_combine_fused)"))
-    return out
-
-
-def _gemv_variants(name: str, ctx: dict, args: list[str]) -> list[Variant]:
-    """The gemv kernel before an attention: itself while that attention runs in one launch, then
-    with the attention's split inside (<kernel>_attend) up to the fused context's `until`."""
-    att = ctx["attend"]
-    plain = Launch(name, (ctx["grid"], 1), ctx["threads"], args)
-    out = [Variant("single", att["single_until"], [plain], "the gemv alone")] if att["single_until"] > 0 else []
-    attend = Launch(f"{name}_attend", (att["grid"], 1), ctx["threads"], args + ["workspace", "attend_count"], att["smem"])
-    return out + [Variant("fused", att["until"], [attend], "with the attention split's chunk tasks (<kernel>_attend)")]
+    """Below single_until, one launch walking the whole context replaces split + combine."""
+    if ctx["single_until"] <= 0:
+        return []
+    return [Variant("single", ctx["single_until"], [Launch(f"{name}_single", (ctx["KV"], 1), ctx["single_threads"], args)],
+                    "attention in one launch per layer, a block per KV head (<kernel>_single)")]
 
 
 SAMPLER_BLOCKS = 32   # blocks sharing the argmax over the vocabulary (one block took 26 us/token)

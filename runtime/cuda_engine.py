@@ -29,7 +29,7 @@ SAMPLING_ARGS = np.dtype([("temperature", "f4"), ("top_p", "f4"), ("min_p", "f4"
 
 
 # Launch arguments that are the engine's own buffers (attributes of the same name), not graph values.
-RUNTIME_BUFFERS = ("workspace", "seen", "ids", "pos", "sampling_args", "sampler_scratch", "attend_count")
+RUNTIME_BUFFERS = ("workspace", "seen", "ids", "pos", "sampling_args", "sampler_scratch")
 
 
 def check_variant(kernels, variant: str | None) -> None:
@@ -48,29 +48,6 @@ def check_weights(graph: Graph, weights: Mapping[str, object]) -> None:
             raise FuselmError(f"missing weight '{node.name}'")
         if tuple(w.shape) != node.shape:
             raise FuselmError(f"weight '{node.name}' has shape {tuple(w.shape)}, expected {node.shape}")
-
-
-def fused_fits(grid: int, block: int, smem: int, function) -> bool:
-    """Whether all `grid` blocks of a fused gemv + attention launch (`block` threads, `smem` bytes of
-    dynamic shared memory) fit on this GPU at once: its blocks wait for each other, and a block left
-    waiting for a place would wait forever."""
-    import cupy
-    from cupy_backends.cuda.api import driver
-    ptr = getattr(function, "kernel", function).ptr   # a RawKernel's Function
-    driver.funcSetAttribute(ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
-    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(ptr, block, smem)
-    return per_sm * cupy.cuda.Device().attributes["MultiProcessorCount"] >= grid
-
-
-def without_unfit_fused(kernels, module) -> list:
-    """`kernels`, without their "fused" variants where a fused launch does not fit the GPU at once
-    (fused_fits); the split then runs on its own at those positions."""
-    from dataclasses import replace
-    fits = all(fused_fits(l.grid[0], l.block, l.smem, module.get_function(l.function))
-               for k in kernels for v in k.variants if v.name == "fused" for l in v.launches if l.smem)
-    if fits:
-        return kernels
-    return [replace(k, variants=[v for v in k.variants if v.name != "fused"]) for k in kernels]
 
 
 def gpu_available() -> bool:
@@ -143,7 +120,6 @@ class CudaEngine:
             prefill = built
         self.compile_seconds = time.perf_counter() - t0
         self.module = load_cubin(cupy, cubin)
-        self.kernels = without_unfit_fused(self.kernels, self.module)
         self._allocate(weights, vocab)
         self._bind()
         self.stream = cupy.cuda.Stream(non_blocking=True)
@@ -179,7 +155,6 @@ class CudaEngine:
         self.seen = cp.zeros(vocab, cp.uint8)
         self.sampling_args = cp.zeros(SAMPLING_ARGS.itemsize, cp.uint8)
         self.sampler_scratch = cp.zeros(sampler_scratch_words(), cp.uint32)
-        self.attend_count = cp.zeros(1, cp.uint32)   # blocks of a fused gemv counted in (attention_fused.cuh)
         ws = max([k.workspace_floats for k in self.kernels] + [1])
         self.workspace = cp.empty(ws, cp.float32)
 

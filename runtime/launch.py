@@ -47,7 +47,7 @@ class PdlLaunch:
 
     _driver = None
 
-    def __init__(self, function, grid: tuple[int, int], block: int, args: tuple, smem: int = 0):
+    def __init__(self, function, grid: tuple[int, int], block: int, args: tuple):
         if PdlLaunch._driver is None:
             lib = ctypes.CDLL("libcuda.so.1")
             lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p,
@@ -57,7 +57,7 @@ class PdlLaunch:
         self.function = ctypes.c_void_p(getattr(function, "kernel", function).ptr)   # RawKernel or Function
         self.attr = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
         self.attr.value[0] = 1                       # programmaticStreamSerializationAllowed (an int at offset 0)
-        self.config = LaunchConfig(grid[0], grid[1], 1, block, 1, 1, smem, None, ctypes.pointer(self.attr), 1)
+        self.config = LaunchConfig(grid[0], grid[1], 1, block, 1, 1, 0, None, ctypes.pointer(self.attr), 1)
         self.buffers = args                                           # kept alive with the launch
         self.values = [ctypes.c_void_p(a.data.ptr) for a in args]     # every argument is a buffer
         self.params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(v) for v in self.values])
@@ -78,17 +78,9 @@ def bind_launch(module, launch, buffer_of, pdl: bool, tokens: int = 1):
     fn = module.get_function(launch.function)
     grid = tuple(tokens if g == "T" else g for g in launch.grid)
     args = tuple(buffer_of(a) for a in launch.args)
-    carveout = os.environ.get("FUSELM_CARVEOUT")   # experiment: one shared-memory carveout for every kernel
-    if carveout is not None:
-        from cupy_backends.cuda.api import driver
-        driver.funcSetAttribute(getattr(fn, "kernel", fn).ptr, driver.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                                int(carveout))
-    if launch.smem > 48 * 1024:      # past the default limit: the kernel must opt in
-        from cupy_backends.cuda.api import driver
-        driver.funcSetAttribute(getattr(fn, "kernel", fn).ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, launch.smem)
     if pdl:
-        return PdlLaunch(fn, grid, launch.block, args, launch.smem)
-    return lambda stream: fn(grid, (launch.block,), args, stream=stream, shared_mem=launch.smem)
+        return PdlLaunch(fn, grid, launch.block, args)
+    return lambda stream: fn(grid, (launch.block,), args, stream=stream)
 
 
 def arena_view(cupy, arena, G, store: str):

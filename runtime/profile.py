@@ -30,11 +30,8 @@ def kernel_profile(engine, reps: int = 20) -> dict[str, dict]:
     import cupy as cp
     per = defaultdict(lambda: {"us": 0.0, "bytes": 0, "launches": 0})
     counted = set()
-    # The sampler, timed too, advances the position, and a fused gemv timed without its combine
-    # leaves its count of blocks up: put their state back after.
-    with engine.stream:
-        saved = [(buf, buf.copy()) for buf in (engine.ids, engine.pos, engine.seen, engine.sampler_scratch,
-                                                engine.attend_count)]
+    with engine.stream:     # the sampler, timed too, advances the position: put its state back after
+        saved = [(buf, buf.copy()) for buf in (engine.ids, engine.pos, engine.seen, engine.sampler_scratch)]
     for k, _, call in engine.schedule_at(engine.position):
         per[k.family]["us"] += _elapsed_us(cp, engine.stream, lambda: call(engine.stream), reps)
         per[k.family]["launches"] += 1
@@ -52,9 +49,7 @@ def step_ablation(engine, reps: int = 30) -> dict:
     replayed as a CUDA graph, whole and then without all launches of one kernel function at a
     time. Returns the step's microseconds, a GEMVs-only step's, and per function its family,
     launches and the microseconds the step saves without it. Leaves the KV caches' row at the
-    current position rewritten (harmless: the next step writes it again). A step without the
-    combines leaves the fused gemvs' count of blocks up (their waits then pass at once, a timing
-    only): it is zeroed after."""
+    current position rewritten (harmless: the next step writes it again)."""
     import cupy as cp
     schedule = [e for e in engine.schedule_at(engine.position) if e[0].family != "sample"]
 
@@ -69,8 +64,6 @@ def step_ablation(engine, reps: int = 30) -> dict:
         without[f] = {"family": family, "launches": sum(launch.function == f for _, launch, _ in schedule),
                       "saved_us": round(whole - graph_us(lambda k, launch: launch.function != f), 1)}
     gemv_only = graph_us(lambda k, launch: k.family == "gemv")
-    with engine.stream:
-        engine.attend_count.fill(0)
     return {"step_us": round(whole, 1), "gemv_only_us": round(gemv_only, 1), "without": without}
 
 

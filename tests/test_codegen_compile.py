@@ -256,48 +256,6 @@ def test_attention_falls_back_to_fewer_warps_where_shared_memory_is_short():
     assert single.function.encode() in cubin and split.function.encode() in cubin
 
 
-def test_the_split_runs_inside_the_qkv_gemv_where_it_fits(monkeypatch):
-    """Llama-3.2-1B: from the one-launch attention's limit (512) to the context, each Q/K/V gemv
-    kernel has a "fused" variant whose <kernel>_attend launch carries the split's chunk tasks (the
-    gemv's 384 blocks hold the 8 x 18 tasks; 64 kB of cache rows per block), and its attention a
-    matching variant of the combine alone, which zeroes the blocks' count; below 512 the gemv runs
-    alone. The tasks bound the range at long contexts; FUSELM_ATTN_FUSED=0 turns it off, and a
-    pass on CUDA cores (head size 256) never has it. A tiny model whose gemv has fewer blocks than
-    tasks gets blocks with a task alone, and compiles."""
-    from fuselm.codegen import attention
-    graph = build_graph(preset("llama-3.2-1b"))
-    ks = generate(compile_graph(graph), rows=4608)
-    qkv = [k for k in ks if k.family == "gemv" and k.variants]
-    atts = [k for k in ks if k.family == "attention"]
-    assert len(qkv) == len(atts) == 16
-    for g, a in zip(qkv, atts):
-        assert [(v.name, v.until) for v in g.variants] == [(v.name, v.until) for v in a.variants] \
-            == [("single", 512), ("fused", 4608)]
-        (attend,) = g.launches_of("fused")
-        assert attend.function == g.launches[0].function + "_attend" and attend.grid == (384, 1)
-        assert attend.smem == 64 * 1024 and attend.args == g.launches[0].args + ["workspace", "attend_count"]
-        assert g.launches_of("single") == g.launches_of("general") == g.launches
-        (combine,) = a.launches_of("fused")
-        assert combine.function.endswith("_combine_fused") and combine.args[-1] == "attend_count"
-        assert "*count = 0u;" in a.source
-    long = [k for k in generate(compile_graph(graph), rows=131072) if k.family == "attention"]
-    assert long[0].variants[-1].until == 384 // 8 * 256       # the tasks fill the gemv's blocks
-    monkeypatch.setattr(attention, "FUSED", 0)
-    assert not any(v.name == "fused" for k in generate(compile_graph(graph), rows=4608) for v in k.variants)
-    monkeypatch.setattr(attention, "FUSED", 1)
-    gemma = build_graph(DecoderConfig.from_hf({**PRESETS["gemma-2-9b"], "num_hidden_layers": 2}))
-    assert not any(v.name == "fused" for k in generate(compile_graph(gemma), rows=4608) for v in k.variants)
-    tiny = build_graph(DecoderConfig.from_hf(dict(
-        architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=256, intermediate_size=64,
-        num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2, head_dim=64)))
-    ks = generate(compile_graph(tiny), rows=8192)
-    (g,) = [k for k in ks if k.family == "gemv" and k.variants]
-    (attend,) = g.launches_of("fused")
-    assert attend.grid[0] == 2 * 8192 // 256 > g.launches[0].grid[0] and "else grid_release();" in g.source
-    cubin, log, _ = compile_cubin(module_source(ks), headers(), options("sm_90", verbose=True), use_cache=False)
-    assert attend.function.encode() in cubin and not spills(log).get(attend.function)
-
-
 def test_only_few_block_kernels_release_their_successor_before_waiting():
     """Row-wise kernels and attention split + combine (a block per row, per KV head and chunk, per
     query head) let the next kernel be scheduled before they wait, at the top of the entry point
@@ -313,7 +271,7 @@ def test_only_few_block_kernels_release_their_successor_before_waiting():
         assert len(entries) == k.source.count('extern "C"'), k.name
         assert entries, k.name
         for function, first in entries:
-            early = k.family == "rowwise" or function.endswith(("_split", "_combine", "_combine_fused"))
+            early = k.family == "rowwise" or function.endswith(("_split", "_combine"))
             assert (first.strip() == "grid_release();") == early, (function, first)
         if k.family not in ("rowwise", "attention"):
             assert "grid_release();" not in k.source

@@ -200,20 +200,6 @@ def test_launches_per_layer(h, graph):
 
 # ---- state only (batched prefill) ----------------------------------------------------------------
 
-def test_pair_attention_marks_the_gemv_that_computes_each_attentions_inputs():
-    """Each attention launch follows the Q/K/V gemv kernel that writes its queries and both cache
-    rows: that launch names it. Unfused, the cache writes are kernels of their own; in Qwen3 the
-    per-head norms come between: nothing is paired there."""
-    G = compile_graph(tiny_llama(3))
-    schedule = G.graph["schedule"]
-    attentions = [(i, launch["nodes"][0]) for i, launch in enumerate(schedule) if launch["family"] == "attention"]
-    paired = [(i + 1, launch["attention"]) for i, launch in enumerate(schedule) if "attention" in launch]
-    assert len(attentions) == 3 and paired == attentions
-    assert all(schedule[i - 1]["family"] == "gemv" for i, _ in attentions)
-    for graph, fuse in ((tiny_llama(2), False), (tiny_llama(2, arch="Qwen3ForCausalLM"), True)):
-        assert not any("attention" in launch for launch in compile_graph(graph, fuse=fuse).graph["schedule"])
-
-
 def test_keep_state_drops_what_no_cache_write_needs():
     g = tiny_llama(2)
     before = to_networkx(g)

@@ -178,27 +178,20 @@ def test_ctx_changes_the_attention_kernels(capsys, preset_json):
 
 
 def test_short_contexts_run_attention_in_one_launch():
-    """Every attention kernel has a one-launch variant for positions below single_until, and from
-    there to the context the split inside the Q/K/V gemv kernel before it (the combine alone
-    left); a step in one launch has one launch per layer fewer, and the same launches otherwise."""
+    """Every attention kernel has a one-launch variant for positions below single_until; a step
+    there has one launch per layer fewer, and the same launches otherwise."""
     from fuselm.codegen.attention import single_until
     G, kernels = expected(PRESET)
     att = [k for k in kernels if k.family == "attention"]
-    ctx = 4096
     assert att and single_until(64, 4) > 0
     for k in att:
-        assert [(v.name, v.until) for v in k.variants] == [("single", single_until(64, 4)), ("fused", ctx)]
+        assert [(v.name, v.until) for v in k.variants] == [("single", single_until(64, 4))]
         for position, suffixes in ((0, ["single"]), (single_until(64, 4) - 1, ["single"]),
-                                   (single_until(64, 4), ["combine_fused"]), (ctx, ["split", "combine"])):
+                                   (single_until(64, 4), ["split", "combine"])):
             assert [l.function for l in k.launches_at(position)] == [f"{k.name}_{s}" for s in suffixes], position
         assert k.launches_of("single")[0].grid == (G.nodes[k.nodes[0]]["attrs"]["n_kv_heads"], 1)   # a block per KV head
         assert k.launches_of("general") == k.launches
-    qkv = [k for k in kernels if k.family == "gemv" and k.variants]
-    assert len(qkv) == len(att)
-    for k in qkv:
-        assert [l.function for l in k.launches_at(single_until(64, 4))] == [f"{k.name}_attend"]
-        assert k.launches_at(0) == k.launches_at(ctx) == k.launches
-    others = [k for k in kernels if k.family != "attention" and k not in qkv]
+    others = [k for k in kernels if k.family != "attention"]
     assert all(k.launches_at(0) == k.launches_at(10**6) == k.launches and not k.variants for k in others)
     short = sum(len(k.launches_at(0)) for k in kernels)
     assert short == sum(len(k.launches) for k in kernels) - len(att)
@@ -215,10 +208,7 @@ def test_position_shows_the_schedule_of_that_step(capsys, preset_json):
     assert len(singles) == 16 and all(e["function"].endswith("_single") for e in singles)
     assert len(short["launches"]) == len(preset_json["launches"]) - 16
     rc, out, _ = run_main(capsys, "inspect", PRESET, "--position", str(single_until(64, 4)), "--json")
-    fused = json.loads(out)["launches"]     # the split inside the Q/K/V gemv: the combine alone after it
-    assert sum(e["function"].endswith("_attend") for e in fused) == 16
-    assert not any(e["function"].endswith("_split") for e in fused)
-    assert len(fused) == len(preset_json["launches"]) - 16
+    assert json.loads(out)["launches"] == preset_json["launches"]
     rc, out, _ = run_main(capsys, "inspect", PRESET, "--position", "0")
     assert rc == 0 and "at position 0" in out and "kernels per layer: 5, x 16 layers" in out
 

@@ -121,29 +121,18 @@ struct MmaPass {
     __device__ __forceinline__ void after_wait(const bf16_t* kc, const bf16_t* vc, int, int, int, int pos) {
         load_row(kc, vc, pos);
     }
-    // Query head r (zero past G) of KV head `kv`, times `scale`, as A words: dims c HD/4 + 4s + {0,1}
-    // and {2,3}. `load4` reads a float4 of q.
-    template <class Load4>
-    __device__ __forceinline__ void load_queries(const float* q, float scale, int kv, Load4 load4) {
+    // Query head r (zero past G), times `scale`, as A words: dims c HD/4 + 4s + {0,1} and {2,3}.
+    __device__ __forceinline__ void load_queries(const float* q, float scale) {
 #pragma unroll
         for (int s = 0; s < KSTEPS; s++) {
             float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (r() < G) x = load4(q + (kv * G + r()) * HD + c() * (HD / 4) + 4 * s);
+            if (r() < G) x = *reinterpret_cast<const float4*>(q + (blockIdx.x * G + r()) * HD + c() * (HD / 4) + 4 * s);
             split_bf16x2(x.x * scale, x.y * scale, qa[s][0][0], qa[s][1][0]);
             split_bf16x2(x.z * scale, x.w * scale, qa[s][0][1], qa[s][1][1]);
         }
     }
-    __device__ __forceinline__ void load_queries(const float* q, float scale) {
-        load_queries(q, scale, blockIdx.x, [](const float* p) { return *reinterpret_cast<const float4*>(p); });
-    }
-    // Head r's softmax state over this pass's positions (lanes of equal r agree on m and l), from
-    // the lane's slices in registers ...
+    // Head r's softmax state over this pass's positions (lanes of equal r agree on m and l).
     __device__ __forceinline__ void softmax(float softcap, State& out) const {
-        softmax(softcap, out, [&](int t, int j) { return k[t][j]; }, [&](int u, int i, int q4) { return v[u][i][q4]; });
-    }
-    // ... or wherever k_at(t, j) and v_at(u, i, q4) find them (k[t][j], v[u][i][q4]).
-    template <class KAt, class VAt>
-    __device__ __forceinline__ void softmax(float softcap, State& out, KAt k_at, VAt v_at) const {
         float s[NT][2];                          // head r, positions 8t + 2c + {0, 1}
         out = State{};
 #pragma unroll
@@ -151,8 +140,7 @@ struct MmaPass {
             float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (int ks = 0; ks < KSTEPS; ks++) {
-                const uint4 kk = k_at(t, ks / 2);
-                const unsigned b0 = word_of(kk, ks % 2 * 2), b1 = word_of(kk, ks % 2 * 2 + 1);
+                const unsigned b0 = word_of(k[t][ks / 2], ks % 2 * 2), b1 = word_of(k[t][ks / 2], ks % 2 * 2 + 1);
                 mma_16816(d, qa[ks][0][0], 0u, qa[ks][0][1], 0u, b0, b1);
                 mma_16816(d, qa[ks][1][0], 0u, qa[ks][1][1], 0u, b0, b1);
             }
@@ -182,17 +170,12 @@ struct MmaPass {
             unsigned ph0, pl0, ph1, pl1;         // P's A words: positions 16u + 2c + {0,1} and + 8
             split_bf16x2(s[2 * u][0], s[2 * u][1], ph0, pl0);
             split_bf16x2(s[2 * u + 1][0], s[2 * u + 1][1], ph1, pl1);
-            uint4 vv[4][HD / 64];
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-#pragma unroll
-                for (int q4 = 0; q4 < HD / 64; q4++) vv[i][q4] = v_at(u, i, q4);
 #pragma unroll
             for (int w = 0; w < VDIMS; w++) {
                 const unsigned sel = w % 2 ? 0x7632u : 0x5410u;      // high or low halves of two words
                 const int q4 = w / 8, word = w % 8 / 2;
-                const unsigned b0 = __byte_perm(word_of(vv[0][q4], word), word_of(vv[1][q4], word), sel);
-                const unsigned b1 = __byte_perm(word_of(vv[2][q4], word), word_of(vv[3][q4], word), sel);
+                const unsigned b0 = __byte_perm(word_of(v[u][0][q4], word), word_of(v[u][1][q4], word), sel);
+                const unsigned b1 = __byte_perm(word_of(v[u][2][q4], word), word_of(v[u][3][q4], word), sel);
                 mma_16816(o[w], ph0, 0u, ph1, 0u, b0, b1);
                 mma_16816(o[w], pl0, 0u, pl1, 0u, b0, b1);
             }
@@ -201,15 +184,9 @@ struct MmaPass {
         for (int w = 0; w < VDIMS; w++) { out.acc[2 * w] = o[w][0]; out.acc[2 * w + 1] = o[w][1]; }
     }
     // Lanes of heads r < G hold head r's dims [c HD/4, (c+1) HD/4).
-    using Merge = WarpStates<G, HD, WARPS, HD + 4>;         // + 4: the heads' rows start in different banks
     template <class Emit>
     __device__ __forceinline__ static void block_merge(const State& st, Emit emit) {
-        __shared__ Merge ws;
-        block_merge(ws, st, emit);
-    }
-    // The same in `ws`, wherever the caller keeps it.
-    template <class Emit>
-    __device__ __forceinline__ static void block_merge(Merge& ws, const State& st, Emit emit) {
+        __shared__ WarpStates<G, HD, WARPS, HD + 4> ws;     // + 4: the heads' rows start in different banks
         const int warp = threadIdx.x >> 5;
         if (r() < G) {
 #pragma unroll
