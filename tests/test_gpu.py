@@ -443,8 +443,12 @@ def test_long_context_spans_attention_chunks(variant):
     runs = {}
     # Against the reference, runs of hundreds of steps are bounded by the bf16 KV cache: a row
     # whose bf16 rounding flips (float32 sums in another order) stays in the cache, and the flips
-    # add up (one 534-step draw: 5.3e-3, others 5e-4 to 1e-3).
-    tol = 1e-2 if steps > 300 else 5e-3
+    # add up (one 534-step draw: 5.3e-3, others 5e-4 to 1e-3). Gemma-2's attention is sharper
+    # (scores scaled by 24^-0.5 at head size 256, not 256^-0.5), so one flip weighs more, at any
+    # step: 12 draws of its 150 steps on the H200 reached 1.3e-3 to 5.8e-3 (at steps 4 to 143),
+    # and one 8.6e-3.
+    sharp = variant.get("query_pre_attn_scalar", cfg.head_dim) < cfg.head_dim
+    tol = 1e-2 if steps > 300 or sharp else 5e-3
     for attention in ("single", "general", None):
         runs[attention] = []
         worst = compare_steps(graph, weights, tokens, ctx=steps + 42, variant=attention, tol=tol,
