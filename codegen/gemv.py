@@ -15,10 +15,6 @@ ROWS_PER_WARP = env_int("FUSELM_GEMV_ROWS", 2, 1, 8)  # rows a warp streams at o
 # busy; 32 split more than needed (measured: Llama-3.1-8B 249 -> 252, 3.2-1B 1248 -> 1277 tok/s).
 MIN_WARPS = env_int("FUSELM_GEMV_MIN_WARPS", 132 * 16, 1, 1 << 20)
 UNROLL = env_int("FUSELM_GEMV_UNROLL", 4, 1, 16)      # 16-byte loads in flight per lane and row
-# Rounds of UNROLL loads per row that a warp's first rows also have in flight across the wait for
-# the previous kernel, copied to shared memory by cp.async (no registers held); 0 for none.
-STAGED = env_int("FUSELM_GEMV_STAGED", 0, 0, 8)
-STAGE_BYTES = 40 * 1024   # at most this much static shared memory per block for them
 
 
 if WARPS not in (1, 2, 4, 8, 16, 32):
@@ -53,17 +49,8 @@ def context(G: nx.DiGraph, launch: dict, params: Params) -> dict:
     ksplit = _ksplit(zip_sets(G, launch["nodes"]), vec["K"])
     zips, grid = zip_contexts(G, launch, params, lambda members, pairs: _slots(ksplit, members, pairs))
     return {**vec, "zips": zips, "threads": WARPS * 32, "unroll": UNROLL, "ksplit": ksplit,
-            "rows_per_warp": ROWS_PER_WARP, "stage": staged_rounds(vec["K"] // ksplit),
+            "rows_per_warp": ROWS_PER_WARP,
             "max_tile": max(z["R"] * len(z["members"]) for z in zips), "grid": grid}
-
-
-def staged_rounds(slice_: int) -> int:
-    """Rounds of a warp's first rows (K-slices of `slice_` weights) that go to shared memory by
-    cp.async: up to STAGED, and only past the first round (the registers hold that one) and
-    within STAGE_BYTES for the block."""
-    rounds = slice_ // (32 * 8 * UNROLL) if slice_ % 8 == 0 else 0
-    per_round = WARPS * UNROLL * ROWS_PER_WARP * 32 * 16          # bytes: a uint4 per lane, load and row
-    return max(0, min(STAGED, rounds - 1, STAGE_BYTES // per_round))
 
 
 def input_vector(G: nx.DiGraph, launch: dict, params: Params) -> dict:

@@ -256,27 +256,6 @@ def test_attention_falls_back_to_fewer_warps_where_shared_memory_is_short():
     assert single.function.encode() in cubin and split.function.encode() in cubin
 
 
-def test_staged_gemv_rounds_where_a_warp_has_more_than_one(monkeypatch):
-    """FUSELM_GEMV_STAGED=1: the GEMVs whose warps stream more than one round of loads per row
-    slice (Llama-3.2-1B: gate/up and the LM head at K = 2048, down's K-slices of 2048; Q/K/V's
-    slices of 1024 and O's of 512 are one round) copy their second round to shared memory; at
-    most 40 kB of it per block however many rounds are asked for, and the module compiles without
-    spills. 0 (the default) leaves every kernel as it was."""
-    from fuselm.codegen import gemv
-    graph = compile_graph(build_graph(preset("llama-3.2-1b")))
-    assert not any("weight_stage" in k.source for k in generate(graph, rows=512))
-    monkeypatch.setattr(gemv, "STAGED", 8)
-    assert [gemv.staged_rounds(n) for n in (512, 1024, 2048, 4096, 14336)] == [0, 0, 1, 1, 1]
-    ks = generate(graph, rows=512)
-    staged = sorted({k.name.rsplit("_", 1)[0] for k in ks if "weight_stage" in k.source})
-    assert staged == ["gemv_k8192_1x2048", "gemv_norm_k2048_1x128256", "gemv_norm_k2048_2x8192"], staged
-    cubin, log, _ = compile_cubin(module_source(ks), headers(), options("sm_90", verbose=True), use_cache=False)
-    assert not any(spills(log).values()), spills(log)
-    for k in ks:
-        if "weight_stage" in k.source:
-            assert k.name.encode() in cubin
-
-
 def test_only_few_block_kernels_release_their_successor_before_waiting():
     """Row-wise kernels and attention split + combine (a block per row, per KV head and chunk, per
     query head) let the next kernel be scheduled before they wait, at the top of the entry point

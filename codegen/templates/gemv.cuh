@@ -75,29 +75,15 @@ __device__ __forceinline__ void fma8_rows(const uint4 (&q)[NR], const float (&xv
     }
 }
 
-// 16 weight bytes copied to shared memory without passing through registers or L1 (cp.async),
-// evict-first in L2 as __ldcs is: the copy needs no register until it is read, so a warp can have
-// more of its row in flight than its registers hold.
-__device__ __forceinline__ void copy16_streaming(uint4* dst, const void* src) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("{\n\t.reg .b64 policy;\n\t"
-                 "createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n\t"
-                 "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, policy;\n\t}"
-                 :: "r"(s), "l"(src) : "memory");
-}
-
 // acc[r] = dot(W[rows[r], 0:K], v) for NR rows at once, by the calling warp; every lane gets the
 // results, and for a normed vector `sumsq` = the sum of x^2 over its K elements. Each lane keeps
 // UNROLL x NR independent 16-byte loads in flight, and each chunk of the vector it loads serves
 // all NR rows (fewer L1 reads per weight byte). While `pending`, the previous kernel may still be
 // running: the first weight loads are issued, then the thread waits for it
-// (grid_wait_then_release) before the vector, its output, is read. With STAGE > 0 and a `stage`
-// (this warp's STAGE x UNROLL x NR x 32 slots), the next STAGE rounds of loads go out at the same
-// time by cp.async, so that the whole start of the row is in flight across the wait, not just
-// what the registers hold; each lane reads back only its own slots.
-template <int K, int UNROLL, int NR, int STAGE = 0, class Vector>
+// (grid_wait_then_release) before the vector, its output, is read.
+template <int K, int UNROLL, int NR, class Vector>
 __device__ __forceinline__ void warp_dot_rows(const weight_t* const (&rows)[NR], const Vector& v, float (&acc)[NR],
-                                              bool& pending, float& sumsq, uint4* stage = nullptr) {
+                                              bool& pending, float& sumsq) {
     constexpr int CHUNK = 8;                         // weights per 16-byte load
     constexpr int STEP = 32 * CHUNK;                 // weights per warp-wide load
     constexpr int FULL = K % CHUNK ? 0 : K / (STEP * UNROLL) * (STEP * UNROLL);
@@ -113,35 +99,13 @@ __device__ __forceinline__ void warp_dot_rows(const weight_t* const (&rows)[NR],
             for (int r = 0; r < NR; r++) acc[r] = fmaf(w2f(rows[r][k]), xk, acc[r]);
         }
     } else {
-        constexpr int ROUNDS = FULL / (STEP * UNROLL);
-        constexpr int S = STAGE < ROUNDS - 1 ? STAGE : ROUNDS - 1;   // rounds 1 .. S staged
-        const bool staged = S > 0 && stage != nullptr && pending;
-        const auto slot = [&](int round, int u, int r) { return stage + (((round - 1) * UNROLL + u) * NR + r) * 32 + lane; };
-        if (staged) {
-#pragma unroll
-            for (int round = 1; round <= S; round++)
-#pragma unroll
-                for (int u = 0; u < UNROLL; u++)
-#pragma unroll
-                    for (int r = 0; r < NR; r++)
-                        copy16_streaming(slot(round, u, r), rows[r] + round * STEP * UNROLL + u * STEP + lane * CHUNK);
-            asm volatile("cp.async.commit_group;" ::: "memory");
-        }
-        for (int round = 0, base = 0; base < FULL; round++, base += STEP * UNROLL) {
+        for (int base = 0; base < FULL; base += STEP * UNROLL) {
             uint4 q[UNROLL][NR];
-            if (staged && round >= 1 && round <= S) {
-                if (round == 1) asm volatile("cp.async.wait_all;" ::: "memory");
 #pragma unroll
-                for (int u = 0; u < UNROLL; u++)
+            for (int u = 0; u < UNROLL; u++)
 #pragma unroll
-                    for (int r = 0; r < NR; r++) q[u][r] = *slot(round, u, r);
-            } else {
-#pragma unroll
-                for (int u = 0; u < UNROLL; u++)
-#pragma unroll
-                    for (int r = 0; r < NR; r++)
-                        q[u][r] = __ldcs(reinterpret_cast<const uint4*>(rows[r] + base + u * STEP + lane * CHUNK));
-            }
+                for (int r = 0; r < NR; r++)
+                    q[u][r] = __ldcs(reinterpret_cast<const uint4*>(rows[r] + base + u * STEP + lane * CHUNK));
             if (pending) { grid_wait_then_release(); pending = false; }   // weights in flight meanwhile
 #pragma unroll
             for (int u = 0; u < UNROLL; u++) {
