@@ -21,6 +21,9 @@ SINGLE_ROWS = env_int("FUSELM_ATTN_SINGLE_ROWS", 4, 1, 32)      # its cache rows
 # per KV head, sm_80 on), comma-separated: "split", "single"; "0" for none.
 MMA = env_set("FUSELM_ATTN_MMA", "split,single", {"split", "single"}, "kernels")
 SMEM = 48 * 1024   # static shared memory a kernel may use
+SMS = env_int("FUSELM_SMS", 132, 1, 4096)   # SMs a wave of split blocks is sized for (the H200's)
+# Warps per block of the wide split (wide_split), 0 for none.
+WIDE_WARPS = env_int("FUSELM_ATTN_WIDE_WARPS", 0, 0, 32)
 
 
 def lanes_per_row(head_dim: int) -> int:
@@ -80,6 +83,21 @@ def warps_fitting(kernel: str, warps: int, head_dim: int, group: int) -> int:
     return warps
 
 
+def wide_split(head_dim: int, group: int, kv: int) -> dict | None:
+    """The wide split: from the position where the split's KV x chunks blocks outnumber the SMs
+    (a second wave, or two blocks on the SMs that free first, where the rest end waiting for
+    them) up to where blocks of WIDE_WARPS warps (longer chunks, and too many registers for two
+    on one SM) still fit in one wave: "from", "until", its "pass" type, "chunk" and "warps";
+    None where it would not be wider or cover no positions."""
+    warps = warps_fitting("split", WIDE_WARPS, head_dim, group) if WIDE_WARPS else 0
+    per_head = SMS // kv
+    if warps <= split_warps(head_dim, group) or per_head == 0:
+        return None
+    wide_type, chunk = pass_of("split", kv, head_dim, group, warps, MAX_ROWS)
+    return {"from": per_head * split_pass(head_dim, group, kv)[1], "until": per_head * chunk,
+            "pass": wide_type, "chunk": chunk, "warps": warps}
+
+
 def single_warps(head_dim: int, group: int) -> int:
     """Warps per block of the one-launch variant: SINGLE_WARPS, fewer where their softmax states
     would not fit in shared memory."""
@@ -119,6 +137,12 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int, tokens: int 
                           f"bytes of shared memory per warp in the attention kernel; at most {SMEM} are supported")
     nchunk = -(-rows // chunk)
     record = (hd + 3) // 4 * 4 + 4                                      # Record<HD>::FLOATS
+    wide = wide_split(hd, group, kv) if tokens == 1 else None
+    if wide and wide["from"] < rows:   # its chunks cover the cache, so it may serve any position
+        wide = {**wide, "until": min(wide["until"], rows), "nchunk": -(-rows // wide["chunk"]),
+                "threads": wide["warps"] * 32}
+    else:
+        wide = None
     return {"H": a["n_heads"], "KV": a["n_kv_heads"], "HD": hd, "chunk": chunk, "split_pass": split_type,
             "nchunk": nchunk, "window": int(a.get("window") or 0), "scale": cexpr.float_literal(a["scale"]),
             "softcap": cexpr.float_literal(a.get("softcap") or 0.0), "threads": split_warps(hd, group) * 32,
@@ -129,4 +153,5 @@ def context(G: nx.DiGraph, launch: dict, params: Params, rows: int, tokens: int 
             "q": params.ref(q), "kc": params.ref(kc), "vc": params.ref(vc), "pos": params.ref(pos),
             "out": params.ref(n, written=True),
             "ws": params.extra("float*", "workspace") if tokens == 1 else None,   # the split's records
-            "workspace_floats": a["n_heads"] * nchunk * record if tokens == 1 else 0, "tokens": tokens}
+            "workspace_floats": a["n_heads"] * nchunk * record if tokens == 1 else 0, "tokens": tokens,
+            "wide": wide}

@@ -96,11 +96,24 @@ def prefill_unsupported(G: nx.DiGraph, tokens: int) -> str | None:
 
 
 def _attention_variants(name: str, ctx: dict, args: list[str]) -> list[Variant]:
-    """Below single_until, one launch walking the whole context replaces split + combine."""
-    if ctx["single_until"] <= 0:
-        return []
-    return [Variant("single", ctx["single_until"], [Launch(f"{name}_single", (ctx["KV"], 1), ctx["single_threads"], args)],
-                    "attention in one launch per layer, a block per KV head (<kernel>_single)")]
+    """Below single_until, one launch walking the whole context replaces split + combine; where
+    the split's grid outgrows one wave, the wide split's (attention.wide_split) takes over."""
+    out = []
+    if ctx["single_until"] > 0:
+        out.append(Variant("single", ctx["single_until"],
+                           [Launch(f"{name}_single", (ctx["KV"], 1), ctx["single_threads"], args)],
+                           "attention in one launch per layer, a block per KV head (<kernel>_single)"))
+    wide = ctx["wide"]
+    if wide and wide["from"] > ctx["single_until"]:
+        split, combine = (Launch(f"{name}_{kind}", grid, threads, args) for kind, grid, threads in
+                          (("split", (ctx["KV"], ctx["nchunk"]), ctx["threads"]),
+                           ("combine", (ctx["H"], 1), ctx["combine_threads"])))
+        out.append(Variant("split", wide["from"], [split, combine], "split + combine, as beyond the wide split"))
+        out.append(Variant("wide", wide["until"],
+                           [Launch(f"{name}_split_wide", (ctx["KV"], wide["nchunk"]), wide["threads"], args),
+                            Launch(f"{name}_combine_wide", (ctx["H"], 1), ctx["combine_threads"], args)],
+                           f"split + combine in chunks of {wide['chunk']} positions, one wave (<kernel>_split_wide)"))
+    return out
 
 
 SAMPLER_BLOCKS = 32   # blocks sharing the argmax over the vocabulary (one block took 26 us/token)

@@ -256,6 +256,33 @@ def test_attention_falls_back_to_fewer_warps_where_shared_memory_is_short():
     assert single.function.encode() in cubin and split.function.encode() in cubin
 
 
+def test_the_wide_split_takes_over_where_the_split_outgrows_one_wave(monkeypatch):
+    """Llama-3.2-1B (8 KV heads, chunks of 256): from position 16 x 256 = 4096 the split would
+    launch more blocks than the H200's 132 SMs, so up to 16 x 384 (12 warps, chunks of 384) the
+    wide split and its combine run instead; between the one-launch attention and 4096 the split
+    as before, and past the wide split's range too (a longer context). SmolLM2's 3 KV heads fit
+    in one wave up to 44 chunks: no wide split at 4608 rows. FUSELM_ATTN_WIDE_WARPS=0 turns it
+    off (the default: an experiment). The module compiles, the wide kernels without spills."""
+    from fuselm.codegen import attention
+    monkeypatch.setattr(attention, "WIDE_WARPS", 12)
+    graph = build_graph(preset("llama-3.2-1b"))
+    for rows, until in ((4608, 4608), (8192, 6144)):
+        ks = generate(compile_graph(graph), rows=rows)
+        (att, *_) = [k for k in ks if k.family == "attention"]
+        assert [(v.name, v.until) for v in att.variants] == [("single", 512), ("split", 4096), ("wide", until)]
+        assert [l.function for l in att.launches_at(4095)] == [f"{att.name}_split", f"{att.name}_combine"]
+        split, combine = att.launches_at(4096)
+        assert (split.function, combine.function) == (f"{att.name}_split_wide", f"{att.name}_combine_wide")
+        assert split.grid == (8, -(-rows // 384)) and split.block == 12 * 32
+        assert att.launches_at(until) == att.launches
+    cubin, log, _ = compile_cubin(module_source(ks), headers(), options("sm_90", verbose=True), use_cache=False)
+    assert split.function.encode() in cubin and not spills(log).get(split.function)
+    smol = generate(compile_graph(build_graph(preset("smollm2-135m"))), rows=4608)
+    assert [v.name for k in smol for v in k.variants] == ["single"] * 30
+    monkeypatch.setattr(attention, "WIDE_WARPS", 0)
+    assert not any(v.name == "wide" for k in generate(compile_graph(graph), rows=4608) for v in k.variants)
+
+
 def test_only_few_block_kernels_release_their_successor_before_waiting():
     """Row-wise kernels and attention split + combine (a block per row, per KV head and chunk, per
     query head) let the next kernel be scheduled before they wait, at the top of the entry point
@@ -271,7 +298,7 @@ def test_only_few_block_kernels_release_their_successor_before_waiting():
         assert len(entries) == k.source.count('extern "C"'), k.name
         assert entries, k.name
         for function, first in entries:
-            early = k.family == "rowwise" or function.endswith(("_split", "_combine"))
+            early = k.family == "rowwise" or function.endswith(("_split", "_combine", "_split_wide", "_combine_wide"))
             assert (first.strip() == "grid_release();") == early, (function, first)
         if k.family not in ("rowwise", "attention"):
             assert "grid_release();" not in k.source

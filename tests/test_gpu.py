@@ -466,6 +466,46 @@ def test_long_context_spans_attention_chunks(variant):
         print(line)
 
 
+def test_the_wide_split_matches_the_split_at_real_shapes(monkeypatch):
+    """One decode step of Llama-3.2-1B (4 layers) at position 4100 over caches of random bf16 rows:
+    by position the engine runs the wide split there (chunks of 384); forced "general", the split
+    (chunks of 256). Same GEMVs, the same rows, other chunk boundaries: the logits agree to the
+    float32 sums' order. Arena and workspace poisoned."""
+    import cupy as cp
+
+    from fuselm.codegen import attention
+    from fuselm.runtime.cuda_engine import CudaEngine
+    from fuselm.runtime.random_weights import random_gpu_weights
+    monkeypatch.setattr(attention, "WIDE_WARPS", 12)
+    rng = np.random.default_rng()
+    cfg = DecoderConfig.from_hf({**PRESETS["llama-3.2-1b"], "num_hidden_layers": 4})
+    graph = build_graph(cfg)
+    weights = random_gpu_weights(graph, seed=int(rng.integers(1 << 30)))
+    rows, at = 4608, 4100
+    state = {n.name: bf16_round(rng.standard_normal((at, n.shape[-1])).astype(np.float32))
+             for n in graph.sources("state")}
+    token = int(rng.integers(cfg.vocab_size))
+    logits = {}
+    for variant, suffix in ((None, "_split_wide"), ("general", "_split")):
+        eng = CudaEngine(graph, weights, ctx=rows, variant=variant)
+        launched = [launch.function for _, launch, _ in eng.schedule_at(at)]
+        assert sum(f.endswith(suffix) for f in launched) == 4, launched
+        for n, value in state.items():
+            eng.set_state(n, value)
+        eng.set_input("ids", [token])
+        eng.set_input("pos", [at])
+        with eng.stream:                                   # poison, ordered before the step
+            eng.arena.view(cp.float32).fill(cp.nan)
+            eng.workspace.fill(cp.nan)
+        eng.step()
+        logits[variant] = eng.output("logits")
+        assert np.isfinite(logits[variant]).all(), f"{variant}: unwritten or non-finite logits"
+        del eng
+    err = rel(logits[None], logits["general"])
+    print(f"llama-3.2-1b (4 layers) at {at}: wide split vs split, rel logit difference {err:.2e}")
+    assert err < 1e-4, f"wide split vs split: relative logit difference {err:.2e}"
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim,window,softcap,cuda_cores", [
     (32, 8, 128, 0, 0.0, False), (9, 3, 64, 0, 0.0, False), (28, 4, 128, 0, 0.0, False),
     (32, 4, 64, 1000, 0.0, False), (32, 8, 64, 0, 2.0, False), (32, 8, 128, 0, 0.0, True), (9, 3, 64, 1000, 0.0, True),
@@ -498,10 +538,12 @@ def test_attention_at_long_context(heads, kv_heads, head_dim, window, softcap, c
                                                  for n, w in (("q", heads * head_dim), ("k", kv_heads * head_dim),
                                                               ("v", kv_heads * head_dim))}}
     ref = run_graph(g, {}, feeds, {n: x.astype(np.float64) for n, x in state.items()})["out"]
-    for variant in ("single", "general"):
+    wide = attention.wide_split(head_dim, heads // kv_heads, kv_heads)   # the (32, 8, 128) layout's covers 3001
+    for variant in ("single", "general", *(["wide"] if wide and wide["from"] <= at < wide["until"] else [])):
         eng = CudaEngine(g, {}, ctx=rows, variant=variant)
         launched = [launch.function for _, launch, _ in eng.schedule_at(at)]
-        assert any(f.endswith("_split" if variant == "general" else f"_{variant}") for f in launched), launched
+        suffix = {"general": "_split", "wide": "_split_wide"}.get(variant, f"_{variant}")
+        assert any(f.endswith(suffix) for f in launched), launched
         (source,) = [k.source for k in eng.kernels if k.family == "attention"]
         assert ("MmaPass<" in source, "LanePass<" in source) == (mma, not mma), "the pass the test means to run"
         for name, rows_ in state.items():
