@@ -14,6 +14,8 @@ ROWS_PER_WARP = env_int("FUSELM_GEMV_ROWS", 2, 1, 8)  # rows a warp streams at o
 # Streaming warps a GEMV should have before split-K stops: 16 per SM (132 on the H200) keep HBM
 # busy; 32 split more than needed (measured: Llama-3.1-8B 249 -> 252, 3.2-1B 1248 -> 1277 tok/s).
 MIN_WARPS = env_int("FUSELM_GEMV_MIN_WARPS", 132 * 16, 1, 1 << 20)
+# 1: epilogue operands that earlier kernels wrote are loaded before the wait (plan_early_reads); 0: where used.
+EARLY_READS = env_int("FUSELM_GEMV_EARLY_READS", 1, 0, 1)
 UNROLL = env_int("FUSELM_GEMV_UNROLL", 4, 1, 16)      # 16-byte loads in flight per lane and row
 
 
@@ -78,10 +80,12 @@ def zip_contexts(G: nx.DiGraph, launch: dict, params: Params, slots, batched: bo
         R = slots(len(z["linears"]), bool(hd))
         tiles = _tiles(z["width"], R, bool(hd))
         z_epi = [n for n in epilogue if _zip_of(G, n, z["linears"], set(nodes))]
+        preload: list[str] = []
         zips.append({"N": z["width"], "R": R, "hd": hd, "interleaved": str(interleaved).lower(),
                      "start": start, "end": start + tiles,
                      "members": [params.ref(G.nodes[l]["inputs"][1]) for l in z["linears"]],
-                     "epilogue": _epilogue(G, launch, z["linears"], z_epi, R, params, batched)})
+                     "epilogue": _epilogue(G, launch, z["linears"], z_epi, R, params, batched, preload),
+                     "preload": "\n".join(preload)})
         start += tiles
     return zips, start
 
@@ -97,11 +101,13 @@ def _zip_of(G, node, linears, inside) -> bool:
     return False
 
 
-def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False) -> str:
+def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False, preload: list[str] | None = None) -> str:
     """C statements run by thread `s` < R for its slot `row`: every epilogue op, then the writes.
     `batched` (the gemm family, tokens > 1): for token `t` of the step, whose dot products
     tile_out holds as [member][slot][token] (TT tokens) and whose partner slot s ^ 1 sits in the
-    neighbouring thread."""
+    neighbouring thread. Otherwise the row operands the launch may read before its wait
+    (launch["early"], compiler/plan_early_reads.py) are loaded by declarations appended to
+    `preload`, which the template places before the dot products."""
     def tile(i, slot):
         return f"tile_out[({i} * R + {slot}) * TT + t]" if batched else f"slices_sum(tile_out, {i} * R + {slot})"
 
@@ -122,7 +128,8 @@ def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False) ->
             continue
         decls.append(f"float {v} = 0.0f;")
         if kind is Kind.ELEMENTWISE:
-            ops = [var[i] if i in inside else _external(G, i, params, batched) for i in d["inputs"]]
+            ops = [var[i] if i in inside else _preloaded(G, i, params, launch, preload) if not batched
+                   else _external(G, i, params, batched) for i in d["inputs"]]
             body.append(f"if (active) {v} = {cexpr.elementwise(G, n, ops)};")
         elif kind is Kind.ROW_LOCAL:   # RoPE: the only row-local op; its pair is in slot s ^ 1
             src, pos, inv_freq = d["inputs"]
@@ -139,6 +146,19 @@ def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False) ->
             at = f"t * {G.nodes[n]['shape'][-1]} + row" if batched else "row"
             body.append(f"if (active) {params.ref(n, written=True)}[{at}] = {var[n]};")
     return "\n".join("        " + line for line in decls + body)
+
+
+def _preloaded(G, value, params, launch, preload: list[str] | None) -> str:
+    """An external operand of a GEMV's epilogue: where the launch may read it before its wait and
+    it has an element per row, a register loaded ahead (declared in `preload`; through L2, since
+    L1 is not kept coherent with other SMs' writes); otherwise read where it is used."""
+    if not EARLY_READS or preload is None or value not in launch.get("early", ()) or not G.nodes[value]["shape"]:
+        return _external(G, value, params)
+    p = params.ref(value)
+    load = f"w2f({p}[row])" if G.nodes[value]["op"] == "weight" else f"__ldcg({p} + row)"
+    name = f"e{len(preload)}"
+    preload.append(f"        const float {name} = active ? {load} : 0.0f;")
+    return name
 
 
 def _external(G, value, params, batched: bool = False) -> str:

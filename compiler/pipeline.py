@@ -21,6 +21,7 @@ from .infer_shapes import infer_shapes
 from .keep_state import keep_state
 from .lower import to_networkx
 from .plan_buffers import plan_buffers
+from .plan_early_reads import plan_early_reads
 from .schedule import schedule
 from .validate import validate
 
@@ -31,9 +32,10 @@ FUSION_PASSES: list[Pass] = [fuse_horizontal, fuse_prologue, fuse_epilogue, fuse
 
 def passes(fuse: bool = True, tokens: int = 1, state_only: bool = False) -> list[Pass]:
     """The pass list, in order: what the state needs (state_only: a prompt's prefill), shapes,
-    the fusion passes (unless fuse=False), schedule, buffers (the only one that `tokens` changes)."""
+    the fusion passes (unless fuse=False), schedule, early reads, buffers (the only one that
+    `tokens` changes)."""
     return [*([keep_state] if state_only else []), infer_shapes, *(FUSION_PASSES if fuse else []), schedule,
-            partial(plan_buffers, tokens=tokens)]
+            plan_early_reads, partial(plan_buffers, tokens=tokens)]
 
 
 def compile_graphs(graph: Graph, sizes: list[int], fuse: bool = True, state_only: bool = False) -> dict[int, nx.DiGraph]:

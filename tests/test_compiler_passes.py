@@ -521,3 +521,29 @@ def test_compile_graphs_equals_compile_graph_per_step_size(fuse):
         assert G.graph["buffers"] == alone.graph["buffers"] and G.graph["arena_bytes"] == alone.graph["arena_bytes"]
         assert G.graph["schedule"] == alone.graph["schedule"] and as_text(G) == as_text(alone)
     assert shared[64].graph["arena_bytes"] == 2 * shared[32].graph["arena_bytes"]
+
+
+def test_plan_early_reads_lets_a_gemv_read_early_only_what_kernels_before_the_last_gemv_wrote():
+    """A two-layer Llama: the O and down projections may read their residual before the wait (its
+    writer lies before the GEMV ahead of them: the previous layer's down or O, the embedding),
+    never the vector the kernel right before them wrote; the Q/K/V and gate/up GEMVs have nothing
+    early but weights; row-wise and attention launches are left as they were."""
+    from fuselm.compiler.plan_early_reads import plan_early_reads
+    cfg = DecoderConfig.from_hf(dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=64,
+                                     intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2))
+    G = compile_graph(build_graph(cfg))
+    before = compile_graph(build_graph(cfg), pass_list=passes()[:-2])   # through the schedule
+    assert [{k: v for k, v in la.items() if k != "early"} for la in plan_early_reads(before).graph["schedule"]] \
+        == before.graph["schedule"]
+    weights = {n for n, d in G.nodes(data=True) if d["op"] == "weight"}
+    got = [(la["family"], [r for r in la.get("early", []) if r not in weights]) for la in G.graph["schedule"]]
+    residuals = ["embedding_1", "add_12", "add_19", "add_30"]
+    assert got == [("rowwise", []), ("gemv", []), ("attention", []), ("gemv", [residuals[0]]), ("gemv", []),
+                   ("gemv", [residuals[1]]), ("gemv", []), ("attention", []), ("gemv", [residuals[2]]),
+                   ("gemv", []), ("gemv", [residuals[3]]), ("gemv", [])], got
+    for la in G.graph["schedule"]:
+        assert "early" in la or la["family"] != "gemv"
+        assert set(la.get("early", [])) <= set(la["reads"])
+    lm_head = G.graph["schedule"][-1]
+    assert "lm_head.weight" in lm_head["early"] and "add_37" not in lm_head["early"]

@@ -1,0 +1,39 @@
+"""Pass: the operands each GEMV may read before it waits for the kernel before it.
+
+With programmatic dependent launch a kernel's blocks may start while the kernel before it still
+runs, and they wait for it (common.cuh: grid_wait_then_release) only before reading its output.
+Kernels start in launch order, each once the kernel before has let it go; a GEMV lets its
+successor go only after its own wait has returned, that is, once the kernel before that GEMV has
+finished (row-wise and attention kernels may let theirs go first thing, see
+codegen/emit.py: EARLY_RELEASE). So when a kernel starts, every kernel before the last GEMV ahead
+of it has finished and its writes are visible: the values they wrote, like weights, can be read
+before the wait. A GEMV's epilogue operands such as the residual (written two to four launches
+earlier) are then loaded while its weights stream, instead of in one more round trip to L2 after
+its dot products.
+
+Before: `G.graph["schedule"]` (see schedule.py).
+After: each gemv launch carries "early": the values among its reads that it may read before its
+wait (weights, and values written before the last GEMV ahead of it); other launches are unchanged.
+"""
+from __future__ import annotations
+
+import networkx as nx
+
+from ..dsl import Kind
+
+
+def plan_early_reads(G: nx.DiGraph) -> nx.DiGraph:
+    """Mark what each gemv launch may read before its wait (see the module docstring)."""
+    G = G.copy()
+    weights = {n for n, d in G.nodes(data=True) if d["kind"] is Kind.SOURCE and d["op"] == "weight"}
+    settled: set[str] = set()       # written by launches before the last GEMV so far
+    written: set[str] = set()       # written by all launches so far
+    launches = []
+    for launch in G.graph["schedule"]:
+        if launch["family"] == "gemv":
+            launch = {**launch, "early": [r for r in launch["reads"] if r in weights or r in settled]}
+            settled = set(written)
+        written |= set(launch["nodes"])
+        launches.append(launch)
+    G.graph["schedule"] = launches
+    return G
