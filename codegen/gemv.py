@@ -123,7 +123,9 @@ def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False, pr
         if kind is Kind.CACHE_WRITE:
             cache, src, pos = d["inputs"]
             width = d["shape"][-1]
-            body.append(f"if (active) {params.ref(cache, written=True)}[(size_t){params.ref(pos)}[{token}] * "
+            at = _ahead(f"{params.ref(pos)}[{token}]", [pos], "int", f"__ldcg({params.ref(pos)})", launch, preload,
+                        batched)
+            body.append(f"if (active) {params.ref(cache, written=True)}[(size_t){at} * "
                         f"{width} + row] = f32_to_bf16({var[src]});")
             continue
         decls.append(f"float {v} = 0.0f;")
@@ -138,7 +140,9 @@ def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False, pr
                 size = "THREADS" if batched else "R"
                 body += [f"__shared__ float t{v}[{size}];", f"if (active) t{v}[{me}] = {var[src]};", "__syncthreads();"]
                 partner[src] = f"t{v}[{me} ^ 1]"
-            angle = f"(float){params.ref(pos)}[{token}] * {params.ref(inv_freq)}[pair]"
+            angle = _ahead(f"(float){params.ref(pos)}[{token}] * {params.ref(inv_freq)}[pair]", [pos, inv_freq],
+                           "float", f"(float)__ldcg({params.ref(pos)}) * {params.ref(inv_freq)}[pair]", launch,
+                           preload, batched)
             body.append(f"if (active) {v} = rope_rotate({var[src]}, {partner[src]}, s & 1, {angle});")
         var[n] = v
     for n in launch["writes"]:
@@ -146,6 +150,17 @@ def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False, pr
             at = f"t * {G.nodes[n]['shape'][-1]} + row" if batched else "row"
             body.append(f"if (active) {params.ref(n, written=True)}[{at}] = {var[n]};")
     return "\n".join("        " + line for line in decls + body)
+
+
+def _ahead(expr: str, values: list[str], ctype: str, early_expr: str, launch, preload: list[str] | None,
+           batched: bool) -> str:
+    """`expr`, or where the launch may read all of `values` before its wait, a register that
+    `preload` computes ahead as `early_expr` (its loads through L2)."""
+    if batched or not EARLY_READS or preload is None or not set(values) <= set(launch.get("early", ())):
+        return expr
+    name = f"e{len(preload)}"
+    preload.append(f"        const {ctype} {name} = active ? {early_expr} : 0;")
+    return name
 
 
 def _preloaded(G, value, params, launch, preload: list[str] | None) -> str:

@@ -11,9 +11,13 @@ before the wait. A GEMV's epilogue operands such as the residual (written two to
 earlier) are then loaded while its weights stream, instead of in one more round trip to L2 after
 its dot products.
 
+Graph inputs (the token, the position) are written before the step, by the host or the previous
+step's sampler, so they are settled for every launch with a GEMV ahead of it in the step; weights
+and constants always; the persistent state (KV caches) never, since the step writes it.
+
 Before: `G.graph["schedule"]` (see schedule.py).
 After: each gemv launch carries "early": the values among its reads that it may read before its
-wait (weights, and values written before the last GEMV ahead of it); other launches are unchanged.
+wait; other launches are unchanged.
 """
 from __future__ import annotations
 
@@ -25,13 +29,15 @@ from ..dsl import Kind
 def plan_early_reads(G: nx.DiGraph) -> nx.DiGraph:
     """Mark what each gemv launch may read before its wait (see the module docstring)."""
     G = G.copy()
-    weights = {n for n, d in G.nodes(data=True) if d["kind"] is Kind.SOURCE and d["op"] == "weight"}
-    settled: set[str] = set()       # written by launches before the last GEMV so far
-    written: set[str] = set()       # written by all launches so far
+    sources = {n: d["op"] for n, d in G.nodes(data=True) if d["kind"] is Kind.SOURCE}
+    fixed = {n for n, op in sources.items() if op in ("weight", "constant")}
+    inputs = {n for n, op in sources.items() if op == "input"}
+    settled: set[str] = set()       # written by launches before the last GEMV so far (and the inputs)
+    written: set[str] = set(inputs)  # written by all launches so far, and before the step
     launches = []
     for launch in G.graph["schedule"]:
         if launch["family"] == "gemv":
-            launch = {**launch, "early": [r for r in launch["reads"] if r in weights or r in settled]}
+            launch = {**launch, "early": [r for r in launch["reads"] if r in fixed or r in settled]}
             settled = set(written)
         written |= set(launch["nodes"])
         launches.append(launch)

@@ -256,24 +256,31 @@ def test_attention_falls_back_to_fewer_warps_where_shared_memory_is_short():
     assert single.function.encode() in cubin and split.function.encode() in cubin
 
 
-def test_the_wide_split_takes_over_where_the_split_outgrows_one_wave(monkeypatch):
+@pytest.mark.parametrize("warps", [None, 12])
+def test_the_wide_split_takes_over_where_the_split_outgrows_one_wave(warps, monkeypatch):
     """Llama-3.2-1B (8 KV heads, chunks of 256): from position 16 x 256 = 4096 the split would
-    launch more blocks than the H200's 132 SMs, so up to 16 x 384 (12 warps, chunks of 384) the
-    wide split and its combine run instead; between the one-launch attention and 4096 the split
-    as before, and past the wide split's range too (a longer context). SmolLM2's 3 KV heads fit
-    in one wave up to 44 chunks: no wide split at 4608 rows. FUSELM_ATTN_WIDE_WARPS=0 turns it
-    off (the default: an experiment). The module compiles, the wide kernels without spills."""
+    launch more blocks than the H200's 132 SMs, so up to 16 x 288 (the default, 9 warps: chunks of
+    288) or 16 x 384 (12 warps) the wide split and its
+    combine run instead; between the one-launch attention and 4096 the split as before, and past
+    the wide split's range too (a longer context). SmolLM2's 3 KV heads fit in one wave up to 44
+    chunks: no wide split at 4608 rows. FUSELM_ATTN_WIDE_WARPS=0 turns it off. The module
+    compiles, the wide kernels without spills."""
     from fuselm.codegen import attention
-    monkeypatch.setattr(attention, "WIDE_WARPS", 12)
+    if warps:
+        monkeypatch.setattr(attention, "WIDE_WARPS", warps)
+    warps = attention.WIDE_WARPS
+    assert warps == 9 or warps == 12
+    chunk = 32 * warps
     graph = build_graph(preset("llama-3.2-1b"))
-    for rows, until in ((4608, 4608), (8192, 6144)):
+    for rows in (4608, 8192):
+        until = min(16 * chunk, rows)
         ks = generate(compile_graph(graph), rows=rows)
         (att, *_) = [k for k in ks if k.family == "attention"]
         assert [(v.name, v.until) for v in att.variants] == [("single", 512), ("split", 4096), ("wide", until)]
         assert [l.function for l in att.launches_at(4095)] == [f"{att.name}_split", f"{att.name}_combine"]
         split, combine = att.launches_at(4096)
         assert (split.function, combine.function) == (f"{att.name}_split_wide", f"{att.name}_combine_wide")
-        assert split.grid == (8, -(-rows // 384)) and split.block == 12 * 32
+        assert split.grid == (8, -(-rows // chunk)) and split.block == warps * 32
         assert att.launches_at(until) == att.launches
     cubin, log, _ = compile_cubin(module_source(ks), headers(), options("sm_90", verbose=True), use_cache=False)
     assert split.function.encode() in cubin and not spills(log).get(split.function)
@@ -281,6 +288,31 @@ def test_the_wide_split_takes_over_where_the_split_outgrows_one_wave(monkeypatch
     assert [v.name for k in smol for v in k.variants] == ["single"] * 30
     monkeypatch.setattr(attention, "WIDE_WARPS", 0)
     assert not any(v.name == "wide" for k in generate(compile_graph(graph), rows=4608) for v in k.variants)
+
+
+def test_gemv_epilogue_operands_are_loaded_before_the_dot_products_where_the_schedule_allows(monkeypatch):
+    """Llama-3.2-1B: the O and down projections load their residual, and the Q/K/V GEMVs of layers
+    1 on the position for RoPE and the cache row, before the weight loop (plan_early_reads), through
+    L2; layer 0's Q/K/V, with no GEMV ahead of it in the step, reads the position after its wait as
+    before; gate/up and the LM head have no such operand. FUSELM_GEMV_EARLY_READS=0 turns it off.
+    The module compiles without spills."""
+    from fuselm.codegen import gemv
+    graph = compile_graph(build_graph(preset("llama-3.2-1b")))
+    ks = [k for k in generate(graph, rows=512) if k.family == "gemv"]
+    early = {}
+    for k in ks:
+        lines = [line.strip() for line in k.source.splitlines() if "__ldcg(" in line]
+        assert all(line.startswith("const ") for line in lines), lines     # declarations ahead of the loop
+        early.setdefault(k.name.rsplit("_", 1)[0], set()).add(len(lines))
+    assert early == {"gemv_norm_k2048_1x2048_1x512_1x512": {0, 4}, "gemv_k2048_1x2048": {1}, "gemv_k8192_1x2048": {1},
+                     "gemv_norm_k2048_2x8192": {0}, "gemv_norm_k2048_1x128256": {0}}, early
+    qkv0, qkv1 = ks[0], ks[4]                         # launch order: Q/K/V, O, gate/up, down per layer
+    assert "__ldcg(" not in qkv0.source and qkv1.source.count("__ldcg(") == 4
+    cubin, log, _ = compile_cubin(module_source(generate(graph, rows=512)), headers(), options("sm_90", verbose=True),
+                                  use_cache=False)
+    assert not any(spills(log).values()), spills(log)
+    monkeypatch.setattr(gemv, "EARLY_READS", 0)
+    assert not any("__ldcg(" in k.source for k in generate(graph, rows=512))
 
 
 def test_only_few_block_kernels_release_their_successor_before_waiting():

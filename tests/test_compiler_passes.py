@@ -526,8 +526,9 @@ def test_compile_graphs_equals_compile_graph_per_step_size(fuse):
 def test_plan_early_reads_lets_a_gemv_read_early_only_what_kernels_before_the_last_gemv_wrote():
     """A two-layer Llama: the O and down projections may read their residual before the wait (its
     writer lies before the GEMV ahead of them: the previous layer's down or O, the embedding),
-    never the vector the kernel right before them wrote; the Q/K/V and gate/up GEMVs have nothing
-    early but weights; row-wise and attention launches are left as they were."""
+    never the vector the kernel right before them wrote; the position, a graph input, only where a
+    GEMV lies ahead in the step (layer 1's Q/K/V, not layer 0's); weights and constants always, the
+    KV caches never; row-wise and attention launches are left as they were."""
     from fuselm.compiler.plan_early_reads import plan_early_reads
     cfg = DecoderConfig.from_hf(dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=64,
                                      intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -536,12 +537,14 @@ def test_plan_early_reads_lets_a_gemv_read_early_only_what_kernels_before_the_la
     before = compile_graph(build_graph(cfg), pass_list=passes()[:-2])   # through the schedule
     assert [{k: v for k, v in la.items() if k != "early"} for la in plan_early_reads(before).graph["schedule"]] \
         == before.graph["schedule"]
-    weights = {n for n, d in G.nodes(data=True) if d["op"] == "weight"}
-    got = [(la["family"], [r for r in la.get("early", []) if r not in weights]) for la in G.graph["schedule"]]
+    fixed = {n for n, d in G.nodes(data=True) if d["op"] in ("weight", "constant")}
+    got = [(la["family"], [r for r in la.get("early", []) if r not in fixed]) for la in G.graph["schedule"]]
     residuals = ["embedding_1", "add_12", "add_19", "add_30"]
     assert got == [("rowwise", []), ("gemv", []), ("attention", []), ("gemv", [residuals[0]]), ("gemv", []),
-                   ("gemv", [residuals[1]]), ("gemv", []), ("attention", []), ("gemv", [residuals[2]]),
+                   ("gemv", [residuals[1]]), ("gemv", ["pos"]), ("attention", []), ("gemv", [residuals[2]]),
                    ("gemv", []), ("gemv", [residuals[3]]), ("gemv", [])], got
+    qkv0 = G.graph["schedule"][1]
+    assert "rope.inv_freq" in qkv0["early"] and not {"pos", "cache.0.k", "cache.0.v"} & set(qkv0["early"])
     for la in G.graph["schedule"]:
         assert "early" in la or la["family"] != "gemv"
         assert set(la.get("early", [])) <= set(la["reads"])

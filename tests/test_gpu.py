@@ -466,9 +466,9 @@ def test_long_context_spans_attention_chunks(variant):
         print(line)
 
 
-def test_the_wide_split_matches_the_split_at_real_shapes(monkeypatch):
+def test_the_wide_split_matches_the_split_at_real_shapes():
     """One decode step of Llama-3.2-1B (4 layers) at position 4100 over caches of random bf16 rows:
-    by position the engine runs the wide split there (chunks of 384); forced "general", the split
+    by position the engine runs the wide split there (chunks of 288); forced "general", the split
     (chunks of 256). Same GEMVs, the same rows, other chunk boundaries: the logits agree to the
     float32 sums' order. Arena and workspace poisoned."""
     import cupy as cp
@@ -476,7 +476,7 @@ def test_the_wide_split_matches_the_split_at_real_shapes(monkeypatch):
     from fuselm.codegen import attention
     from fuselm.runtime.cuda_engine import CudaEngine
     from fuselm.runtime.random_weights import random_gpu_weights
-    monkeypatch.setattr(attention, "WIDE_WARPS", 12)
+    assert attention.WIDE_WARPS, "the wide split is on (FUSELM_ATTN_WIDE_WARPS)"
     rng = np.random.default_rng()
     cfg = DecoderConfig.from_hf({**PRESETS["llama-3.2-1b"], "num_hidden_layers": 4})
     graph = build_graph(cfg)
