@@ -154,8 +154,10 @@ def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False, pr
 
 def _ahead(expr: str, values: list[str], ctype: str, early_expr: str, launch, preload: list[str] | None,
            batched: bool) -> str:
-    """`expr`, or where the launch may read all of `values` before its wait, a register that
-    `preload` computes ahead as `early_expr` (its loads through L2)."""
+    """`expr`, or where the launch may read all of `values` before its wait (launch["early"]), a
+    register that a declaration appended to `preload` computes ahead as `early_expr`, whose loads
+    of earlier kernels' values go through L2 (`__ldcg`: L1 is not kept coherent with other SMs'
+    writes)."""
     if batched or not EARLY_READS or preload is None or not set(values) <= set(launch.get("early", ())):
         return expr
     name = f"e{len(preload)}"
@@ -164,16 +166,13 @@ def _ahead(expr: str, values: list[str], ctype: str, early_expr: str, launch, pr
 
 
 def _preloaded(G, value, params, launch, preload: list[str] | None) -> str:
-    """An external operand of a GEMV's epilogue: where the launch may read it before its wait and
-    it has an element per row, a register loaded ahead (declared in `preload`; through L2, since
-    L1 is not kept coherent with other SMs' writes); otherwise read where it is used."""
-    if not EARLY_READS or preload is None or value not in launch.get("early", ()) or not G.nodes[value]["shape"]:
+    """An external operand of a GEMV's epilogue with an element per row, loaded ahead where the
+    launch may (see _ahead); a scalar is read where it is used."""
+    if not G.nodes[value]["shape"]:
         return _external(G, value, params)
     p = params.ref(value)
-    load = f"w2f({p}[row])" if G.nodes[value]["op"] == "weight" else f"__ldcg({p} + row)"
-    name = f"e{len(preload)}"
-    preload.append(f"        const float {name} = active ? {load} : 0.0f;")
-    return name
+    early = f"w2f({p}[row])" if G.nodes[value]["op"] == "weight" else f"__ldcg({p} + row)"
+    return _ahead(_external(G, value, params), [value], "float", early, launch, preload, False)
 
 
 def _external(G, value, params, batched: bool = False) -> str:

@@ -5,7 +5,8 @@ runs, and they wait for it (common.cuh: grid_wait_then_release) only before read
 Kernels start in launch order, each once the kernel before has let it go; a GEMV lets its
 successor go only after its own wait has returned, that is, once the kernel before that GEMV has
 finished (row-wise and attention kernels may let theirs go first thing, see
-codegen/emit.py: EARLY_RELEASE). So when a kernel starts, every kernel before the last GEMV ahead
+codegen/emit.py: EARLY_RELEASE; a GEMV never does, which tests/test_codegen_compile.py checks).
+So when a kernel starts, every kernel before the last GEMV ahead
 of it has finished and its writes are visible: the values they wrote, like weights, can be read
 before the wait. A GEMV's epilogue operands such as the residual (written two to four launches
 earlier) are then loaded while its weights stream, instead of in one more round trip to L2 after
