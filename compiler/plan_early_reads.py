@@ -12,6 +12,12 @@ before the wait. A GEMV's epilogue operands such as the residual (written two to
 earlier) are then loaded while its weights stream, instead of in one more round trip to L2 after
 its dot products.
 
+Two properties of the kernels carry this, and codegen keeps both: every kernel waits, in at least
+one block, before it finishes (so a finished kernel implies a finished predecessor, back to the
+start of the step), and no kernel writes anything before its own wait (so no kernel still running
+when a GEMV starts can overwrite, through buffer reuse, a value that GEMV reads early: it writes
+only after the last GEMV ahead of it has let it go).
+
 Graph inputs (the token, the position) are written before the step, by the host or the previous
 step's sampler, so they are settled for every launch with a GEMV ahead of it in the step; weights
 and constants always; the persistent state (KV caches) never, since the step writes it.

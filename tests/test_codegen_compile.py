@@ -269,8 +269,9 @@ def test_the_wide_split_takes_over_where_the_split_outgrows_one_wave(warps, monk
     if warps:
         monkeypatch.setattr(attention, "WIDE_WARPS", warps)
     warps = attention.WIDE_WARPS
-    assert warps == 9 or warps == 12
-    chunk = 32 * warps
+    if warps not in (9, 12) or attention.SMS != 132:
+        pytest.skip("FUSELM_ATTN_WIDE_WARPS or FUSELM_SMS set to a value this test does not cover")
+    chunk = 32 * warps                       # head size 64: 32 positions per warp (MmaPass)
     graph = build_graph(preset("llama-3.2-1b"))
     for rows in (4608, 8192):
         until = min(16 * chunk, rows)

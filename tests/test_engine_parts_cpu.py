@@ -82,7 +82,7 @@ def test_pdl_launch_structs_match_the_driver_abi(monkeypatch):
 
 def test_the_carveout_knob_is_a_percentage(monkeypatch):
     """FUSELM_CARVEOUT (experiment): unset is the driver's choice; a bad value is a one-line error
-    naming the variable, raised when the engine binds its launches."""
+    naming the variable (runtime/launch.py: bind_launch reads it for every launch it binds)."""
     import pytest
 
     from fuselm.runtime.launch import carveout

@@ -100,7 +100,7 @@ def test_out_writes_every_distinct_kernel_and_the_schedule(capsys, tmp_path):
     shared = [n for n in names if sum(k.name == n for k in kernels) == 16]
     # the kernels of a layer, one file each for all 16 layers; the Q/K/V GEMV one for layers 1-15
     # (they read the position before their wait, layer 0's after it: compiler/plan_early_reads.py)
-    # (the others once: the embedding, the LM head, the sampler)
+    # (the others once: the embedding, layer 0's Q/K/V, the LM head, the sampler)
     assert len(shared) == 4 and sorted(sum(k.name == n for k in kernels) for n in names if n not in shared) == [1, 1, 1, 1, 15]
     rows = table_rows((tmp_path / "schedule.txt").read_text())
     assert [r[1] for r in rows] == [launch.function for _, launch in launches_of(kernels)]

@@ -135,9 +135,10 @@ struct BlockTrace {
 #endif
 
 // Programmatic dependent launch (Hopper and later; no-ops before sm_90 and when the launch did
-// not ask for it). A kernel launched that way may start while the previous one still runs: it
-// may touch only data no kernel of the step writes (weights, earlier cache rows) before this
-// wait, which returns once the previous grid has finished and its writes are visible. A GEMV lets
+// not ask for it). A kernel launched that way may start while the previous one still runs: before
+// this wait, which returns once the previous grid has finished and its writes are visible, it may
+// read only data no running kernel writes (weights, earlier cache rows, and what
+// compiler/plan_early_reads.py shows finished) and write nothing. A GEMV lets
 // its successor be scheduled right after its own wait (with its first weight loads in flight,
 // see warp_dot_rows), so it does not take SM slots from the blocks of the kernel before it.
 __device__ __forceinline__ void grid_wait_then_release() {
