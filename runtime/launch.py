@@ -71,27 +71,11 @@ class PdlLaunch:
             raise RuntimeError(f"cuLaunchKernelEx failed: {(name.value or b'?').decode()} ({err})")
 
 
-def carveout() -> int | None:
-    """FUSELM_CARVEOUT (experiment): the shared-memory carveout every kernel asks for, in percent
-    of the SM's maximum, so that blocks of neighbouring kernels are never kept off an SM by a
-    different L1 / shared-memory split; unset for the driver's choice per kernel."""
-    raw = os.environ.get("FUSELM_CARVEOUT")
-    if raw is None:
-        return None
-    if not raw.isdigit() or int(raw) > 100:
-        raise ValueError(f"FUSELM_CARVEOUT={raw}: must be a percentage from 0 to 100")
-    return int(raw)
-
-
 def bind_launch(module, launch, buffer_of, pdl: bool, tokens: int = 1):
     """`launch` (codegen's Launch) of `module` with its arguments resolved once by `buffer_of`
     (graph value -> device array) and "T" in its grid read as `tokens`: a call taking the stream,
     launched with PDL when `pdl`."""
     fn = module.get_function(launch.function)
-    if (percent := carveout()) is not None:
-        from cupy_backends.cuda.api import driver
-        driver.funcSetAttribute(getattr(fn, "kernel", fn).ptr, driver.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                                percent)
     grid = tuple(tokens if g == "T" else g for g in launch.grid)
     args = tuple(buffer_of(a) for a in launch.args)
     if pdl:

@@ -80,22 +80,6 @@ def test_pdl_launch_structs_match_the_driver_abi(monkeypatch):
     assert not pdl_wanted("90")
 
 
-def test_the_carveout_knob_is_a_percentage(monkeypatch):
-    """FUSELM_CARVEOUT (experiment): unset is the driver's choice; a bad value is a one-line error
-    naming the variable (runtime/launch.py: bind_launch reads it for every launch it binds)."""
-    import pytest
-
-    from fuselm.runtime.launch import carveout
-    monkeypatch.delenv("FUSELM_CARVEOUT", raising=False)
-    assert carveout() is None
-    monkeypatch.setenv("FUSELM_CARVEOUT", "14")
-    assert carveout() == 14
-    for bad in ("150", "-1", "half"):
-        monkeypatch.setenv("FUSELM_CARVEOUT", bad)
-        with pytest.raises(ValueError, match=rf"^FUSELM_CARVEOUT={bad}: must be a percentage from 0 to 100$"):
-            carveout()
-
-
 def test_an_unknown_attention_variant_is_a_one_line_error():
     """CudaEngine(variant=...) takes None, "general" or a variant some kernel has ("single")."""
     import pytest
