@@ -6,7 +6,7 @@ import networkx as nx
 
 from ..errors import FuselmError
 from . import cexpr
-from .knobs import env_int, env_set
+from .knobs import SMS, env_int, env_set
 from .params import Params, storage_of
 
 WARPS = env_int("FUSELM_ATTN_WARPS", 8, 1, 32)                 # per split block
@@ -21,7 +21,6 @@ SINGLE_ROWS = env_int("FUSELM_ATTN_SINGLE_ROWS", 4, 1, 32)      # its cache rows
 # per KV head, sm_80 on), comma-separated: "split", "single"; "0" for none.
 MMA = env_set("FUSELM_ATTN_MMA", "split,single", {"split", "single"}, "kernels")
 SMEM = 48 * 1024   # static shared memory a kernel may use
-SMS = env_int("FUSELM_SMS", 132, 1, 4096)   # SMs a wave of split blocks is sized for (the H200's)
 # Warps per block of the wide split (wide_split), 0 for none.
 WIDE_WARPS = env_int("FUSELM_ATTN_WIDE_WARPS", 9, 0, 32)
 

@@ -6,14 +6,14 @@ import networkx as nx
 from ..compiler.kernels import gemv_parts, zip_sets
 from ..dsl import Kind, get
 from . import cexpr
-from .knobs import env_int
+from .knobs import SMS, env_int
 from .params import Params
 
 WARPS = env_int("FUSELM_GEMV_WARPS", 8, 1, 32)   # per block: 1, 2, 4, 8, 16 or 32
 ROWS_PER_WARP = env_int("FUSELM_GEMV_ROWS", 2, 1, 8)  # rows a warp streams at once, sharing each load of the vector
-# Streaming warps a GEMV should have before split-K stops: 16 per SM (132 on the H200) keep HBM
-# busy; 32 split more than needed (measured: Llama-3.1-8B 249 -> 252, 3.2-1B 1248 -> 1277 tok/s).
-MIN_WARPS = env_int("FUSELM_GEMV_MIN_WARPS", 132 * 16, 1, 1 << 20)
+# Streaming warps a GEMV should have before split-K stops: 16 per SM keep HBM busy; 32 split more
+# than needed (measured: Llama-3.1-8B 249 -> 252, 3.2-1B 1248 -> 1277 tok/s).
+MIN_WARPS = env_int("FUSELM_GEMV_MIN_WARPS", SMS * 16, 1, 1 << 20)
 # 1: epilogue operands that earlier kernels wrote are loaded before the wait (plan_early_reads); 0: where used.
 EARLY_READS = env_int("FUSELM_GEMV_EARLY_READS", 1, 0, 1)
 UNROLL = env_int("FUSELM_GEMV_UNROLL", 4, 1, 16)      # 16-byte loads in flight per lane and row

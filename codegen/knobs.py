@@ -39,3 +39,8 @@ def env_ints(name: str, default: str, low: int, high: int, multiple: int = 1) ->
     if not values or bad:
         raise ValueError(f"{name}={raw}: each must be a multiple of {multiple} from {low} to {high}")
     return tuple(values)
+
+
+# SMs of the GPU the kernels' grids are sized for (the H200's 132): split-K's target in the GEMVs,
+# one wave of attention split blocks.
+SMS = env_int("FUSELM_SMS", 132, 1, 4096)
