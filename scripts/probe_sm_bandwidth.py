@@ -13,6 +13,8 @@ bench/results/2026-12-01-h200-s7-probe-sm-bandwidth.log.
 
 Usage (GPU machine): python3 scripts/probe_sm_bandwidth.py   (prints one line per case)
 """
+import sys
+
 import cupy as cp
 import numpy as np
 
@@ -90,6 +92,38 @@ __device__ void bulk_rows(const char* src, float* out) {
     stamp_end();
 }
 
+// The same rows by the tensor memory accelerator: a 2D tensor map over the source (1 kB rows; boxes
+// of 128 bytes x 256 rows), thread 0 issuing one copy per 256 rows into shared memory, all
+// completing on one mbarrier. The map lives in global memory (written before the launch).
+template <int ROWS>
+__device__ void tma_rows(const void* tmap, int y0, float* out) {
+    extern __shared__ __align__(128) char smem[];
+    __shared__ __align__(8) unsigned long long bar;
+    stamp_start();
+    const unsigned bar_s = (unsigned)__cvta_generic_to_shared(&bar);
+    if (threadIdx.x == 0) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar_s));
+        asm volatile("fence.mbarrier_init.release.cluster;");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar_s), "r"(ROWS * 128));
+        for (int b = 0; b < ROWS / 256; b++) {
+            const unsigned dst = (unsigned)__cvta_generic_to_shared(smem + b * 256 * 128);
+            const int y = y0 + blockIdx.x * ROWS + b * 256;
+            asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                         " [%0], [%1, {%2, %3}], [%4];"
+                         :: "r"(dst), "l"(tmap), "r"(0), "r"(y), "r"(bar_s) : "memory");
+        }
+    }
+    __syncthreads();
+    unsigned done = 0;
+    while (!done)
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(bar_s) : "memory");
+    unsigned x = 0;
+    for (int i = threadIdx.x; i < ROWS * 8; i += blockDim.x) x ^= reinterpret_cast<const uint4*>(smem)[i].x;
+    if (x == 0x12345678u) out[0] = 1.0f;
+    stamp_end();
+}
+
 extern "C" __global__ void __launch_bounds__(256) lsu256(const char* s, float* o) { lsu_rows<256>(s, o); }
 extern "C" __global__ void __launch_bounds__(256) lsu512(const char* s, float* o) { lsu_rows<512>(s, o); }
 extern "C" __global__ void __launch_bounds__(256) lsu512c(const char* s, float* o) { lsu_rows<512, 128>(s, o); }
@@ -97,7 +131,24 @@ extern "C" __global__ void __launch_bounds__(256) lsu512h(const char* s, float* 
 extern "C" __global__ void __launch_bounds__(256) lsu512ch(const char* s, float* o) { lsu_rows<512, 128, true>(s, o); }
 extern "C" __global__ void __launch_bounds__(256) bulk256(const char* s, float* o) { bulk_rows<256>(s, o); }
 extern "C" __global__ void __launch_bounds__(256) bulk512(const char* s, float* o) { bulk_rows<512>(s, o); }
+extern "C" __global__ void __launch_bounds__(256) tma256(const void* m, int y0, float* o) { tma_rows<256>(m, y0, o); }
+extern "C" __global__ void __launch_bounds__(256) tma512(const void* m, int y0, float* o) { tma_rows<512>(m, y0, o); }
 """
+
+
+def tensor_map(src, promotion: int):
+    """A CUtensorMap (128 bytes, on the device) over `src` as rows of 1 kB, boxes of 128 bytes x 256
+    rows (cuTensorMapEncodeTiled; promotion: 0 none, 1 64B, 2 128B, 3 256B L2 fetches)."""
+    import ctypes
+    lib = ctypes.CDLL("libcuda.so.1")
+    tmap = (ctypes.c_uint64 * 16)()
+    dims, strides = (ctypes.c_uint64 * 2)(1024, src.size // 1024), (ctypes.c_uint64 * 1)(1024)
+    box, step = (ctypes.c_uint32 * 2)(128, 256), (ctypes.c_uint32 * 2)(1, 1)
+    err = lib.cuTensorMapEncodeTiled(ctypes.byref(tmap), 0, 2, ctypes.c_void_p(src.data.ptr), dims, strides,
+                                     box, step, 0, 0, promotion, 0)
+    if err:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err})")
+    return cp.asarray(np.frombuffer(bytes(tmap), np.uint8))
 
 
 def main() -> None:
@@ -107,13 +158,22 @@ def main() -> None:
     out = cp.zeros(1, cp.float32)
     first = cp.ndarray((1,), cp.uint64, module.get_global("t_first"))
     last = cp.ndarray((1,), cp.uint64, module.get_global("t_last"))
-    for name, rows, l2 in (("lsu256", 256, False), ("bulk256", 256, False), ("lsu512", 512, False),
-                           ("bulk512", 512, False), ("lsu512", 512, True), ("lsu512c", 512, False),
-                           ("lsu512h", 512, False), ("lsu512ch", 512, False)):
+    cases = [("lsu256", 256, False, 0), ("bulk256", 256, False, 0), ("lsu512", 512, False, 0),
+             ("bulk512", 512, False, 0), ("lsu512", 512, True, 0), ("lsu512c", 512, False, 0),
+             ("lsu512h", 512, False, 0), ("lsu512ch", 512, False, 0)]
+    cases += [("tma256", 256, False, 0), ("tma512", 512, False, 0), ("tma512", 512, False, 2),
+              ("tma512", 512, False, 3), ("tma512", 512, True, 0)]
+    if "--tma" in sys.argv:          # the tensor-map cases and the ordinary loads they compare with
+        cases = [c for c in cases if c[0].startswith("tma") or c[:3] == ("lsu512", 512, False)]
+    maps = {}
+    for name, rows, l2, promotion in cases:
         fn = module.get_function(name)
-        smem = rows * 144 if name.startswith("bulk") else 0
+        tma = name.startswith("tma")
+        smem = rows * (128 if tma else 144) if tma or name.startswith("bulk") else 0
         if smem > 48 * 1024:
             fn.max_dynamic_shared_size_bytes = smem
+        if tma and promotion not in maps:
+            maps[promotion] = tensor_map(src, promotion)
         for blocks in (sms, sms // 2, sms // 4, 2 * sms):
             spans = []
             region = blocks * rows * (128 if name.startswith("lsu512c") else 1024)
@@ -121,14 +181,15 @@ def main() -> None:
                 offset = 0 if l2 else (rep * region) % ((1 << 30) - region) // 1024 * 1024   # l2: rows read before
                 first.fill(np.uint64(2 ** 64 - 1))
                 last.fill(0)
-                fn((blocks,), (THREADS,), (src[offset:], out), shared_mem=smem)
+                args = (maps[promotion], np.int32(offset // 1024), out) if tma else (src[offset:], out)
+                fn((blocks,), (THREADS,), args, shared_mem=smem)
                 cp.cuda.Device().synchronize()
                 spans.append(int(last.get()[0]) - int(first.get()[0]))
             us = float(np.median(spans[2:])) / 1e3
             moved = blocks * rows * 128
-            print(f"{name + (' L2' if l2 else ''):10s} blocks {blocks:4d} ({moved / 1e6:5.2f} MB): {us:6.2f} us, "
+            label = name + (f" p{promotion}" if tma else "") + (" L2" if l2 else "")
+            print(f"{label:12s} blocks {blocks:4d} ({moved / 1e6:5.2f} MB): {us:6.2f} us, "
                   f"{moved / us / 1e3:7.1f} GB/s, {moved / us / 1e3 / min(blocks, sms):5.1f} GB/s per SM")
-
 
 if __name__ == "__main__":
     main()
