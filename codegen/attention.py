@@ -20,6 +20,10 @@ SINGLE_ROWS = env_int("FUSELM_ATTN_SINGLE_ROWS", 4, 1, 32)      # its cache rows
 # Kernels whose passes run on tensor cores (MmaPass: head size 64 or 128, at most 8 query heads
 # per KV head, sm_80 on), comma-separated: "split", "single"; "0" for none.
 MMA = env_set("FUSELM_ATTN_MMA", "split,single", {"split", "single"}, "kernels")
+# Split kernels whose MmaPass issues its V rows after the queries, not with the K rows before the
+# wait (LATE_V in attention_mma.cuh), comma-separated: "wide", "split"; "0" for none. By default
+# the wide split, whose blocks fill the GPU wherever it runs (perf notes, step 66).
+LATE_V = env_set("FUSELM_ATTN_LATE_V", "wide", {"split", "wide"}, "kernels")
 SMEM = 48 * 1024   # static shared memory a kernel may use
 # Warps per block of the wide split (wide_split), 0 for none.
 WIDE_WARPS = env_int("FUSELM_ATTN_WIDE_WARPS", 9, 0, 32)
@@ -43,12 +47,15 @@ def mma_fits(head_dim: int, group: int) -> bool:
     return head_dim in (64, 128) and group <= 8
 
 
-def pass_of(kernel: str, kv: int, head_dim: int, group: int, warps: int, row_limit: int) -> tuple[str, int]:
+def pass_of(kernel: str, kv: int, head_dim: int, group: int, warps: int, row_limit: int,
+            late_v: bool = False) -> tuple[str, int]:
     """(C++ pass type, cache positions per pass) of the `kernel` ("split" or "single") with `warps`
-    warps per block. MmaPass where it fits and FUSELM_ATTN_MMA lists the kernel; else LanePass, whose
-    lanes hold J <= row_limit rows each (J x group scores in registers)."""
+    warps per block. MmaPass where it fits and FUSELM_ATTN_MMA lists the kernel (with `late_v`, its
+    V rows after the queries); else LanePass, whose lanes hold J <= row_limit rows each (J x group
+    scores in registers)."""
     if _on_tensor_cores(kernel, head_dim, group):
-        return f"MmaPass<{kv}, {head_dim}, {warps}, {group}>", warps * (2048 // head_dim)   # MmaPass::CHUNK
+        late = ", true" if late_v else ""
+        return f"MmaPass<{kv}, {head_dim}, {warps}, {group}{late}>", warps * (2048 // head_dim)   # MmaPass::CHUNK
     rows = _rows_per_lane(row_limit, group)
     return (f"LanePass<{kv}, {head_dim}, {warps}, {rows}, {group}>",
             warps * (32 // lanes_per_row(head_dim)) * rows)                                 # LanePass::CHUNK
@@ -65,7 +72,7 @@ def split_warps(head_dim: int, group: int) -> int:
 
 def split_pass(head_dim: int, group: int, kv: int) -> tuple[str, int]:
     """(pass type, cache positions per split block): the chunk is what one pass of the block covers."""
-    return pass_of("split", kv, head_dim, group, split_warps(head_dim, group), MAX_ROWS)
+    return pass_of("split", kv, head_dim, group, split_warps(head_dim, group), MAX_ROWS, "split" in LATE_V)
 
 
 def _softmax_smem(kernel: str, warps: int, head_dim: int, group: int) -> int:
@@ -93,7 +100,7 @@ def wide_split(head_dim: int, group: int, kv: int) -> dict | None:
     per_head = SMS // kv
     if warps <= split_warps(head_dim, group) or per_head == 0:
         return None
-    wide_type, chunk = pass_of("split", kv, head_dim, group, warps, MAX_ROWS)
+    wide_type, chunk = pass_of("split", kv, head_dim, group, warps, MAX_ROWS, "wide" in LATE_V)
     return {"from": per_head * split_pass(head_dim, group, kv)[1], "until": per_head * chunk,
             "pass": wide_type, "chunk": chunk, "warps": warps}
 

@@ -81,7 +81,8 @@ def generate(G: nx.DiGraph, rows: int, weight_bytes: int = 2, tokens: int = 1) -
                          ctx.get("tile_counts", 0), ctx.get("staged_floats", 0))
         if family == "attention" and tokens == 1:
             k.variants = _attention_variants(name, ctx, params.values)
-            k.notes["passes"] = {"split": ctx["split_pass"], "one launch": ctx["single_pass"]}
+            k.notes["passes"] = {"split": ctx["split_pass"], "one launch": ctx["single_pass"],
+                                 **({"wide split": ctx["wide"]["pass"]} if ctx["wide"] else {})}
         out.append(k)
     return out
 

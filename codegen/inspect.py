@@ -148,8 +148,12 @@ def _launch_label(function: str, kernel_name: str) -> str:
 
 
 def _pass_label(pass_type: str) -> str:
-    """A pass type with where it runs: MmaPass on tensor cores, LanePass on CUDA cores."""
-    return f"{pass_type} on {'tensor' if pass_type.startswith('MmaPass') else 'CUDA'} cores"
+    """A pass type with where it runs (MmaPass on tensor cores, LanePass on CUDA cores) and, for an
+    MmaPass with LATE_V, that its V rows go out after the queries."""
+    late = pass_type.endswith(", true>")
+    where = f"{pass_type[:-len(', true>')] + '>' if late else pass_type} on "
+    where += f"{'tensor' if pass_type.startswith('MmaPass') else 'CUDA'} cores"
+    return where + (", V rows after the queries" if late else "")
 
 
 def summary(G, kernels, rows: list[Row], ctx: int, position: int | None = None, prefill: bool = False) -> list[str]:

@@ -356,9 +356,10 @@ def test_a_bad_codegen_knob_is_a_one_line_error_at_import(env, message):
 
 def test_attention_passes_run_on_tensor_cores_where_they_fit():
     """Head sizes 64 and 128 with at most 8 query heads per KV head get MmaPass (both the split and
-    the one-launch kernel, by default); other layouts LanePass. Under FUSELM_ATTN_MMA=0 every
-    kernel uses LanePass; its chunk (positions per split block) is MmaPass's wherever its lanes hold
-    8 rows (up to 4 query heads per KV head)."""
+    the one-launch kernel, by default; the wide split's with its V rows after the queries, LATE_V);
+    other layouts LanePass. Under FUSELM_ATTN_MMA=0 every kernel uses LanePass; its chunk
+    (positions per split block) is MmaPass's wherever its lanes hold 8 rows (up to 4 query heads
+    per KV head). FUSELM_ATTN_LATE_V=split,wide defers the split's V rows too, 0 neither's."""
     import os
     import subprocess
     import sys
@@ -372,6 +373,7 @@ def test_attention_passes_run_on_tensor_cores_where_they_fit():
     assert pass_of("split", 8, 6, 2, 4, 8)[0].startswith("LanePass<")
     source = "\n".join(k.source for k in generate(compile_graph(build_graph(preset("llama-3.2-1b"))), rows=4608))
     assert "attention_chunk<32, 8, 64, MmaPass<8, 64, 8, 4>, 18>" in source
+    assert "attention_chunk<32, 8, 64, MmaPass<8, 64, 9, 4, true>, 16>" in source     # the wide split
     assert "attention_single<32, 8, 64, MmaPass<8, 64, 8, 4>>" in source
     code = ("from fuselm.codegen.attention import split_pass, single_pass; "
             "print([split_pass(h, g, 1) for h, g in ((64, 4), (128, 4), (64, 3), (128, 7))], single_pass(64, 4, 1)[0])")
@@ -380,6 +382,12 @@ def test_attention_passes_run_on_tensor_cores_where_they_fit():
     assert r.stdout.strip() == ("[('LanePass<1, 64, 8, 8, 4>', 256), ('LanePass<1, 128, 8, 8, 4>', 128), "
                                 "('LanePass<1, 64, 8, 8, 3>', 256), ('LanePass<1, 128, 8, 4, 7>', 64)] "
                                 "LanePass<1, 64, 8, 4, 4>")
+    code = "from fuselm.codegen.attention import split_pass, wide_split; print(split_pass(64, 4, 8), wide_split(64, 4, 8)['pass'])"
+    for late, printed in (("split,wide", "('MmaPass<8, 64, 8, 4, true>', 256) MmaPass<8, 64, 9, 4, true>"),
+                          ("0", "('MmaPass<8, 64, 8, 4>', 256) MmaPass<8, 64, 9, 4>")):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**os.environ, "FUSELM_ATTN_LATE_V": late}, check=True)
+        assert r.stdout.strip() == printed
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])

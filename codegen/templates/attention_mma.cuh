@@ -58,7 +58,11 @@ __device__ __forceinline__ void split_bf16x2(float x0, float x1, unsigned& hi, u
 
 __device__ __forceinline__ unsigned word_of(const uint4& q, int i) { return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w; }
 
-template <int KV, int HD, int WARPS, int G>
+// LATE_V (the split kernels): only the K rows go out before the wait; after it the queries, then
+// the V rows. The queries, small and in L2, would otherwise queue behind the block's 64 kB of
+// rows, and the scores could start only once every row was in; this way the scores and the
+// softmax run while V streams in (perf notes, step 66).
+template <int KV, int HD, int WARPS, int G, bool LATE_V = false>
 struct MmaPass {
     static_assert(HD == 64 || HD == 128, "MmaPass: head size 64 or 128");
     static_assert(G <= 8, "MmaPass: at most 8 query heads per KV head");
@@ -72,6 +76,7 @@ struct MmaPass {
     uint4 v[NU][4][HD / 64];                     // V slices of positions 16u + {2c, 2c+1, 2c+8, 2c+9}: HD/8 dims
     unsigned qa[KSTEPS][2][2];                   // queries' A words [k-step][hi, lo][dims +0,1 | +2,3]
     int first, start, end;                       // the warp's first position; the valid range
+    const bf16_t* values;                        // LATE_V: the V cache, from after_wait to load_queries
 
     __device__ __forceinline__ static int r() { return (threadIdx.x & 31) >> 2; }
     __device__ __forceinline__ static int c() { return threadIdx.x & 3; }
@@ -88,12 +93,18 @@ struct MmaPass {
     }
     // Issue every load of this lane's rows, but row `skip` (the previous kernel may still write it).
     __device__ __forceinline__ void load(const bf16_t* kc, const bf16_t* vc, int base, int start_, int end_, int skip) {
+        load_keys(kc, base, start_, end_, skip);
+        load_values(vc, skip);
+    }
+    __device__ __forceinline__ void load_keys(const bf16_t* kc, int base, int start_, int end_, int skip) {
         first = base + (threadIdx.x >> 5) * NP, start = start_, end = end_;
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             const int p = k_row(t);
             load_slice(k[t], at(kc, p) + c() * (HD / 4), p >= start && p < end && p != skip);
         }
+    }
+    __device__ __forceinline__ void load_values(const bf16_t* vc, int skip) {
 #pragma unroll
         for (int u = 0; u < NU; u++)
 #pragma unroll
@@ -102,7 +113,8 @@ struct MmaPass {
                 load_slice(v[u][i], at(vc, p) + r() * VDIMS, p >= start && p < end && p != skip);
             }
     }
-    __device__ __forceinline__ void load_row(const bf16_t* kc, const bf16_t* vc, int p) {
+    // Row p, skipped by load(); its V slices only `with_values`.
+    __device__ __forceinline__ void load_row(const bf16_t* kc, const bf16_t* vc, int p, bool with_values = true) {
 #pragma unroll
         for (int t = 0; t < NT; t++)
             if (k_row(t) == p) load_slice(k[t], at(kc, p) + c() * (HD / 4), true);
@@ -110,25 +122,54 @@ struct MmaPass {
         for (int u = 0; u < NU; u++)
 #pragma unroll
             for (int i = 0; i < 4; i++)
-                if (v_row(u, i) == p) load_slice(v[u][i], at(vc, p) + r() * VDIMS, true);
+                if (with_values && v_row(u, i) == p) load_slice(v[u][i], at(vc, p) + r() * VDIMS, true);
     }
     // Slices are 16-byte pieces of 128- or 256-byte rows, so loads of rows before pos may go out
     // before the wait (see LanePass::before_wait).
     __device__ __forceinline__ void before_wait(const bf16_t* kc, const bf16_t* vc, int base, int start_, int end_,
                                                 int pos) {
-        load(kc, vc, base, start_, end_, pos);
+        load_keys(kc, base, start_, end_, pos);
+        if constexpr (!LATE_V) load_values(vc, pos);
     }
     __device__ __forceinline__ void after_wait(const bf16_t* kc, const bf16_t* vc, int, int, int, int pos) {
-        load_row(kc, vc, pos);
+        load_row(kc, vc, pos, !LATE_V);
+        values = vc;
     }
     // Query head r (zero past G), times `scale`, as A words: dims c HD/4 + 4s + {0,1} and {2,3}.
+    __device__ __forceinline__ float4 query(const float* q, int s) const {
+        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (r() < G) x = *reinterpret_cast<const float4*>(q + (blockIdx.x * G + r()) * HD + c() * (HD / 4) + 4 * s);
+        return x;
+    }
+    __device__ __forceinline__ void set_query(int s, float4 x, float scale) {
+        split_bf16x2(x.x * scale, x.y * scale, qa[s][0][0], qa[s][1][0]);
+        split_bf16x2(x.z * scale, x.w * scale, qa[s][0][1], qa[s][1][1]);
+    }
     __device__ __forceinline__ void load_queries(const float* q, float scale) {
+        if constexpr (!LATE_V) {
 #pragma unroll
-        for (int s = 0; s < KSTEPS; s++) {
-            float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (r() < G) x = *reinterpret_cast<const float4*>(q + (blockIdx.x * G + r()) * HD + c() * (HD / 4) + 4 * s);
-            split_bf16x2(x.x * scale, x.y * scale, qa[s][0][0], qa[s][1][0]);
-            split_bf16x2(x.z * scale, x.w * scale, qa[s][0][1], qa[s][1][1]);
+            for (int s = 0; s < KSTEPS; s++) {
+                float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (r() < G) x = *reinterpret_cast<const float4*>(q + (blockIdx.x * G + r()) * HD + c() * (HD / 4) + 4 * s);
+                split_bf16x2(x.x * scale, x.y * scale, qa[s][0][0], qa[s][1][0]);
+                split_bf16x2(x.z * scale, x.w * scale, qa[s][0][1], qa[s][1][1]);
+            }
+        } else {
+            // Every V row (row pos too) goes out behind the queries and ahead of the scores. Left to
+            // itself ptxas sinks these loads below the first mma, which waits for the K rows to
+            // land. Loads stay on their side of a barrier, so the queries pass through a zero read
+            // after one (volatile: the compiler may not fold it), and every mma comes after it.
+            float4 x[KSTEPS];
+#pragma unroll
+            for (int s = 0; s < KSTEPS; s++) x[s] = query(q, s);
+            __shared__ unsigned zero;
+            if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned*>(&zero) = 0u;
+            load_values(values, -1);
+            __syncthreads();
+            const unsigned z = *reinterpret_cast<volatile unsigned*>(&zero);
+            const auto pin = [z](float f) { return __uint_as_float(__float_as_uint(f) ^ z); };
+#pragma unroll
+            for (int s = 0; s < KSTEPS; s++) set_query(s, make_float4(pin(x[s].x), pin(x[s].y), pin(x[s].z), pin(x[s].w)), scale);
         }
     }
     // Head r's softmax state over this pass's positions (lanes of equal r agree on m and l).
