@@ -4,7 +4,7 @@ For each model (a preset name with random weights made on the GPU, or a checkpoi
 prints and returns: copy bandwidth, decode tok/s (median of runs of 128 tokens) and ms/token,
 bytes per token and the fraction of the bandwidth achieved, time to first token for 32- and
 512-token prompts (through the batched prefill where the model has one), decode tok/s at 4k
-context, compile time cold and warm, warm start to the first token, load time, peak GPU memory,
+context (and from any other start positions asked for, `--positions`), compile time cold and warm, warm start to the first token, load time, peak GPU memory,
 optionally per-kernel-family time, each kernel's marginal time inside the step and the prefill step's
 time per kernel function (`--profile`),
 and Hugging Face transformers on the same shapes (`--peers hf`).
@@ -108,9 +108,10 @@ def step_bytes(kernels, states, context: float) -> float:
 
 def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do_profile: bool = False,
                 peers: tuple[str, ...] = (), copy_Bps: float | None = None, fuse: bool = True,
-                decode_only: bool = False) -> dict:
+                decode_only: bool = False, positions: tuple[int, ...] = ()) -> dict:
     """Measure one preset or checkpoint (see the module docstring); `decode_only` skips the compile
-    and long-prompt measurements and the profile at 4k (for quick A/B runs)."""
+    and long-prompt measurements and the profile at 4k (for quick A/B runs); `positions`: decode
+    tok/s also from each of these start positions (the cache grows to hold the last one's run)."""
     import cupy as cp
 
     from .cuda_engine import CudaEngine
@@ -122,6 +123,7 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
         cfg = ckpt.config
     else:
         cfg = preset(name)
+    ctx = context_for(cfg, name, ctx, positions, tokens)
     graph = build_graph(cfg)
     t0 = time.perf_counter()
     if ckpt is not None:
@@ -152,6 +154,8 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
         ttft512, _ = _decode_rate(engine, prompt512, 1)
     # 4k context, from position 4096 (its graphs were captured above; no further warm-up)
     tok_s_4k = statistics.median(_decode_rate(engine, prompt32[:1], tokens, start=4096)[1] for _ in range(runs))
+    tok_s_at = {str(p): round(statistics.median(_decode_rate(engine, prompt32[:1], tokens, start=p)[1]
+                                                for _ in range(runs)), 1) for p in positions}
     if do_profile and not decode_only:
         ablation_4k = step_ablation(engine)
     bytes_per_token = step_bytes(engine.kernels, engine.states, context=32 + tokens / 2)
@@ -160,6 +164,7 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
            "achieved_GBps": round(bytes_per_token * tok_s / 1e9, 1),
            "ttft_32_ms": round(ttft32 * 1e3, 1), "ttft_512_ms": _round(ttft512, 1e3, 1),
            "decode_tok_s_at_4k": _round(tok_s_4k, 1, 1), "ratio_4k": _round(tok_s_4k, 1 / tok_s, 3),
+           **({"decode_tok_s_from": tok_s_at} if tok_s_at else {}),
            "compile_cold_s": _round(cold, 1, 2), "compile_warm_s": _round(warm, 1, 2),
            "warm_start_s": _round(warm_start, 1, 2),
            "load_s": round(load, 2), "peak_gpu_GiB": round(cp.get_default_memory_pool().total_bytes() / 2**30, 2),
@@ -182,6 +187,19 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
         res["hf_eager_tok_s"] = hf_decode_rate(cfg, tokens)
         res["vs_hf"] = round(tok_s / res["hf_eager_tok_s"], 2)
     return res
+
+
+def context_for(cfg, name: str, ctx: int, positions: tuple[int, ...], tokens: int) -> int:
+    """KV cache rows for a bench of `name`: `ctx`, or more where a run from one of `positions`
+    needs them; a one-line error where that passes the model's maximum."""
+    bad = [p for p in positions if p < 0]
+    if bad:
+        raise FuselmError(f"--positions: start positions must be 0 or more, got {bad[0]}")
+    need = max((p + tokens + 1 for p in positions), default=0)
+    if need > cfg.max_position_embeddings:
+        raise FuselmError(f"--positions: a run of {tokens} tokens from {max(positions)} needs {need} positions; "
+                          f"{name} holds {cfg.max_position_embeddings}")
+    return max(ctx, need)
 
 
 def _round(x: float | None, scale: float, digits: int) -> float | None:
@@ -262,6 +280,8 @@ def _row(r: dict) -> str:
         s += f" ttft512 {r['ttft_512_ms']} ms"
     if r["decode_tok_s_at_4k"] is not None:
         s += f" | 4k ctx {r['decode_tok_s_at_4k']} tok/s ({r['ratio_4k'] * 100:.1f}%)"
+    if r.get("decode_tok_s_from"):
+        s += " | from " + ", ".join(f"{p}: {v}" for p, v in r["decode_tok_s_from"].items()) + " tok/s"
     if r["compile_cold_s"] is not None:
         s += (f" | compile {r['compile_cold_s']}s cold {r['compile_warm_s']}s warm"
               f" | warm start {r['warm_start_s']}s")
@@ -284,14 +304,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fuse", action="store_true")
     p.add_argument("--decode-only", action="store_true",
                    help="only decode speed, short and at 4k (no compile or 512-token prompt runs)")
+    p.add_argument("--positions", type=_positions, default=(), metavar="P[,P...]",
+                   help="decode tok/s also from these start positions (context lengths), e.g. 1024,2048,8000")
     p.add_argument("--json", dest="out", help="write the JSON record here")
+
+
+def _positions(text: str) -> tuple[int, ...]:
+    """--positions' value: comma-separated start positions."""
+    try:
+        return tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated integers, got '{text}'") from None
 
 
 def main(args: argparse.Namespace) -> int:
     """`fuselm bench`: run() over the parsed arguments; 0 on success."""
     run(args.models, out=args.out, runs=args.runs, tokens=args.tokens, do_profile=args.profile,
         peers=tuple(p for p in args.peers.split(",") if p), fuse=not args.no_fuse,
-        decode_only=args.decode_only)
+        decode_only=args.decode_only, positions=args.positions)
     return 0
 
 

@@ -108,6 +108,31 @@ def test_bench_rows_leave_out_what_a_decode_only_run_did_not_measure():
     assert "None" not in full
 
 
+def test_bench_positions_size_the_cache_or_say_why_they_cannot():
+    """--positions: the cache grows to hold a run from the last position; a negative one, a run
+    past the model's maximum and a value that is not integers are one-line errors; the row lists
+    the rates from each position."""
+    import argparse
+
+    from fuselm.models.presets import preset
+    from fuselm.runtime.bench import _positions, _row, context_for
+    cfg = preset("smollm2-135m")                      # holds 8192 positions
+    assert context_for(cfg, "smollm2-135m", 4608, (), 128) == 4608
+    assert context_for(cfg, "smollm2-135m", 4608, (1024, 6000), 128) == 6129
+    with pytest.raises(FuselmError, match=r"^--positions: a run of 128 tokens from 8100 needs 8229 positions; "
+                                          r"smollm2-135m holds 8192$"):
+        context_for(cfg, "smollm2-135m", 4608, (8100,), 128)
+    with pytest.raises(FuselmError, match=r"^--positions: start positions must be 0 or more, got -5$"):
+        context_for(cfg, "smollm2-135m", 4608, (10, -5), 128)
+    assert _positions("1024,2048") == (1024, 2048)
+    with pytest.raises(argparse.ArgumentTypeError, match="comma-separated integers, got '1k'"):
+        _positions("1k")
+    r = {"model": "m", "decode_tok_s": 100.0, "ms_per_token": 10.0, "ttft_32_ms": 1.0, "ttft_512_ms": None,
+         "decode_tok_s_at_4k": None, "compile_cold_s": None, "peak_gpu_GiB": 1.0,
+         "decode_tok_s_from": {"1024": 95.5, "6000": 80.1}}
+    assert "| from 1024: 95.5, 6000: 80.1 tok/s |" in _row(r)
+
+
 def test_bench_records_the_knobs_it_ran_under(monkeypatch):
     from fuselm.runtime.bench import knob_settings
     monkeypatch.setenv("FUSELM_EARLY_RELEASE", "0")
