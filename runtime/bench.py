@@ -4,10 +4,10 @@ For each model (a preset name with random weights made on the GPU, or a checkpoi
 prints and returns: copy bandwidth, decode tok/s (median of runs of 128 tokens) and ms/token,
 bytes per token and the fraction of the bandwidth achieved, time to first token for 32- and
 512-token prompts (through the batched prefill where the model has one), decode tok/s at 4k
-context (and from any other start positions asked for, `--positions`), compile time cold and warm, warm start to the first token, load time, peak GPU memory,
-optionally per-kernel-family time, each kernel's marginal time inside the step and the prefill step's
-time per kernel function (`--profile`),
-and Hugging Face transformers on the same shapes (`--peers hf`).
+context (and from any start positions asked for, `--positions`), compile time cold and warm,
+warm start to the first token, load time, peak GPU memory, optionally per-kernel-family time,
+each kernel's marginal time inside the step and the prefill step's time per kernel function
+(`--profile`), and Hugging Face transformers on the same shapes (`--peers hf`).
 """
 from __future__ import annotations
 
@@ -152,10 +152,11 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
     ttft512 = ablation_4k = None
     if not decode_only:
         ttft512, _ = _decode_rate(engine, prompt512, 1)
+    def rate_from(start: int) -> float:   # median decode tok/s of a conversation from `start`
+        return statistics.median(_decode_rate(engine, prompt32[:1], tokens, start=start)[1] for _ in range(runs))
     # 4k context, from position 4096 (its graphs were captured above; no further warm-up)
-    tok_s_4k = statistics.median(_decode_rate(engine, prompt32[:1], tokens, start=4096)[1] for _ in range(runs))
-    tok_s_at = {str(p): round(statistics.median(_decode_rate(engine, prompt32[:1], tokens, start=p)[1]
-                                                for _ in range(runs)), 1) for p in positions}
+    tok_s_4k = rate_from(4096)
+    tok_s_at = {str(p): round(rate_from(p), 1) for p in positions}
     if do_profile and not decode_only:
         ablation_4k = step_ablation(engine)
     bytes_per_token = step_bytes(engine.kernels, engine.states, context=32 + tokens / 2)

@@ -133,22 +133,23 @@ struct MmaPass {
     }
     __device__ __forceinline__ void after_wait(const bf16_t* kc, const bf16_t* vc, int, int, int, int pos) {
         load_row(kc, vc, pos, !LATE_V);
-        values = vc;
+        if constexpr (LATE_V) values = vc;
     }
     // Query head r (zero past G), times `scale`, as A words: dims c HD/4 + 4s + {0,1} and {2,3}.
-    __device__ __forceinline__ float4 query(const float* q, int s) const {
+    __device__ __forceinline__ static float4 query(const float* q, int s) {
         float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (r() < G) x = *reinterpret_cast<const float4*>(q + (blockIdx.x * G + r()) * HD + c() * (HD / 4) + 4 * s);
         return x;
     }
-    __device__ __forceinline__ void set_query(int s, float4 x, float scale) {
+    __device__ __forceinline__ void set_query(int s, const float4& x, float scale) {
         split_bf16x2(x.x * scale, x.y * scale, qa[s][0][0], qa[s][1][0]);
         split_bf16x2(x.z * scale, x.w * scale, qa[s][0][1], qa[s][1][1]);
     }
     __device__ __forceinline__ void load_queries(const float* q, float scale) {
         if constexpr (!LATE_V) {
 #pragma unroll
-            for (int s = 0; s < KSTEPS; s++) {
+            for (int s = 0; s < KSTEPS; s++) {   // query() and set_query() inline: so written, ptxas
+                // schedules the one-launch kernel as measured (through the helpers it does not)
                 float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 if (r() < G) x = *reinterpret_cast<const float4*>(q + (blockIdx.x * G + r()) * HD + c() * (HD / 4) + 4 * s);
                 split_bf16x2(x.x * scale, x.y * scale, qa[s][0][0], qa[s][1][0]);
