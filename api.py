@@ -27,8 +27,8 @@ def load(path: str | Path | None = None, device: str = "auto", ctx: int | None =
     """Open a checkpoint (HF folder or .gguf file; None means the embedded default model), build its
     graph and an engine on `device` ("auto", "cpu" or "cuda") with a KV cache of `ctx` tokens."""
     from .models import build_graph
-    from .runtime.checkpoint import open_checkpoint   # deferred: heavy imports (gguf, tokenizers)
-    from .runtime.default_model import default_model_path
+    from .loading.checkpoint import open_checkpoint   # deferred: heavy imports (gguf, tokenizers)
+    from .loading.default_model import default_model_path
 
     log = log or sys.stderr   # looked up per call, so redirected stderr (tests) is honoured
     if device not in DEVICES:

@@ -13,7 +13,7 @@ then add one line to COMMANDS below, importing your module inside a small wrappe
 `fuselm run` does not pay for its imports:
 
     def _bench(args):
-        from .runtime import bench
+        from .tools import bench
         return bench.main(args)
     COMMANDS["bench"] = Command("measure decode speed", bench_add_arguments, _bench)
 
@@ -167,7 +167,7 @@ def chat_loop(model, max_new_tokens: int, sampling: dict) -> int:
 
 def pull(args: argparse.Namespace) -> int:
     """`fuselm pull`: fetch the embedded default model into the cache; print its path."""
-    from .runtime.default_model import pull as pull_default
+    from .loading.default_model import pull as pull_default
     print(pull_default())
     return 0
 
@@ -175,18 +175,18 @@ def pull(args: argparse.Namespace) -> int:
 # ---- fuselm inspect / bench ----------------------------------------------------------------------
 
 def _inspect_arguments(p: argparse.ArgumentParser) -> None:
-    from .codegen import inspect
+    from .tools import inspect
     inspect.add_arguments(p)
 
 
 def _inspect(args: argparse.Namespace) -> int:
     """`fuselm inspect`: generated kernels and launch schedule of a model (no GPU needed)."""
-    from .codegen import inspect
+    from .tools import inspect
     return inspect.main(args)
 
 
 def _bench_arguments(p: argparse.ArgumentParser) -> None:
-    from .runtime import bench
+    from .tools import bench
     bench.add_arguments(p)
 
 
@@ -200,19 +200,19 @@ def _require_gpu(command: str) -> None:
 def _bench(args: argparse.Namespace) -> int:
     """`fuselm bench`: decode speed against the measured copy bandwidth (needs a GPU)."""
     _require_gpu("bench")
-    from .runtime import bench
+    from .tools import bench
     return bench.main(args)
 
 
 def _trace_arguments(p: argparse.ArgumentParser) -> None:
-    from .runtime import trace
+    from .tools import trace
     trace.add_arguments(p)
 
 
 def _trace(args: argparse.Namespace) -> int:
     """`fuselm trace`: the block timeline of decode steps (needs a GPU)."""
     _require_gpu("trace")
-    from .runtime import trace
+    from .tools import trace
     return trace.main(args)
 
 

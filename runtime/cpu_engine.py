@@ -34,7 +34,7 @@ class CpuEngine:
     @classmethod
     def from_checkpoint(cls, ckpt, graph: Graph, ctx: int, progress: bool = True) -> "CpuEngine":
         """Load `ckpt`'s weights as float32 arrays and build the engine."""
-        from .checkpoint import load_weights   # deferred: written in parallel, heavy imports
+        from ..loading.checkpoint import load_weights   # deferred: written in parallel, heavy imports
         return cls(graph, load_weights(ckpt, graph, dtype=np.float32, progress=progress), ctx)
 
     def reset(self) -> None:

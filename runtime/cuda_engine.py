@@ -135,7 +135,7 @@ class CudaEngine:
         """Load `ckpt`'s weights as bf16 and compile `graph` for this GPU."""
         import ml_dtypes
 
-        from .checkpoint import load_weights
+        from ..loading.checkpoint import load_weights
         weights = load_weights(ckpt, graph, dtype=ml_dtypes.bfloat16)
         return cls(graph, weights, ctx=ctx, fuse=fuse)
 

@@ -20,14 +20,14 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   models=${*:-llama-3.2-1b llama-3.1-8b smollm2-135m}
-  python3 -m fuselm.runtime.bench $models --profile --peers "${PEERS-hf}" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+  python3 -m fuselm.tools.bench $models --profile --peers "${PEERS-hf}" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 fi
 if [ -n "${AB:-}" ]; then
   IFS=';' read -ra settings <<< "$AB"
   records=$(mktemp -d)
   for i in "${!settings[@]}"; do
     echo "== ${settings[$i]}" | tee -a "$OUT/ab.log"
-    env ${settings[$i]} python3 -m fuselm.runtime.bench ${AB_MODELS:-llama-3.2-1b llama-3.1-8b} --decode-only \
+    env ${settings[$i]} python3 -m fuselm.tools.bench ${AB_MODELS:-llama-3.2-1b llama-3.1-8b} --decode-only \
       --json "$records/ab$i.json" 2>&1 | tee -a "$OUT/ab.log"
   done
   tar czf "$OUT/ab.tgz" -C "$records" .

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fuselm import cli
-from fuselm.runtime import default_model
+from fuselm.loading import default_model
 
 REPO_PARENT = str(Path(cli.__file__).resolve().parent.parent)
 
@@ -59,7 +59,7 @@ def test_bad_arguments_give_one_error_line(capsys, argv, fragment):
 
 
 def test_not_a_checkpoint_is_one_error_line(capsys, tmp_path):
-    pytest.importorskip("fuselm.runtime.checkpoint", reason="checkpoint loading not written yet")
+    pytest.importorskip("fuselm.loading.checkpoint", reason="checkpoint loading not written yet")
     rc, _, err = run_main(capsys, "run", str(tmp_path), "-p", "hi", "--device", "cpu")
     assert_one_line_error(rc, err, "config.json")
 
@@ -96,7 +96,7 @@ def write_tokenizer(folder: Path, vocab_size: int) -> None:
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory, h):
     """(folder, HF model) of a tiny random Llama saved by transformers, with a tokenizer."""
-    pytest.importorskip("fuselm.runtime.checkpoint", reason="checkpoint loading not written yet")
+    pytest.importorskip("fuselm.loading.checkpoint", reason="checkpoint loading not written yet")
     pytest.importorskip("transformers")
     model, _, _ = h.make_hf_model(vocab_size=64, hidden_size=32, intermediate_size=64,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -126,7 +126,7 @@ def hf_greedy_text(folder, model, prompt_ids, n, stop_ids):
 
 
 def test_run_streams_the_same_text_as_transformers(capsys, tiny_checkpoint):
-    from fuselm.runtime.checkpoint import open_checkpoint
+    from fuselm.loading.checkpoint import open_checkpoint
 
     folder, model = tiny_checkpoint
     tok = open_checkpoint(folder).tokenizer
@@ -138,7 +138,7 @@ def test_run_streams_the_same_text_as_transformers(capsys, tiny_checkpoint):
 
 
 def test_run_chat_uses_the_template(capsys, tiny_checkpoint):
-    from fuselm.runtime.checkpoint import open_checkpoint
+    from fuselm.loading.checkpoint import open_checkpoint
 
     folder, model = tiny_checkpoint
     tok = open_checkpoint(folder).tokenizer
@@ -292,7 +292,7 @@ def test_ctx_beyond_the_trained_positions_warns(capsys):
     import io
 
     import fuselm
-    from fuselm.runtime.default_model import default_model_path
+    from fuselm.loading.default_model import default_model_path
     try:
         path = default_model_path(auto_pull=False)
     except Exception:
@@ -318,7 +318,7 @@ def test_run_each_architecture_like_transformers(capsys, tmp_path, arch):
     import torch
     import transformers
 
-    from fuselm.runtime.checkpoint import open_checkpoint
+    from fuselm.loading.checkpoint import open_checkpoint
     torch.manual_seed(0)
     conf = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -9,7 +9,7 @@ from fuselm.codegen import generate
 from fuselm.compiler import compile_graph
 from fuselm.errors import FuselmError
 from fuselm.models import DecoderConfig, build_graph
-from fuselm.runtime.bench import step_bytes
+from fuselm.tools.bench import step_bytes
 from fuselm.runtime.cuda_engine import check_weights, to_bf16_bits
 
 
@@ -97,7 +97,7 @@ def test_an_unknown_attention_variant_is_a_one_line_error():
 
 
 def test_bench_rows_leave_out_what_a_decode_only_run_did_not_measure():
-    from fuselm.runtime.bench import _row
+    from fuselm.tools.bench import _row
     r = {"model": "llama-3.2-1b", "decode_tok_s": 1322.1, "ms_per_token": 0.756, "bandwidth_fraction": 0.777,
          "ttft_32_ms": 23.5, "ttft_512_ms": None, "decode_tok_s_at_4k": 1152.3, "ratio_4k": 0.872,
          "compile_cold_s": None, "compile_warm_s": None, "peak_gpu_GiB": 3.93}
@@ -115,7 +115,7 @@ def test_bench_positions_size_the_cache_or_say_why_they_cannot():
     import argparse
 
     from fuselm.models.presets import preset
-    from fuselm.runtime.bench import _positions, _row, context_for
+    from fuselm.tools.bench import _positions, _row, context_for
     cfg = preset("smollm2-135m")                      # holds 8192 positions
     assert context_for(cfg, "smollm2-135m", 4608, (), 128) == 4608
     assert context_for(cfg, "smollm2-135m", 4608, (1024, 6000), 128) == 6129
@@ -134,7 +134,7 @@ def test_bench_positions_size_the_cache_or_say_why_they_cannot():
 
 
 def test_bench_records_the_knobs_it_ran_under(monkeypatch):
-    from fuselm.runtime.bench import knob_settings
+    from fuselm.tools.bench import knob_settings
     monkeypatch.setenv("FUSELM_EARLY_RELEASE", "0")
     monkeypatch.setenv("FUSELM_CACHE", "/tmp/somewhere")
     monkeypatch.delenv("FUSELM_GEMV_WARPS", raising=False)

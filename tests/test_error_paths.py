@@ -30,8 +30,8 @@ from fuselm.dsl import Graph, ShapeError
 from fuselm.errors import FuselmError
 from fuselm.models import ConfigError, DecoderConfig, build_graph
 from fuselm.models.presets import preset
-from fuselm.runtime import chat_template, default_model
-from fuselm.runtime.checkpoint import open_checkpoint
+from fuselm.loading import chat_template, default_model
+from fuselm.loading.checkpoint import open_checkpoint
 from fuselm.runtime.cpu_engine import CpuEngine
 from fuselm.runtime.engine import SamplingParams
 from fuselm.runtime.generate import generate

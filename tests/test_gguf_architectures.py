@@ -16,7 +16,7 @@ from gguf_files import V, finish, gguf_writer, llama_cpp_order  # noqa: E402
 
 from fuselm.errors import FuselmError  # noqa: E402
 from fuselm.models import build_graph  # noqa: E402
-from fuselm.runtime.checkpoint import load_weights, open_checkpoint  # noqa: E402
+from fuselm.loading.checkpoint import load_weights, open_checkpoint  # noqa: E402
 from fuselm.runtime.reference import new_state, run_graph  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -201,8 +201,8 @@ def test_gemma2_metadata_keys(h, tmp_path):
 @pytest.mark.parametrize("layers,scalar", [(26, 128), (46, 144)])
 def test_gemma2_query_scale_follows_llama_cpp(tmp_path, layers, scalar):
     """No query_pre_attn_scalar in GGUF: llama.cpp uses head_dim, but hidden/heads for the 27B (46 layers)."""
-    from fuselm.runtime.gguf_config import config_from_gguf
-    from fuselm.runtime.gguf_store import read_gguf
+    from fuselm.loading.gguf_config import config_from_gguf
+    from fuselm.loading.gguf_store import read_gguf
     path = tmp_path / "g.gguf"
     w = gguf.GGUFWriter(str(path), "gemma2")
     for add, value in (("block_count", layers), ("embedding_length", 4608), ("feed_forward_length", 36864),

@@ -28,7 +28,7 @@ from tokenizers import Tokenizer, models  # noqa: E402
 
 from fuselm.errors import FuselmError  # noqa: E402
 from fuselm.models import build_graph  # noqa: E402
-from fuselm.runtime.checkpoint import load_weights, open_checkpoint  # noqa: E402
+from fuselm.loading.checkpoint import load_weights, open_checkpoint  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 E, TOP_K, INTER = 4, 3, 96          # top-3 of 4: neither is the builder's default (8, 2)

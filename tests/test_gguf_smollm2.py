@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fuselm.models import build_graph
-from fuselm.runtime.checkpoint import load_weights, open_checkpoint
+from fuselm.loading.checkpoint import load_weights, open_checkpoint
 from fuselm.runtime.reference import new_state, run_graph
 
 

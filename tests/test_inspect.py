@@ -9,7 +9,7 @@ import re
 import pytest
 
 from fuselm import cli
-from fuselm.codegen import inspect as insp
+from fuselm.tools import inspect as insp
 from fuselm.compiler.pipeline import passes
 
 PRESET = "llama-3.2-1b"
@@ -238,7 +238,7 @@ def tiny_folder(tmp_path_factory, h):
 
 
 def test_hf_folder(capsys, monkeypatch, tmp_path, tiny_folder):
-    import fuselm.runtime.checkpoint as checkpoint
+    import fuselm.loading.checkpoint as checkpoint
 
     monkeypatch.setattr(checkpoint, "load_weights", lambda *a, **k: pytest.fail("inspect read the weights"))
     rc, out, err = run_main(capsys, "inspect", str(tiny_folder), "--json")

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 
 from fuselm.errors import FuselmError  # noqa: E402
 from fuselm.models import ConfigError, build_graph  # noqa: E402
-from fuselm.runtime.checkpoint import load_weights, open_checkpoint  # noqa: E402
+from fuselm.loading.checkpoint import load_weights, open_checkpoint  # noqa: E402
 from fuselm.runtime.reference import new_state, run_graph  # noqa: E402
 
 Q = gguf.GGMLQuantizationType

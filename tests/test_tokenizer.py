@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from tokenizers import pre_tokenizers
 
 from fuselm.errors import FuselmError
-from fuselm.runtime.gguf_store import read_gguf
-from fuselm.runtime.gguf_tokenizer import tokenizer_from_gguf
-from fuselm.runtime.tokenizer import TextTokenizer
+from fuselm.loading.gguf_store import read_gguf
+from fuselm.loading.gguf_tokenizer import tokenizer_from_gguf
+from fuselm.loading.tokenizer import TextTokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -14,7 +14,7 @@ from fuselm.codegen.nvrtc import compile_cubin, options
 from fuselm.compiler import compile_graph
 from fuselm.errors import FuselmError
 from fuselm.models import DecoderConfig, build_graph
-from fuselm.runtime import trace
+from fuselm.tools import trace
 
 CONFIG = dict(architectures=["LlamaForCausalLM"], vocab_size=100, hidden_size=64, intermediate_size=96,
               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)

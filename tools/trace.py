@@ -170,8 +170,8 @@ def main(args: argparse.Namespace) -> int:
         raise FuselmError("FUSELM_TRACE=0 in the environment: the kernels would record no block timeline")
     from ..models import build_graph
     from ..models.presets import preset
-    from .cuda_engine import CudaEngine
-    from .random_weights import random_gpu_weights
+    from ..runtime.cuda_engine import CudaEngine
+    from ..runtime.random_weights import random_gpu_weights
     graph = build_graph(preset(args.model))
     # The benchmark's context (4608 rows), or more: the attention kernels depend on it.
     engine = CudaEngine(graph, random_gpu_weights(graph), ctx=max(4608, max(args.positions) + args.steps + 1))
@@ -193,6 +193,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m fuselm.runtime.trace", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fuselm.tools.trace", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     raise SystemExit(main(parser.parse_args()))

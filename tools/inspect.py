@@ -60,9 +60,9 @@ def load_config(model: str):
     path = Path(model)
     if path.exists():
         if path.is_file() and path.suffix.lower() == ".json":
-            from ..runtime.json_file import read_object
+            from ..loading.json_file import read_object
             return DecoderConfig.from_hf(read_object(path), str(path)), str(path)
-        from ..runtime.checkpoint import open_checkpoint   # headers and metadata only
+        from ..loading.checkpoint import open_checkpoint   # headers and metadata only
         return open_checkpoint(path).config, str(path)
     if model in PRESETS:
         return preset(model), f"preset {model}"
@@ -76,7 +76,7 @@ def build(cfg, fuse: bool = True, ctx: int | None = None, dump: str | Path | Non
     what the KV caches need), or a one-line error saying why the model has none."""
     from ..compiler import compile_graph
     from ..models import build_graph
-    from .emit import generate, sampler
+    from ..codegen.emit import generate, sampler
 
     ctx = ctx or min(cfg.max_position_embeddings, DEFAULT_CTX)
     if prefill:
@@ -235,8 +235,8 @@ _STACK = re.compile(r"(\d+) bytes stack frame")
 def compile_report(kernels, arch: str) -> dict:
     """Compile the whole module with NVRTC (no cache): seconds, and per function registers, stack
     frame and spill bytes from ptxas' resource report."""
-    from . import headers, module_source
-    from .nvrtc import compile_cubin, options, spills
+    from ..codegen import headers, module_source
+    from ..codegen.nvrtc import compile_cubin, options, spills
 
     t0 = time.perf_counter()
     cubin, log, _ = compile_cubin(module_source(kernels), headers(), options(arch, verbose=True),

@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import FuselmError
 from ..models import build_graph
 from ..models.presets import PRESETS, preset
-from .engine import SamplingParams
+from ..runtime.engine import SamplingParams
 from .profile import kernel_profile, prefill_profile, step_ablation
 
 GREEDY = SamplingParams()
@@ -58,7 +58,7 @@ def start_times(graph, weights, vocab: int, ctx: int, fuse: bool = True) -> tupl
     GPU buffers, modules, CUDA graph captures, prefill."""
     import cupy as cp
 
-    from .cuda_engine import CudaEngine
+    from ..runtime.cuda_engine import CudaEngine
     prompt = np.random.default_rng(1).integers(0, vocab, 32).tolist()
     compile_s, first_token_s = [], []
     with tempfile.TemporaryDirectory() as d:
@@ -114,11 +114,11 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
     tok/s also from each of these start positions (the cache grows to hold the last one's run)."""
     import cupy as cp
 
-    from .cuda_engine import CudaEngine
-    from .random_weights import random_gpu_weights
+    from ..runtime.cuda_engine import CudaEngine
+    from ..runtime.random_weights import random_gpu_weights
     ckpt = None
     if Path(name).exists():              # a checkpoint: its own weights, loaded as bf16
-        from .checkpoint import open_checkpoint
+        from ..loading.checkpoint import open_checkpoint
         ckpt = open_checkpoint(name)
         cfg = ckpt.config
     else:
@@ -129,8 +129,8 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
     if ckpt is not None:
         import ml_dtypes
 
-        from .checkpoint import load_weights
-        from .cuda_engine import as_device_bf16
+        from ..loading.checkpoint import load_weights
+        from ..runtime.cuda_engine import as_device_bf16
         # on the GPU once: the start-up engines below then share them, as presets' do
         weights = {k: as_device_bf16(cp, w) for k, w in load_weights(ckpt, graph, dtype=ml_dtypes.bfloat16).items()}
     else:
@@ -241,7 +241,7 @@ def run(models: list[str], out: str | None = None, **kw) -> dict:
     """Benchmark `models`, print a table, write JSON to `out` if given, return the record."""
     import cupy as cp
 
-    from .cuda_engine import gpu_name
+    from ..runtime.cuda_engine import gpu_name
     copy = copy_bandwidth()
     record = {"gpu": gpu_name(), "date": date.today().isoformat(), "copy_GBps": round(copy / 1e9, 1),
               "settings": knob_settings(), "results": []}

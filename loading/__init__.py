@@ -1,0 +1,1 @@
+"""Loading models: checkpoints (safetensors, GGUF), their configs, tokenizers and chat templates."""
