@@ -16,23 +16,19 @@ from __future__ import annotations
 
 import networkx as nx
 
-from ..compiler.kernels import gemv_parts, zip_sets
-from .gemv import input_vector, zip_contexts
-from .knobs import env_int
+from ..compiler.kernels import ScheduledKernel, gemv_parts, zip_sets
+from .gemv import input_vector, shape_name, zip_contexts
+from .kernel import KernelSource, KernelSpec, Launch
 from .params import Params
+from .render import render
+from .tuning import SMEM_STATIC, Tuning
 
-WARPS = env_int("FUSELM_GEMM_WARPS", 4, 1, 8)   # per block; each warp computes 16 rows of the tile
-# split-K: a kernel's tiles are split until it has this many blocks, or its k slices this few chunks
-BLOCKS = env_int("FUSELM_GEMM_BLOCKS", 512, 1, 1 << 16)
-MIN_CHUNKS = env_int("FUSELM_GEMM_MIN_CHUNKS", 4, 1, 1 << 10)
-# 1: a block waits for the previous kernel once its first chunk's weights are in flight (gemm_tile)
-EARLY = env_int("FUSELM_GEMM_EARLY", 1, 0, 1)
-# 1: a launch of its own stages the step's vectors once for all blocks (stage_vectors); 0: each
-# block converts its chunks itself
-STAGED = env_int("FUSELM_GEMM_STAGED", 1, 0, 1)
 STAGE_THREADS = 256
-SLOTS = 16 * WARPS  # rows of each member per block
-SMEM = 48 * 1024    # static shared memory a kernel may use
+
+
+def slots(tuning: Tuning) -> int:
+    """Rows of each member per block: 16 per warp (an mma's rows)."""
+    return 16 * tuning.gemm_warps
 
 
 def chunk(K: int) -> int:
@@ -40,59 +36,63 @@ def chunk(K: int) -> int:
     return next(kc for kc in (128, 64, 32) if K % kc == 0)
 
 
-def smem_bytes(K: int, members: int, tokens: int) -> int:
+def smem_bytes(K: int, members: int, tokens: int, tuning: Tuning) -> int:
     """Bytes of shared memory: the staged chunk (hi and lo words, StagedX) and the dot products
     of the tile share memory; then the per-token sums of squares."""
     entries = chunk(K) // 8
     staged = 2 * tokens * (entries + (12 - entries % 8) % 8) * 16
-    return max(staged, members * SLOTS * tokens * 4) + 4 * tokens
+    return max(staged, members * slots(tuning) * tokens * 4) + 4 * tokens
 
 
-def splits(K: int, tiles: int) -> int:
+def splits(K: int, tiles: int, tuning: Tuning) -> int:
     """How many blocks share each of a kernel's `tiles` tiles, each over a slice of its K: the
-    fewest that give BLOCKS blocks, among those that cut K into equal slices of at least
-    MIN_CHUNKS chunks (1: no split)."""
+    fewest that give gemm_blocks blocks, among those that cut K into equal slices of at least
+    gemm_min_chunks chunks (1: no split)."""
     chunks = K // chunk(K)
-    fitting = [s for s in range(1, chunks // MIN_CHUNKS + 1) if chunks % s == 0]
-    return next((s for s in fitting if tiles * s >= BLOCKS), fitting[-1] if fitting else 1)
+    fitting = [s for s in range(1, chunks // tuning.gemm_min_chunks + 1) if chunks % s == 0]
+    return next((s for s in fitting if tiles * s >= tuning.gemm_blocks), fitting[-1] if fitting else 1)
 
 
-def unsupported(G: nx.DiGraph, launch: dict, tokens: int) -> str | None:
+def unsupported(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, tuning: Tuning) -> str | None:
     """Why this gemv kernel has no gemm form for steps of `tokens` tokens, or None: its rows must
     be whole 32-weight spans (a warp's load of a span), and its tile and staged chunk must fit the
     static shared memory."""
-    prologue, linears, _ = gemv_parts(G, launch["nodes"])
+    prologue, linears, _ = gemv_parts(G, launch.nodes)
     x = G.nodes[prologue]["inputs"][0] if prologue else G.nodes[linears[0]]["inputs"][0]
     K = G.nodes[x]["shape"][-1]
     if K % 32:
         return f"its rows of {K} weights are not a multiple of 32"
-    members = max(len(z["linears"]) for z in zip_sets(G, launch["nodes"]))
-    if smem_bytes(K, members, tokens) > SMEM:
+    members = max(len(z.linears) for z in zip_sets(G, launch.nodes))
+    if (need := smem_bytes(K, members, tokens, tuning)) > SMEM_STATIC:
         return (f"{members} GEMVs meeting in one epilogue at {tokens} tokens per step need "
-                f"{smem_bytes(K, members, tokens)} bytes of shared memory; at most {SMEM}")
+                f"{need} bytes of shared memory; at most {SMEM_STATIC}")
     return None
 
 
-def context(G: nx.DiGraph, launch: dict, params: Params, tokens: int) -> dict:
-    """Template variables of one gemm kernel for steps of `tokens` tokens (a multiple of 8); where
-    it splits K, the runtime buffers it needs: `slab_floats` of float32 slabs ("gemm_slabs") and
-    `tile_counts` zeroed counts ("gemm_counts"); where the vectors are staged, `staged_floats` of
-    "gemm_x". All shared by every gemm launch of the step."""
+def generate(spec: KernelSpec) -> KernelSource:
+    """One gemm kernel for steps of spec.tokens tokens (a multiple of 8) and the launch staging
+    its vectors. Where it splits K it needs runtime buffers shared by every gemm launch of the
+    step: `slab_floats` of float32 slabs ("gemm_slabs") and `tile_counts` zeroed counts
+    ("gemm_counts"); and always `staged_floats` of "gemm_x", the staged vectors (bf16 hi and lo
+    words, one float a weight) and then a float per token, the sums of squares."""
+    G, launch, tokens, tuning = spec.G, spec.launch, spec.tokens, spec.tuning
+    params = Params(G)
     vec = input_vector(G, launch, params)
-    zips, grid = zip_contexts(G, launch, params, lambda members, pairs: SLOTS, batched=True)
-    max_tile = max(z["R"] * len(z["members"]) for z in zips)
-    split = splits(vec["K"], grid)
+    zips, grid = zip_contexts(G, launch, params, lambda members, pairs: slots(tuning), batched=True)
+    max_tile = max(z.R * len(z.members) for z in zips)
+    split = splits(vec["K"], grid, tuning)
     slabs = counts = None
     if split > 1:
         slabs, counts = params.extra("float*", "gemm_slabs"), params.extra("unsigned*", "gemm_counts")
     tile_floats = split * (max_tile * tokens + tokens)    # a tile's slabs: dot products and sums of squares
-    staged = {}
-    if STAGED:   # "gemm_x": the staged vectors (bf16 hi and lo words, one float a weight), then
-        # a float per token, the sums of squares (stage_vectors)
-        staged = {"staged_x": params.extra("float*", "gemm_x"), "staged_floats": tokens * vec["K"] + tokens,
-                  "stage_threads": STAGE_THREADS}
-    return {**vec, "zips": zips, "threads": WARPS * 32, "tokens": tokens, "kc": chunk(vec["K"]),
-            "max_tile": max_tile, "grid": grid, "splits": split, "slabs": slabs, "counts": counts,
-            "tile_slab_floats": tile_floats, "early": bool(EARLY),
-            "slab_floats": grid * tile_floats if split > 1 else 0, "tile_counts": grid if split > 1 else 0,
-            "staged": bool(STAGED), **staged}
+    staged_x = params.extra("float*", "gemm_x")
+    threads = tuning.gemm_warps * 32
+    name, source = render("gemm.cu.j2", "gemm", shape_name(vec, zips, tokens), params=params.decls, **vec,
+                          zips=zips, threads=threads, tokens=tokens, kc=chunk(vec["K"]), max_tile=max_tile,
+                          grid=grid, splits=split, slabs=slabs, counts=counts, tile_slab_floats=tile_floats,
+                          staged_x=staged_x, stage_threads=STAGE_THREADS)
+    launches = [Launch(f"{name}_stage", (tokens, 1), STAGE_THREADS, params.values),
+                Launch(name, (grid, split), threads, params.values)]
+    return KernelSource(name, "gemm", source, launch.nodes, launches, launch.layer,
+                        slab_floats=grid * tile_floats if split > 1 else 0, tile_counts=grid if split > 1 else 0,
+                        staged_floats=tokens * vec["K"] + tokens)

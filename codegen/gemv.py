@@ -1,31 +1,59 @@
 """The gemv family: norm prologue -> GEMVs side by side -> epilogue on each block's tile of rows."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import networkx as nx
 
-from ..compiler.kernels import gemv_parts, zip_sets
+from ..compiler.kernels import ScheduledKernel, ZipSet, gemv_parts, zip_sets
 from ..dsl import Kind, get
 from . import cexpr
-from .knobs import SMS, env_int
+from .kernel import KernelSource, KernelSpec, Launch
 from .params import Params
-
-WARPS = env_int("FUSELM_GEMV_WARPS", 8, 1, 32)   # per block: 1, 2, 4, 8, 16 or 32
-ROWS_PER_WARP = env_int("FUSELM_GEMV_ROWS", 2, 1, 8)  # rows a warp streams at once, sharing each load of the vector
-# Streaming warps a GEMV should have before split-K stops: 16 per SM keep HBM busy; 32 split more
-# than needed (measured: Llama-3.1-8B 249 -> 252, 3.2-1B 1248 -> 1277 tok/s).
-MIN_WARPS = env_int("FUSELM_GEMV_MIN_WARPS", SMS * 16, 1, 1 << 20)
-# 1: epilogue operands that earlier kernels wrote are loaded before the wait (plan_early_reads); 0: where used.
-EARLY_READS = env_int("FUSELM_GEMV_EARLY_READS", 1, 0, 1)
-UNROLL = env_int("FUSELM_GEMV_UNROLL", 4, 1, 16)      # 16-byte loads in flight per lane and row
+from .render import render
+from .tuning import Target, Tuning
 
 
-if WARPS not in (1, 2, 4, 8, 16, 32):
-    raise ValueError(f"FUSELM_GEMV_WARPS={WARPS}: warps per GEMV block must be a power of 2 from 1 to 32")
+@dataclass
+class ZipTile:
+    """A zip set as the template lays it out: blocks start .. end - 1 take its tiles of R rows of
+    each member (N rows in all); `hd` and `interleaved` say how RoPE pairs a tile's slots."""
+    N: int
+    R: int
+    hd: int
+    interleaved: str          # "true" / "false", as C++
+    start: int
+    end: int
+    members: list[str]        # the C names of its weight matrices
+    epilogue: str             # C statements of its epilogue (see _epilogue)
+    preload: str              # declarations loading epilogue operands before the wait
 
 
-def _slots(ksplit: int, members: int, pairs: bool) -> int:
-    """Rows per member in one block's tile: each group of `ksplit` warps takes ROWS_PER_WARP rows."""
-    r = max(1, WARPS // ksplit * ROWS_PER_WARP // members)
+def generate(spec: KernelSpec) -> KernelSource:
+    """One gemv kernel: a block per tile of output rows (split-K inside the block where the rows
+    are long and few), its launch and its shape."""
+    G, launch, tuning = spec.G, spec.launch, spec.tuning
+    params = Params(G)
+    vec = input_vector(G, launch, params)
+    ksplit = _ksplit(zip_sets(G, launch.nodes), vec["K"], spec.target, tuning)
+    zips, grid = zip_contexts(G, launch, params, lambda members, pairs: _slots(ksplit, members, pairs, tuning))
+    name, source = render("gemv.cu.j2", "gemv", shape_name(vec, zips), params=params.decls, **vec, zips=zips,
+                          threads=tuning.gemv_warps * 32, unroll=tuning.gemv_unroll, ksplit=ksplit,
+                          rows_per_warp=tuning.gemv_rows_per_warp,
+                          max_tile=max(z.R * len(z.members) for z in zips), grid=grid)
+    return KernelSource(name, "gemv", source, launch.nodes,
+                        [Launch(name, (grid, 1), tuning.gemv_warps * 32, params.values)], launch.layer)
+
+
+def shape_name(vec: dict, zips: list[ZipTile], tokens: int | None = None) -> str:
+    """A gemv / gemm kernel's shape in its name: norm_k<K>_<members>x<N>..., _t<tokens> for a gemm."""
+    shape = f"k{vec['K']}_" + "_".join(f"{len(z.members)}x{z.N}" for z in zips)
+    return ("norm_" if vec["prologue"] else "") + shape + (f"_t{tokens}" if tokens else "")
+
+
+def _slots(ksplit: int, members: int, pairs: bool, tuning: Tuning) -> int:
+    """Rows per member in one block's tile: each group of `ksplit` warps takes gemv_rows_per_warp rows."""
+    r = max(1, tuning.gemv_warps // ksplit * tuning.gemv_rows_per_warp // members)
     return max(2, r + (r & 1)) if pairs else r
 
 
@@ -33,32 +61,24 @@ def _tiles(width: int, R: int, pairs: bool) -> int:
     return -(-width // R) if not pairs else -(-(width // 2) // (R // 2))
 
 
-def _ksplit(sets: list[dict], K: int) -> int:
+def _ksplit(sets: list[ZipSet], K: int, target: Target, tuning: Tuning) -> int:
     """Warps per output row (split-K inside the block). Short outputs with long rows (a 2048-row
     O or down projection) give too few rows for one warp each to fill the GPU with loads in
-    flight, so several warps share a row, each streaming a slice of it."""
-    rows = sum(z["width"] * len(z["linears"]) for z in sets)
+    flight, so several warps share a row, each streaming a slice of it, until the kernel has
+    gemv_warps_per_sm streaming warps per SM."""
+    rows = sum(z.width * len(z.linears) for z in sets)
+    min_warps = target.sms * tuning.gemv_warps_per_sm
     ksplit = 1
-    while (rows // ROWS_PER_WARP * ksplit < MIN_WARPS and ksplit < min(4, WARPS)
+    while (rows // tuning.gemv_rows_per_warp * ksplit < min_warps and ksplit < min(4, tuning.gemv_warps)
            and K % (2 * ksplit * 8) == 0 and K // (2 * ksplit) >= 256):
         ksplit *= 2
     return ksplit
 
 
-def context(G: nx.DiGraph, launch: dict, params: Params) -> dict:
-    """Template variables of one gemv kernel: prologue, zip sets with their tiles and epilogues."""
-    vec = input_vector(G, launch, params)
-    ksplit = _ksplit(zip_sets(G, launch["nodes"]), vec["K"])
-    zips, grid = zip_contexts(G, launch, params, lambda members, pairs: _slots(ksplit, members, pairs))
-    return {**vec, "zips": zips, "threads": WARPS * 32, "unroll": UNROLL, "ksplit": ksplit,
-            "rows_per_warp": ROWS_PER_WARP,
-            "max_tile": max(z["R"] * len(z["members"]) for z in zips), "grid": grid}
-
-
-def input_vector(G: nx.DiGraph, launch: dict, params: Params) -> dict:
+def input_vector(G: nx.DiGraph, launch: ScheduledKernel, params: Params) -> dict:
     """The vector a gemv kernel's linears read: `x` (its C name), its width `K`, and the norm
     `prologue` that produces it from x inside the kernel (weight, eps, offset) or None."""
-    prologue, linears, _ = gemv_parts(G, launch["nodes"])
+    prologue, linears, _ = gemv_parts(G, launch.nodes)
     x_value = G.nodes[prologue]["inputs"][0] if prologue else G.nodes[linears[0]]["inputs"][0]
     x = params.ref(x_value)
     pro = None
@@ -69,23 +89,23 @@ def input_vector(G: nx.DiGraph, launch: dict, params: Params) -> dict:
     return {"x": x, "K": G.nodes[x_value]["shape"][-1], "prologue": pro}
 
 
-def zip_contexts(G: nx.DiGraph, launch: dict, params: Params, slots, batched: bool = False) -> tuple[list[dict], int]:
+def zip_contexts(G: nx.DiGraph, launch: ScheduledKernel, params: Params, slots, batched: bool = False
+                 ) -> tuple[list[ZipTile], int]:
     """Template variables of each zip set of a gemv kernel's nodes, whose tiles hold
     `slots(members, pairs)` rows of each member, and the grid: one block per tile, zip after zip."""
-    nodes = launch["nodes"]
+    nodes = launch.nodes
     _, _, epilogue = gemv_parts(G, nodes)
     zips, start = [], 0
     for z in zip_sets(G, nodes):
-        hd, interleaved = z["pairs"] or (0, False)
-        R = slots(len(z["linears"]), bool(hd))
-        tiles = _tiles(z["width"], R, bool(hd))
-        z_epi = [n for n in epilogue if _zip_of(G, n, z["linears"], set(nodes))]
+        hd, interleaved = z.pairs or (0, False)
+        R = slots(len(z.linears), bool(hd))
+        tiles = _tiles(z.width, R, bool(hd))
+        z_epi = [n for n in epilogue if _zip_of(G, n, z.linears, set(nodes))]
         preload: list[str] = []
-        zips.append({"N": z["width"], "R": R, "hd": hd, "interleaved": str(interleaved).lower(),
-                     "start": start, "end": start + tiles,
-                     "members": [params.ref(G.nodes[l]["inputs"][1]) for l in z["linears"]],
-                     "epilogue": _epilogue(G, launch, z["linears"], z_epi, R, params, batched, preload),
-                     "preload": "\n".join(preload)})
+        members = [params.ref(G.nodes[l]["inputs"][1]) for l in z.linears]
+        body = _epilogue(G, launch, z.linears, z_epi, R, params, batched, preload)
+        zips.append(ZipTile(z.width, R, hd, str(interleaved).lower(), start, start + tiles, members, body,
+                            "\n".join(preload)))
         start += tiles
     return zips, start
 
@@ -106,7 +126,7 @@ def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False, pr
     `batched` (the gemm family, tokens > 1): for token `t` of the step, whose dot products
     tile_out holds as [member][slot][token] (TT tokens) and whose partner slot s ^ 1 sits in the
     neighbouring thread. Otherwise the row operands the launch may read before its wait
-    (launch["early"], compiler/plan_early_reads.py) are loaded by declarations appended to
+    (launch.early, compiler/plan_early_reads.py) are loaded by declarations appended to
     `preload`, which the template places before the dot products."""
     def tile(i, slot):
         return f"tile_out[({i} * R + {slot}) * TT + t]" if batched else f"slices_sum(tile_out, {i} * R + {slot})"
@@ -115,7 +135,7 @@ def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False, pr
     var = {l: f"({tile(i, 's')} * pscale)" for i, l in enumerate(linears)}
     partner = {l: f"({tile(i, '(s ^ 1)')} * pscale)" for i, l in enumerate(linears)}
     decls, body = [], []
-    inside = set(launch["nodes"])
+    inside = set(launch.nodes)
     for n in epilogue:
         d = G.nodes[n]
         kind = d["kind"]
@@ -145,7 +165,7 @@ def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False, pr
                            preload, batched)
             body.append(f"if (active) {v} = rope_rotate({var[src]}, {partner[src]}, s & 1, {angle});")
         var[n] = v
-    for n in launch["writes"]:
+    for n in launch.writes:
         if n in var and get(G.nodes[n]["op"]).inplace_of is None:
             at = f"t * {G.nodes[n]['shape'][-1]} + row" if batched else "row"
             body.append(f"if (active) {params.ref(n, written=True)}[{at}] = {var[n]};")
@@ -154,11 +174,11 @@ def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False, pr
 
 def _ahead(expr: str, values: list[str], ctype: str, early_expr: str, launch, preload: list[str] | None,
            batched: bool) -> str:
-    """`expr`, or where the launch may read all of `values` before its wait (launch["early"]), a
+    """`expr`, or where the launch may read all of `values` before its wait (launch.early), a
     register that a declaration appended to `preload` computes ahead as `early_expr`, whose loads
     of earlier kernels' values go through L2 (`__ldcg`: L1 is not kept coherent with other SMs'
     writes)."""
-    if batched or not EARLY_READS or preload is None or not set(values) <= set(launch.get("early", ())):
+    if batched or preload is None or not set(values) <= set(launch.early):
         return expr
     name = f"e{len(preload)}"
     preload.append(f"        const {ctype} {name} = active ? {early_expr} : 0;")

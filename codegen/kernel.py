@@ -3,6 +3,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import networkx as nx
+
+from ..compiler.kernels import ScheduledKernel
+from .tuning import Target, Tuning
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What a kernel family is handed to generate one scheduled kernel."""
+    G: nx.DiGraph             # the compiled graph
+    launch: ScheduledKernel   # the kernel of its schedule
+    rows: int                 # KV cache rows the attention kernels are built for
+    tokens: int               # tokens per step: 1 (decode) or a prefill step's
+    target: Target
+    tuning: Tuning
+
 
 @dataclass
 class Launch:
@@ -38,9 +54,11 @@ class KernelSource:
     slab_floats: int = 0      # split-K gemm (prefill): its "gemm_slabs" floats and "gemm_counts" words
     tile_counts: int = 0
     staged_floats: int = 0    # gemm with its vectors staged (prefill): its "gemm_x" floats
-    notes: dict = field(default_factory=dict)   # for `fuselm inspect`: attention's pass types
+    # attention: which pass runs where ("split", "one launch", "wide split") -> attention.Pass
+    passes: dict = field(default_factory=dict)
     # By increasing `until`; the runtime keeps one CUDA graph per range of positions.
     variants: list[Variant] = field(default_factory=list)
+    source_order: list[str] = field(default_factory=list)   # functions(), where launches list them otherwise
 
     def launches_at(self, position: int) -> list[Launch]:
         """The launches that serve a step at `position`: the first variant whose range holds it."""
@@ -53,6 +71,10 @@ class KernelSource:
     def all_launches(self) -> list[Launch]:
         """Every launch this kernel's module must provide, variants included."""
         return self.launches + [l for v in self.variants for l in v.launches]
+
+    def functions(self) -> list[str]:
+        """Its extern "C" functions in the order its source defines them."""
+        return self.source_order or list(dict.fromkeys(l.function for l in self.all_launches()))
 
     def annotated(self) -> str:
         """The source headed by a comment listing the graph nodes it implements (for inspect)."""

@@ -11,13 +11,21 @@ import networkx as nx
 from ..compiler.kernels import materialized
 from ..dsl import Kind
 from . import cexpr
+from .kernel import KernelSource, KernelSpec, Launch
 from .params import Params
+from .render import render
 
 
-def context(G: nx.DiGraph, launch: dict, params: Params) -> dict:
-    """Template variables of one row-wise kernel: a code phase per stored op."""
-    nodes = launch["nodes"]
-    stored = set(materialized(G, nodes)) | set(launch["writes"])
+
+def generate(spec: KernelSpec) -> KernelSource:
+    """One row-wise kernel: a block per token row, a code phase per stored op. It releases the
+    next kernel at its start (grid_release): its one block takes no SM slot the next kernel's
+    would need, and the GEMV after it starts its weight stream sooner (measured: 4k context 1-2%
+    faster)."""
+    G, launch = spec.G, spec.launch
+    params = Params(G)
+    nodes = launch.nodes
+    stored = set(materialized(G, nodes)) | set(launch.writes)
     inside = set(nodes)
 
     def at(v: str, i: str = "i") -> str:
@@ -49,7 +57,9 @@ def context(G: nx.DiGraph, launch: dict, params: Params) -> dict:
     # One block per token row: at decode time a single block, so its latency is the kernel's;
     # more threads mean shorter chains of dependent loads per thread.
     threads = min(1024, max(256, width // 4 // 32 * 32))
-    return {"phases": phases, "threads": threads, "grid": "T"}
+    name, source = render("rowwise.cu.j2", "rowwise", f"{len(phases)}ops", params=params.decls, phases=phases,
+                          threads=threads)
+    return KernelSource(name, "rowwise", source, nodes, [Launch(name, ("T", 1), threads, params.values)], launch.layer)
 
 
 def _loop(width, stmt: str) -> str:

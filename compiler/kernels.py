@@ -13,6 +13,8 @@ The helpers here are shared by the passes; they never look at op names, only at 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass, field
+
 import networkx as nx
 
 from ..dsl import Kind, get
@@ -20,6 +22,30 @@ from ..dsl import Kind, get
 EPILOGUE_KINDS = (Kind.ELEMENTWISE, Kind.ROW_LOCAL, Kind.CACHE_WRITE)
 ROWWISE_KINDS = (Kind.EMBEDDING, Kind.NORM, Kind.ELEMENTWISE, Kind.ROW_LOCAL, Kind.CACHE_WRITE,
                  Kind.REDUCTION)
+
+
+@dataclass(frozen=True)
+class ScheduledKernel:
+    """One kernel of the launch schedule (compiler/schedule.py makes them, in launch order)."""
+    kernel: str               # the kernel id its nodes carry
+    family: str               # "gemv", "attention", "moe" or "rowwise" (see the module docstring)
+    nodes: list[str]          # graph nodes it computes, in graph order
+    reads: list[str]          # values it reads that other kernels (or sources) hold
+    writes: list[str]         # values it writes for other kernels, or as graph outputs
+    scratch: list[str]        # values it stores for itself alone (a row-wise kernel's stored ops)
+    layer: int | None         # the decoder layer it belongs to
+    early: list[str] = field(default_factory=list)   # reads it may make before its wait (plan_early_reads)
+
+
+@dataclass
+class ZipSet:
+    """Linears of a gemv kernel whose outputs meet in one epilogue op: a block computes the same
+    tile of rows of each, so they share one width. `pairs` fixes how a tile's slots map to rows:
+    (span, interleaved) when a row-local op (RoPE) pairs row i with i + span/2 (or 2i with 2i+1),
+    None for contiguous rows."""
+    linears: list[str]
+    width: int
+    pairs: tuple[int, bool] | None = None
 
 
 def members(G: nx.DiGraph) -> dict[str, list[str]]:
@@ -135,14 +161,9 @@ def tile_width(G: nx.DiGraph, name: str) -> int:
     return G.nodes[name]["shape"][-1]
 
 
-def zip_sets(G: nx.DiGraph, nodes: list[str]) -> list[dict]:
-    """Group a gemv kernel's linears into zip sets: linears whose outputs meet in one epilogue op.
-
-    A block computes the same tile of rows of every linear in a zip set, so they need one width.
-    Each set also fixes how a tile's slots map to rows: "pairs" when a row-local op (RoPE) pairs
-    row i with i + span/2 (or 2i with 2i+1 when interleaved), "contiguous" otherwise.
-    Returns [{"linears": [...], "width": N, "pairs": (span, interleaved) | None}].
-    """
+def zip_sets(G: nx.DiGraph, nodes: list[str]) -> list[ZipSet]:
+    """Group a gemv kernel's linears into zip sets (ZipSet); raises ValueError where their tiles
+    cannot line up."""
     prologue, linears, epilogue = gemv_parts(G, nodes)
     inside = set(nodes)
     root = {n: n for n in linears}    # union-find over linears; epilogue nodes map to a linear
@@ -161,15 +182,15 @@ def zip_sets(G: nx.DiGraph, nodes: list[str]) -> list[dict]:
         root[n] = reps[0]
         for r in reps[1:]:
             root[r] = reps[0]
-    sets: dict[str, dict] = {}
+    sets: dict[str, ZipSet] = {}
     for lin in linears:
-        s = sets.setdefault(find(lin), {"linears": [], "width": tile_width(G, lin), "pairs": None})
-        if tile_width(G, lin) != s["width"]:
-            raise ValueError(f"GEMVs {s['linears'] + [lin]} meet in an epilogue but differ in width")
-        s["linears"].append(lin)
+        s = sets.setdefault(find(lin), ZipSet([], tile_width(G, lin)))
+        if tile_width(G, lin) != s.width:
+            raise ValueError(f"GEMVs {s.linears + [lin]} meet in an epilogue but differ in width")
+        s.linears.append(lin)
     for n in epilogue:
         s = sets[find(n)]
-        if tile_width(G, n) != s["width"]:
+        if tile_width(G, n) != s.width:
             raise ValueError(f"epilogue node {n} is not as wide as its GEMV")
         opdef = get(G.nodes[n]["op"])
         if opdef.kind is Kind.ROW_LOCAL:
@@ -178,9 +199,9 @@ def zip_sets(G: nx.DiGraph, nodes: list[str]) -> list[dict]:
             if opdef.tile_fits is not None and not opdef.tile_fits(shapes, attrs):
                 raise ValueError(f"row-local {n} does not fit the GEMV tile layout")
             pairs = (attrs[opdef.span_attr], bool(attrs.get("interleaved")))
-            if s["pairs"] not in (None, pairs) or s["width"] % pairs[0]:
-                raise ValueError(f"row-local {n} needs tiles {pairs}, its GEMV has {s['pairs']}")
-            s["pairs"] = pairs
+            if s.pairs not in (None, pairs) or s.width % pairs[0]:
+                raise ValueError(f"row-local {n} needs tiles {pairs}, its GEMV has {s.pairs}")
+            s.pairs = pairs
     return list(sets.values())
 
 

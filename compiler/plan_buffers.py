@@ -25,10 +25,10 @@ def plan_buffers(G: nx.DiGraph, tokens: int = 1) -> nx.DiGraph:
     end = len(launches)
     life: dict[str, list[int]] = {}
     for step, launch in enumerate(launches):
-        for v in launch["writes"] + launch["scratch"]:
+        for v in launch.writes + launch.scratch:
             if get(G.nodes[v]["op"]).inplace_of is None:
                 life[v] = [step, step]
-        for v in launch["reads"]:
+        for v in launch.reads:
             if v in life:
                 life[v][1] = step
     for v in G.graph["outputs"].values():

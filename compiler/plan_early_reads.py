@@ -28,6 +28,8 @@ wait; other launches are unchanged.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import networkx as nx
 
 from ..dsl import Kind
@@ -43,10 +45,10 @@ def plan_early_reads(G: nx.DiGraph) -> nx.DiGraph:
     written: set[str] = set(inputs)  # written by all launches so far, and before the step
     launches = []
     for launch in G.graph["schedule"]:
-        if launch["family"] == "gemv":
-            launch = {**launch, "early": [r for r in launch["reads"] if r in fixed or r in settled]}
+        if launch.family == "gemv":
+            launch = replace(launch, early=[r for r in launch.reads if r in fixed or r in settled])
             settled = set(written)
-        written |= set(launch["nodes"])
+        written |= set(launch.nodes)
         launches.append(launch)
     G.graph["schedule"] = launches
     return G

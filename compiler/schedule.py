@@ -2,9 +2,9 @@
 
 Before: every compute node carries the id of the kernel it runs in.
 After: `G.graph["schedule"]` is the list of kernels in launch order (a topological order of the
-kernel graph, ties broken by graph order), each a dict with its family, nodes, the values it reads
-from other kernels (`reads`), the values it writes for other kernels or as outputs (`writes`),
-and the decoder layer it belongs to (or None).
+kernel graph, ties broken by graph order), each a ScheduledKernel: its family, nodes, the values
+it reads from other kernels, the values it writes for other kernels or as outputs, and the decoder
+layer it belongs to (or None).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import re
 import networkx as nx
 
 from ..dsl import Kind
-from .kernels import family, kernel_graph, materialized, members
+from .kernels import ScheduledKernel, family, kernel_graph, materialized, members
 
 _LAYER = re.compile(r"(?:layers|cache)\.(\d+)\.")
 
@@ -35,8 +35,7 @@ def schedule(G: nx.DiGraph) -> nx.DiGraph:
         writes = [n for n in nodes if n in outputs or any(s not in inside for s in G.successors(n))
                   or not any(True for _ in G.successors(n))]
         scratch = [n for n in materialized(G, nodes) if n not in writes]
-        launches.append({"kernel": k, "family": family(G, nodes), "nodes": nodes, "reads": reads,
-                         "writes": writes, "scratch": scratch, "layer": _layer(G, nodes + reads)})
+        launches.append(ScheduledKernel(k, family(G, nodes), nodes, reads, writes, scratch, _layer(G, nodes + reads)))
     G.graph["schedule"] = launches
     return G
 

@@ -36,7 +36,7 @@ def validate(G: nx.DiGraph) -> None:
     if "schedule" in G.graph:
         ready = {n for n, d in G.nodes(data=True) if d["kind"] is Kind.SOURCE}
         for launch in G.graph["schedule"]:
-            missing = [r for r in launch["reads"] if r not in ready]
+            missing = [r for r in launch.reads if r not in ready]
             if missing:
-                fail(f"launch {launch['kernel']} reads {missing} before anything writes them")
-            ready |= set(launch["nodes"])
+                fail(f"launch {launch.kernel} reads {missing} before anything writes them")
+            ready |= set(launch.nodes)

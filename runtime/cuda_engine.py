@@ -13,15 +13,14 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..codegen import generate, module_source, sampler, trace_enabled
-from ..codegen.emit import sampler_scratch_words
+from ..codegen import Target, Tuning, build_program
 from ..codegen.params import storage_of
-from ..compiler import compile_graph
+from ..codegen.sample import scratch_words
 from ..dsl import Graph
 from ..errors import FuselmError
 from .engine import SamplingParams
 from .launch import arena_view, bind_launch, load_cubin, pdl_wanted
-from .prefill import Prefill, compile_planned, plan as prefill_plan
+from .prefill import Prefill
 
 SAMPLING_ARGS = np.dtype([("temperature", "f4"), ("top_p", "f4"), ("min_p", "f4"),
                           ("repetition_penalty", "f4"), ("top_k", "i4"), ("seed", "i4"),
@@ -80,8 +79,8 @@ class CudaEngine:
     device = "cuda"
 
     def __init__(self, graph: Graph, weights: Mapping[str, object], ctx: int = 4096, fuse: bool = True,
-                 use_graph: bool = True, arch: str | None = None, pass_list=None, variant: str | None = None,
-                 batched_prefill: bool = True):
+                 use_graph: bool = True, pass_list=None, variant: str | None = None,
+                 batched_prefill: bool = True, tuning: Tuning | None = None, trace: bool = False):
         import cupy
         if ctx <= 0:
             raise FuselmError(f"context must be a positive number of tokens, got {ctx}")
@@ -91,41 +90,24 @@ class CudaEngine:
         # without variants): that one at every position, where a kernel has it (tests).
         self.variant = variant
         self.position = 0
-        self.arch = arch or f"sm_{cupy.cuda.Device().compute_capability}"
-        self.pdl = pdl_wanted(cupy.cuda.Device().compute_capability)
-        t0 = time.perf_counter()
-        self.G = compile_graph(graph, fuse=fuse, tokens=1, pass_list=pass_list)   # pass_list: tests
-        self.kernels = generate(self.G, rows=ctx)
+        target = Target.of_device()
+        self.pdl = pdl_wanted(target.capability)
+        # A forced variant runs only the decode graphs: prompts then go one token at a time.
+        self.program = build_program(graph, ctx, target, tuning, fuse=fuse, trace=trace, pass_list=pass_list,
+                                     prefill=batched_prefill and variant is None)
+        self.G, self.kernels = self.program.decode.G, self.program.decode.kernels
         check_variant(self.kernels, variant)
-        # A language model's step ends in the sampler; other graphs (tests, tools) just stop.
-        self.logits_value = self.G.graph["outputs"].get("logits")
+        self.logits_value = self.program.decode.logits   # None: a graph without a sampler (tests, tools)
         vocab = self.G.nodes[self.logits_value]["shape"][-1] if self.logits_value else 1
-        if self.logits_value:
-            self.kernels.append(sampler(vocab))
-        self.traced = trace_enabled()     # kernels that record the block timeline (runtime/trace.py)
-        # A language model's prompt tokens but the last go through the batched prefill graphs where
-        # it has them (and this engine runs its whole model: no forced variant or pass list), else
-        # one step each.
-        lm = self.logits_value and {n.name for n in graph.sources("input")} == {"ids", "pos"}
-        if not batched_prefill:
-            prefill = "turned off (batched_prefill=False)"
-        elif not lm or variant is not None or pass_list is not None:
-            prefill = "not a whole language model (a test graph, a forced variant or pass list)"
-        else:
-            prefill = prefill_plan(graph, ctx, self.arch, fuse)      # or why there is none
-        planned = [] if isinstance(prefill, str) else prefill
-        # all modules at once: NVRTC compiles them in parallel threads
-        ((cubin, _, self.compile_cached),), built = compile_planned(planned, self.arch, [module_source(self.kernels)])
-        if planned:
-            prefill = built
-        self.compile_seconds = time.perf_counter() - t0
-        self.module = load_cubin(cupy, cubin)
+        self.traced = trace     # kernels that record the block timeline (tools/trace.py)
+        self.compile_seconds, self.compile_cached = self.program.compile_seconds, self.program.cached
+        self.module = load_cubin(cupy, self.program.decode.cubin)
         self._allocate(weights, vocab)
         self._bind()
         self.stream = cupy.cuda.Stream(non_blocking=True)
         # why prompts go one token at a time, or None
-        self.prefill_refused = prefill if isinstance(prefill, str) else None
-        self.batched_prefill = None if self.prefill_refused else Prefill(self, prefill)
+        self.prefill_refused = self.program.prefill_refused
+        self.batched_prefill = Prefill(self, self.program.prefill) if self.program.prefill else None
         cupy.cuda.Device().synchronize()   # zero-filled buffers (counters) ready before any launch
         self._sampling: SamplingParams | None = None
         self._on_device: tuple[int, int] | None = None   # (id, position) the sampler left in ids, pos
@@ -154,7 +136,7 @@ class CudaEngine:
         self.pos = self.inputs.get("pos", cp.zeros(1, cp.int32))
         self.seen = cp.zeros(vocab, cp.uint8)
         self.sampling_args = cp.zeros(SAMPLING_ARGS.itemsize, cp.uint8)
-        self.sampler_scratch = cp.zeros(sampler_scratch_words(), cp.uint32)
+        self.sampler_scratch = cp.zeros(scratch_words(self.program.tuning), cp.uint32)
         ws = max([k.workspace_floats for k in self.kernels] + [1])
         self.workspace = cp.empty(ws, cp.float32)
 

@@ -8,12 +8,12 @@ instead of once per token (codegen's gemm family), and attention runs one block 
 token. It shares the decode engine's weights, constants and caches; it has its own arena and its
 own ids / positions.
 
-The graph is compiled once per step size in SIZES (64 and 32 tokens unless FUSELM_PREFILL_TOKENS
-says otherwise). A step costs about the same however few of its tokens are real, and a step of 64
-costs less than two of 32 (each weight streams once for all of them), so a prompt goes in steps
-of the largest size while more remain, then in the smallest step that holds the rest
-(step_sizes). The last step is padded: the padding's cache rows lie past the prompt, where the
-decode steps overwrite each row before any step reads it.
+The graph is compiled once per step size (codegen's Tuning.prefill_tokens: 64 and 32). A step
+costs about the same however few of its tokens are real, and a step of 64 costs less than two of
+32 (each weight streams once for all of them), so a prompt goes in steps of the largest size
+while more remain, then in the smallest step that holds the rest (step_sizes). The last step is
+padded: the padding's cache rows lie past the prompt, where the decode steps overwrite each row
+before any step reads it.
 """
 from __future__ import annotations
 
@@ -21,20 +21,13 @@ import weakref
 
 import numpy as np
 
-from ..codegen import generate, headers, module_source
-from ..codegen.knobs import env_ints
-from ..codegen.nvrtc import compile_cubins, options
+from ..codegen.build import PrefillStep
 from ..codegen.params import storage_of
-from ..compiler import compile_graph, compile_graphs
 from ..errors import FuselmError
 from .launch import arena_view, bind_launch, load_cubin
 
-STEP_RANGE = (8, 64)   # tokens a prefill step may take, a multiple of 8 (the mma's token tile)
-# tokens per prefill step, largest first: one module each
-SIZES = env_ints("FUSELM_PREFILL_TOKENS", "64,32", *STEP_RANGE, multiple=8)
 
-
-def step_sizes(n: int, room: int, sizes: tuple[int, ...] = SIZES) -> list[int]:
+def step_sizes(n: int, room: int, sizes: tuple[int, ...]) -> list[int]:
     """The steps, in order, that feed `n` prompt tokens where `room` cache rows are left: steps of
     the largest size while more tokens remain than it holds, then the smallest one that holds the
     rest. No step ends past the cache; where none fits, the list stops short (the tokens it leaves
@@ -53,59 +46,19 @@ def step_sizes(n: int, room: int, sizes: tuple[int, ...] = SIZES) -> list[int]:
     return steps
 
 
-def prefill_kernels(graph, ctx: int, fuse: bool = True, tokens: int = SIZES[0], G=None):
-    """(compiled graph, kernels) of `graph`'s prefill in steps of `tokens` tokens for a cache of
-    `ctx` rows (G: that graph already compiled); a FuselmError saying why where it has none."""
-    G = G if G is not None else compile_graph(graph, fuse=fuse, tokens=tokens, state_only=True)
-    if not G.graph["schedule"]:
-        raise FuselmError(f"{graph.name}: nothing to prefill (no KV cache)")
-    return G, generate(G, rows=ctx, tokens=tokens)
-
-
-def plan(graph, ctx: int, arch: str, fuse: bool = True):
-    """[(tokens, compiled graph, kernels)] for each step size of SIZES that `graph` has a prefill
-    for on `arch` (sizes whose tiles do not fit are left out), or the reason it has none."""
-    if int(arch.removeprefix("sm_").rstrip("a")) < 80:
-        return "the gemm kernels need tensor cores with bf16 (sm_80 on)"
-    planned, why = [], None
-    for tokens, G in compile_graphs(graph, SIZES, fuse=fuse, state_only=True).items():
-        try:
-            planned.append((tokens, *prefill_kernels(graph, ctx, fuse, tokens, G)))
-        except FuselmError as e:
-            why = why or str(e)
-    return planned or why
-
-
-def compile_planned(planned, arch: str, others: tuple[str, ...] | list[str] = ()):
-    """The modules of plan()'s sizes compiled side by side with the sources `others` (a model's
-    decode module): (compile_cubin's result for each of `others`, [(tokens, compiled graph,
-    kernels, cubin)])."""
-    results = compile_cubins([*others, *(module_source(k) for _, _, k in planned)], headers(), options(arch))
-    built = [(t, G, k, cubin) for (t, G, k), (cubin, _, _) in zip(planned, results[len(others):])]
-    return results[:len(others)], built
-
-
-def build(graph, ctx: int, arch: str, fuse: bool = True):
-    """plan() with each size's module compiled: [(tokens, compiled graph, kernels, cubin)], or the
-    reason `graph` has no prefill."""
-    planned = plan(graph, ctx, arch, fuse)
-    return planned if isinstance(planned, str) else compile_planned(planned, arch)[1]
-
-
 class Prefill:
     """The prefill graphs of a CudaEngine's model, one per step size, bound to the engine's
-    buffers (see the module docstring); `built` comes from build() or compile_planned(). The
-    steps run one after another on the engine's stream, so they share one arena and the runtime
-    buffers."""
+    buffers (see the module docstring); `steps` are its Program's, compiled. The steps run one
+    after another on the engine's stream, so they share one arena and the runtime buffers."""
 
-    def __init__(self, engine, built):
+    def __init__(self, engine, steps: list[PrefillStep]):
         cp = engine.cp
         # A weak reference: the engine holds this object, and a cycle would keep both (and every
         # weight) alive after the engine is dropped, until the garbage collector ran.
         self.engine = weakref.proxy(engine)
-        self.sizes = tuple(t for t, *_ in built)
-        self.arena = cp.empty(max([G.graph["arena_bytes"] for _, G, _, _ in built] + [256]), cp.uint8)
-        kernels = [k for _, _, ks, _ in built for k in ks]
+        self.sizes = tuple(s.tokens for s in steps)
+        self.arena = cp.empty(max([s.G.graph["arena_bytes"] for s in steps] + [256]), cp.uint8)
+        kernels = [k for s in steps for k in s.kernels]
         self.buffers = {
             # the moe kernels' activations of every expert for every token of the step
             "workspace": cp.empty(max([k.workspace_floats for k in kernels] + [1]), cp.float32),
@@ -117,8 +70,7 @@ class Prefill:
             "gemm_x": cp.empty(max([k.staged_floats for k in kernels] + [1]), cp.float32),
         }
         self.workspace = self.buffers["workspace"]
-        self.steps = {t: _Step(self.engine, self.arena, self.buffers, t, G, kernels, cubin)
-                      for t, G, kernels, cubin in built}
+        self.steps = {s.tokens: _Step(self.engine, self.arena, self.buffers, s) for s in steps}
 
     def plan(self, tokens: int, start: int) -> list[int]:
         """The step sizes that feed `tokens` prompt tokens from position `start` (step_sizes)."""
@@ -145,11 +97,12 @@ class _Step:
     """The prefill graph for steps of `tokens` tokens: its module, launches, ids and positions;
     its activations in `arena` and the runtime `buffers`, which the Prefill shares among its steps."""
 
-    def __init__(self, engine, arena, buffers: dict, tokens: int, G, kernels, cubin: bytes):
+    def __init__(self, engine, arena, buffers: dict, step: PrefillStep):
         cp = engine.cp
         self.engine, self.arena, self.buffers = engine, arena, buffers
-        self.tokens, self.G, self.kernels = tokens, G, kernels
-        self.module = load_cubin(cp, cubin)
+        tokens = step.tokens
+        self.tokens, self.G, self.kernels = tokens, step.G, step.kernels
+        self.module = load_cubin(cp, step.cubin)
         self.ids = cp.zeros(tokens, cp.int32)         # [tokens] token ids of the step
         self.pos = cp.zeros(tokens, cp.int32)         # [tokens] their positions
         self.calls = [bind_launch(self.module, l, self.buffer, engine.pdl, tokens=tokens)

@@ -16,7 +16,7 @@ compiler's own launch list and buffer plan:
     overlaps it, the launch sees the clobbered bytes, as a GPU kernel would;
 - inside a launch, nodes are evaluated in order with each op's numpy reference
   (`dsl.get(op).reference`); intermediates stay local to the launch (on chip), and only the values
-  in `launch["writes"]` and `launch["scratch"]` are stored into the arena, right after they are
+  in `launch.writes` and `launch.scratch` are stored into the arena, right after they are
   computed;
 - graph outputs are read back from the arena after the last launch.
 
@@ -102,10 +102,10 @@ def run_schedule(G: nx.DiGraph, weights: Mapping[str, np.ndarray], feeds: Mappin
         return arena_view(name)
 
     for launch in G.graph["schedule"]:
-        inside = set(launch["nodes"])
-        to_store = set(launch["writes"]) | set(launch["scratch"])
+        inside = set(launch.nodes)
+        to_store = set(launch.writes) | set(launch.scratch)
         local: dict[str, np.ndarray] = {}
-        for n in launch["nodes"]:
+        for n in launch.nodes:
             d = G.nodes[n]
             opdef = get(d["op"])
             args = [local[i] if i in inside else stored(i) for i in d["inputs"]]

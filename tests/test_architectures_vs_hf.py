@@ -335,8 +335,8 @@ def test_mixtral_moe_runs_as_its_own_kernel_family():
     want = run_graph(graph, weights, feeds, new_state(graph, 8))["logits"]
     for fuse in (True, False):
         G = compile_graph(graph, fuse=fuse, tokens=3)
-        moe = [l for l in G.graph["schedule"] if l["family"] == "moe"]
-        assert len(moe) == 3 and all(len(l["nodes"]) == 1 for l in moe)
+        moe = [l for l in G.graph["schedule"] if l.family == "moe"]
+        assert len(moe) == 3 and all(len(l.nodes) == 1 for l in moe)
         got = run_schedule(G, weights, feeds, new_state(graph, 8))["logits"]
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
 

@@ -35,10 +35,10 @@ def _in_place(G, v) -> bool:
 def liveness(G) -> dict[str, tuple[int, int]]:
     """value -> (launch that stores it, last launch that reads it) for every arena value."""
     sched = G.graph["schedule"]
-    where = {n: i for i, l in enumerate(sched) for n in l["nodes"]}
+    where = {n: i for i, l in enumerate(sched) for n in l.nodes}
     life = {}
     for i, l in enumerate(sched):
-        for v in l["writes"] + l["scratch"]:
+        for v in l.writes + l.scratch:
             if not _in_place(G, v):
                 assert v not in life, f"{v} stored by two launches"
                 life[v] = [i, i]
@@ -56,11 +56,11 @@ def check_plan(G, tokens: int) -> dict[str, tuple[int, int]]:
     life = liveness(G)
     assert set(buffers) == set(life), (set(buffers) ^ set(life))
     # every cross-kernel read is stored by an earlier launch
-    where = {n: i for i, l in enumerate(sched) for n in l["nodes"]}
+    where = {n: i for i, l in enumerate(sched) for n in l.nodes}
     for i, l in enumerate(sched):
-        for n in l["nodes"]:
+        for n in l.nodes:
             for src in G.nodes[n]["inputs"]:
-                if src in l["nodes"] or G.nodes[src]["kind"] is Kind.SOURCE or _in_place(G, src):
+                if src in l.nodes or G.nodes[src]["kind"] is Kind.SOURCE or _in_place(G, src):
                     continue
                 assert src in buffers, f"launch {i} reads {src}, which has no buffer"
                 assert life[src][0] < i, f"launch {i} reads {src} before launch {life[src][0]} stores it"

@@ -115,8 +115,8 @@ def test_prologue_puts_the_norm_inside_the_gemv(h):
             [norm] = _norm_reading(after, norm_w)
             assert kernel_of(before, norm) != kernel_of(before, lin(before, reader))
             assert kernel_of(after, norm) == kernel_of(after, lin(after, reader))
-            launch = next(l for l in after.graph["schedule"] if norm in l["nodes"])
-            assert launch["family"] == "gemv" and norm not in launch["writes"] + launch["scratch"]
+            launch = next(l for l in after.graph["schedule"] if norm in l.nodes)
+            assert launch.family == "gemv" and norm not in launch.writes + launch.scratch
     [final] = _norm_reading(after, "model.norm.weight")
     assert kernel_of(after, final) == kernel_of(after, lin(after, "lm_head.weight"))
     G = compile_graph(g, tokens=3, pass_list=[infer_shapes, fuse_horizontal, fuse_prologue,
@@ -168,8 +168,8 @@ def test_epilogue_takes_bias_rope_kv_write_silu_mul_and_residual_adds(h):
             for n in members(G)[k]:
                 if G.nodes[n]["kind"] in (Kind.ELEMENTWISE, Kind.ROW_LOCAL, Kind.CACHE_WRITE):
                     assert members(no_epi)[kernel_of(no_epi, n)] == [n]
-        launch = next(l for l in G.graph["schedule"] if l["kernel"] == qkv)
-        written = {G.nodes[n]["op"] for n in launch["writes"]}
+        launch = next(l for l in G.graph["schedule"] if l.kernel == qkv)
+        written = {G.nodes[n]["op"] for n in launch.writes}
         assert written == {"rope", "kv_write"}   # q after RoPE for attention; K, V into the cache
     assert run_both(h, g, G) < 1e-5
 
@@ -184,7 +184,7 @@ def test_launches_per_layer(h, graph):
     sched = G.graph["schedule"]
     per_layer = {}
     for l in sched:
-        per_layer.setdefault(l["layer"], []).append(l["family"])
+        per_layer.setdefault(l.layer, []).append(l.family)
     assert sorted(k for k in per_layer if k is not None) == [0, 1, 2]
     for i in range(3):
         assert len(per_layer[i]) <= 5
@@ -192,8 +192,8 @@ def test_launches_per_layer(h, graph):
         assert per_layer[i] == ["gemv", "attention", "gemv", "gemv", "gemv"]
     first, last = sched[0], sched[-1]
     assert per_layer[None] == ["rowwise", "gemv"]
-    assert first["layer"] is None and [G.nodes[n]["op"] for n in first["nodes"]] == ["embedding"]
-    assert last["layer"] is None and [G.nodes[n]["op"] for n in last["nodes"]] == ["rmsnorm", "linear"]
+    assert first.layer is None and [G.nodes[n]["op"] for n in first.nodes] == ["embedding"]
+    assert last.layer is None and [G.nodes[n]["op"] for n in last.nodes] == ["rmsnorm", "linear"]
     assert len(sched) == 3 * 5 + 2
     assert run_both(h, graph, compile_graph(graph, tokens=1), tokens=1, rows=1) < 1e-5
 
@@ -228,7 +228,7 @@ def test_a_state_only_step_of_several_tokens_fills_the_caches_like_one_token_ste
     leaves when fed the same tokens one step at a time."""
     tokens, rows = 6, 8
     G = compile_graph(graph, tokens=tokens, state_only=True)
-    assert G.graph["outputs"] == {} and all(l["family"] != "moe" for l in G.graph["schedule"])
+    assert G.graph["outputs"] == {} and all(l.family != "moe" for l in G.graph["schedule"])
     weights = model_weights(graph, 1)
     ids = np.random.default_rng(1).integers(0, 29, tokens).astype(np.int32)
     batched = new_state(graph, rows)
@@ -368,13 +368,13 @@ def test_a_new_elementwise_op_is_fused_into_a_gemv_epilogue(h, mytest_op):
     G = compile_graph(g, tokens=2)
     print(as_text(G))
     [launch] = G.graph["schedule"]
-    assert launch["family"] == "gemv"
-    assert [G.nodes[n]["op"] for n in launch["nodes"]] == ["rmsnorm", "linear", "add", "mytest_op", "mytest_op"]
-    assert launch["writes"] == [g.outputs["z"]]
+    assert launch.family == "gemv"
+    assert [G.nodes[n]["op"] for n in launch.nodes] == ["rmsnorm", "linear", "add", "mytest_op", "mytest_op"]
+    assert launch.writes == [g.outputs["z"]]
     assert run_both(h, g, G, tokens=2) < 1e-5
     [src] = generate(G, rows=4)
     assert src.source.count("fmaf(") == 2 and "0.1171875f" in src.source
-    assert compile_graph(g, fuse=False, tokens=2).graph["schedule"][-1]["family"] == "rowwise"
+    assert compile_graph(g, fuse=False, tokens=2).graph["schedule"][-1].family == "rowwise"
 
 
 # ---- legality refusals ---------------------------------------------------------------------------
@@ -399,8 +399,8 @@ def test_norm_read_by_a_non_linear_stays_its_own_kernel_and_is_written(h):
     G = compile_graph(g, tokens=2)
     print(as_text(G))
     assert kernel_of(G, n.name) != kernel_of(G, y.name)
-    launch = next(l for l in G.graph["schedule"] if n.name in l["nodes"])
-    assert launch["family"] == "rowwise" and n.name in launch["writes"]
+    launch = next(l for l in G.graph["schedule"] if n.name in l.nodes)
+    assert launch.family == "rowwise" and n.name in launch.writes
     assert run_both(h, g, G, tokens=2) < 1e-5
 
 
@@ -411,8 +411,8 @@ def test_an_epilogue_value_read_by_a_later_kernel_is_written(h):
     z = g.op("linear", b, g.weight("w2", (3, 5)))
     g.output(z=z, s=g.op("softmax", b))
     G = compile_graph(g, tokens=2)
-    launch = next(l for l in G.graph["schedule"] if y.name in l["nodes"])
-    assert b.name in launch["nodes"] and launch["writes"] == [b.name]
+    launch = next(l for l in G.graph["schedule"] if y.name in l.nodes)
+    assert b.name in launch.nodes and launch.writes == [b.name]
     assert run_both(h, g, G, tokens=2) < 1e-5
 
 
@@ -438,8 +438,8 @@ def test_norm_output_is_not_a_gemv_prologue():
     y = g.op("linear", n, g.weight("w", (6, 8)))
     g.output(n=n, y=y)
     G = compile_graph(g)
-    launch = next(l for l in G.graph["schedule"] if n.name in l["nodes"])
-    assert launch["family"] != "gemv"          # else the norm is a prologue and never stored
+    launch = next(l for l in G.graph["schedule"] if n.name in l.nodes)
+    assert launch.family != "gemv"          # else the norm is a prologue and never stored
 
 
 # ---- dumps ---------------------------------------------------------------------------------------
@@ -502,8 +502,8 @@ def test_grouped_norm_is_not_a_gemv_prologue():
     y = g.op("linear", n, g.weight("w", (3, 8)))
     g.output(y=y)
     G = compile_graph(g)
-    launch = next(l for l in G.graph["schedule"] if n.name in l["nodes"])
-    assert launch["family"] == "rowwise" and n.name in launch["writes"]
+    launch = next(l for l in G.graph["schedule"] if n.name in l.nodes)
+    assert launch.family == "rowwise" and n.name in launch.writes
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
@@ -544,9 +544,9 @@ def test_plan_early_reads_lets_a_gemv_read_early_only_what_kernels_before_the_la
                    ("gemv", [residuals[1]]), ("gemv", ["pos"]), ("attention", []), ("gemv", [residuals[2]]),
                    ("gemv", []), ("gemv", [residuals[3]]), ("gemv", [])], got
     qkv0 = G.graph["schedule"][1]
-    assert "rope.inv_freq" in qkv0["early"] and not {"pos", "cache.0.k", "cache.0.v"} & set(qkv0["early"])
+    assert "rope.inv_freq" in qkv0.early and not {"pos", "cache.0.k", "cache.0.v"} & set(qkv0.early)
     for la in G.graph["schedule"]:
         assert "early" in la or la["family"] != "gemv"
         assert set(la.get("early", [])) <= set(la["reads"])
     lm_head = G.graph["schedule"][-1]
-    assert "lm_head.weight" in lm_head["early"] and "add_37" not in lm_head["early"]
+    assert "lm_head.weight" in lm_head.early and "add_37" not in lm_head.early

@@ -211,7 +211,7 @@ def test_moe_prefill_refuses_more_tokens_than_threads_to_route_them(monkeypatch)
     monkeypatch.setattr(gemm, "WARPS", 1)
     why = prefill_unsupported(G, 64)
     assert why and "moe" in why and "64 tokens per step need a thread each" in why and "have 32" in why
-    assert moe.unsupported(G, next(l for l in G.graph["schedule"] if l["family"] == "moe"), 32) is None
+    assert moe.unsupported(G, next(l for l in G.graph["schedule"] if l.family == "moe"), 32) is None
 
 
 def test_prefill_plan_leaves_out_the_step_sizes_a_model_cannot_take(monkeypatch):

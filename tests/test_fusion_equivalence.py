@@ -9,6 +9,8 @@ end up equal.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, note, settings, strategies as st
@@ -134,9 +136,9 @@ def test_executor_catches_a_missing_write_and_a_wrong_order():
     graph, weights, feeds = _tiny()
     G = compile_graph(graph, tokens=3)
     unwritten = G.copy()
-    unwritten.graph["schedule"] = [dict(l) for l in G.graph["schedule"]]
-    victim = next(l for l in unwritten.graph["schedule"] if l["family"] == "attention")
-    victim["writes"] = []                                 # nobody stores the attention output
+    victim = next(l for l in G.graph["schedule"] if l.family == "attention")
+    unwritten.graph["schedule"] = [replace(l, writes=[]) if l is victim else l   # nobody stores
+                                   for l in G.graph["schedule"]]                 # the attention output
     out = run_schedule(unwritten, weights, feeds, new_state(graph, 3))["logits"]
     assert np.isnan(out).all()                            # poisoned, and so visible
     swapped = G.copy()
@@ -148,6 +150,6 @@ def test_executor_catches_a_missing_write_and_a_wrong_order():
     assert not np.allclose(out, ref, rtol=RTOL, atol=0)
     nobuf = G.copy()
     nobuf.graph["buffers"] = {k: v for k, v in G.graph["buffers"].items()
-                              if k != victim["nodes"][0]}
+                              if k != victim.nodes[0]}
     with pytest.raises(ScheduleError, match="no buffer"):
         run_schedule(nobuf, weights, feeds, new_state(graph, 3))

@@ -330,14 +330,14 @@ def test_prefill_shows_the_batched_prefill_graph(capsys, tmp_path):
     doc = json.loads(out)
     assert doc["tokens"] == TOKENS
     launches = doc["launches"]
-    assert {l["family"] for l in launches} == {"rowwise", "gemm", "attention"}
-    assert all(l["grid"][1] == TOKENS for l in launches if l["family"] == "attention")
+    assert {l.family for l in launches} == {"rowwise", "gemm", "attention"}
+    assert all(l["grid"][1] == TOKENS for l in launches if l.family == "attention")
     # each gemm kernel launches its vectors' stage first (one block per token), then the gemm
-    gemms = [l for l in launches if l["family"] == "gemm"]
+    gemms = [l for l in launches if l.family == "gemm"]
     assert all(stage["function"] == gemm["kernel"] + "_stage" and gemm["function"] == gemm["kernel"]
                and stage["kernel"] == gemm["kernel"] and stage["grid"][0] == TOKENS
                for stage, gemm in zip(gemms[::2], gemms[1::2]))
-    last = [l for l in launches if l["layer"] == 29]
+    last = [l for l in launches if l.layer == 29]
     assert [l["function"] for l in last] == [last[1]["function"] + "_stage", last[1]["kernel"]]
     assert sum(n.startswith("linear_") for n in last[1]["nodes"]) == 2                    # K and V only
     assert sum(n.startswith("kv_write_") for n in last[1]["nodes"]) == 2

@@ -35,27 +35,19 @@ def _step_record(kernels) -> dict:
 
 def steps_of(name: str) -> dict[str, list]:
     """Step label -> the kernels generated for preset `name` at its default context."""
-    from ..codegen import generate, sampler
-    from ..compiler import compile_graph
+    from ..codegen import Target, Tuning, build_program
     from ..models import build_graph
     from ..models.presets import preset
-    from ..runtime.prefill import plan
 
     cfg = preset(name)
-    ctx = min(cfg.max_position_embeddings, 4096)
-    graph = build_graph(cfg)
-    G = compile_graph(graph, tokens=1)
-    logits = G.graph["outputs"]["logits"]
-    out = {"decode": generate(G, rows=ctx) + [sampler(G.nodes[logits]["shape"][-1])]}
-    planned = plan(graph, ctx, "sm_90")
-    for tokens, _, kernels in ([] if isinstance(planned, str) else planned):
-        out[f"prefill_{tokens}"] = kernels
-    return out
+    program = build_program(build_graph(cfg), min(cfg.max_position_embeddings, 4096), Target(), Tuning(),
+                            compile=False)
+    return {"decode": program.decode.kernels, **{f"prefill_{s.tokens}": s.kernels for s in program.prefill}}
 
 
 def manifest() -> dict:
     """The manifest of the tree as it is now (see the module docstring)."""
-    from ..codegen.emit import headers
+    from ..codegen import headers
     from ..models import ARCHITECTURES
     from ..models.presets import PRESETS
 

@@ -1,0 +1,154 @@
+"""One build: a DSL graph to everything its GPU program is, in one place.
+
+    program = build_program(graph, ctx=4096, target=Target.of_device(), tuning=Tuning.from_env())
+    program.decode.kernels      the decode step's kernels in launch order, the sampler last
+    program.prefill             one PrefillStep per prompt step size (largest first), or none:
+    program.prefill_refused     why prompts then go one token at a time
+    program.decode.cubin        compiled by NVRTC (build_program(..., compile=False) leaves it None)
+
+The CUDA engine loads weights, allocates and binds what this returns; `fuselm inspect` prints it;
+the replay manifest hashes it.
+"""
+from __future__ import annotations
+
+import itertools
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import networkx as nx
+
+from ..compiler import compile_graph, compile_graphs
+from ..dsl import Graph
+from ..errors import FuselmError
+from . import sample
+from .emit import generate
+from .kernel import KernelSource
+from .nvrtc import compile_cubins, options
+from .render import headers
+from .tuning import Target, Tuning
+
+TRACE_EVENTS = 1 << 20   # block events the timeline buffer holds (fuselm_trace in common.cuh)
+
+
+@dataclass
+class DecodeStep:
+    """The decode step: one token at a time, ending in the sampler where the graph has logits."""
+    G: nx.DiGraph                  # the compiled graph
+    kernels: list[KernelSource]    # launch order
+    logits: str | None             # the graph value the sampler reads, None for a graph without logits
+    source: str = ""               # the module's CUDA source
+    cubin: bytes | None = None
+
+
+@dataclass
+class PrefillStep:
+    """A prefill step of `tokens` prompt tokens: the graph cut down to what the KV caches need."""
+    tokens: int
+    G: nx.DiGraph
+    kernels: list[KernelSource]
+    source: str = ""
+    cubin: bytes | None = None
+
+
+@dataclass
+class Program:
+    """A model's whole GPU program for a KV cache of `ctx` rows (see the module docstring)."""
+    ctx: int
+    target: Target
+    tuning: Tuning
+    trace: bool                    # kernels record the block timeline (tools/trace.py)
+    decode: DecodeStep
+    prefill: list[PrefillStep] = field(default_factory=list)
+    prefill_refused: str | None = None
+    compile_seconds: float = 0.0
+    cached: bool = False           # the decode module came from the disk cache
+
+    def steps(self) -> list[DecodeStep | PrefillStep]:
+        return [self.decode, *self.prefill]
+
+    def compile(self) -> "Program":
+        """Compile every module with NVRTC, side by side in threads (cached on disk by source)."""
+        t0 = time.perf_counter()
+        results = compile_cubins([s.source for s in self.steps()], headers(), options(self.target.arch))
+        for step, (cubin, _, cached) in zip(self.steps(), results):
+            step.cubin = cubin
+        self.cached = results[0][2]
+        self.compile_seconds = time.perf_counter() - t0
+        return self
+
+
+def build_program(graph: Graph, ctx: int, target: Target | None = None, tuning: Tuning | None = None,
+                  fuse: bool = True, prefill: bool = True, trace: bool = False, compile: bool = True,
+                  pass_list=None, dump: str | Path | None = None) -> Program:
+    """`graph` compiled, generated and (unless compile=False) built with NVRTC for a KV cache of
+    `ctx` rows on `target` (default: the H200's sm_90, 132 SMs) with `tuning` (default: the
+    defaults with $FUSELM_TUNE). A language model (inputs ids and pos, output logits) gets the
+    sampler and, unless prefill=False, its batched prefill steps; pass_list replaces the
+    compiler's passes and dump writes the graph after each (the decode graph only)."""
+    if ctx <= 0:
+        raise FuselmError(f"context must be a positive number of tokens, got {ctx}")
+    target = target or Target()
+    tuning = tuning or Tuning.from_env()
+    G = compile_graph(graph, fuse=fuse, tokens=1, pass_list=pass_list, dump=dump)
+    kernels = generate(G, rows=ctx, target=target, tuning=tuning)
+    logits = G.graph["outputs"].get("logits")
+    if logits:
+        kernels.append(sample.generate(G.nodes[logits]["shape"][-1], tuning))
+    program = Program(ctx, target, tuning, trace, DecodeStep(G, kernels, logits, module_source(kernels, trace)))
+    language_model = logits and {n.name for n in graph.sources("input")} == {"ids", "pos"}
+    if not prefill:
+        program.prefill_refused = "turned off"
+    elif not language_model or pass_list is not None:
+        program.prefill_refused = "not a whole language model (a test graph or pass list)"
+    else:
+        steps = prefill_steps(graph, ctx, target, tuning, fuse)
+        if isinstance(steps, str):
+            program.prefill_refused = steps
+        else:
+            program.prefill = [PrefillStep(s.tokens, s.G, s.kernels, module_source(s.kernels, trace)) for s in steps]
+    return program.compile() if compile else program
+
+
+def prefill_steps(graph: Graph, ctx: int, target: Target, tuning: Tuning, fuse: bool = True,
+                  sizes: tuple[int, ...] | None = None) -> list[PrefillStep] | str:
+    """The prefill steps of `graph` for each of `sizes` tokens (default tuning.prefill_tokens)
+    that it has kernels for (sizes whose tiles do not fit are left out), or why it has none."""
+    if target.capability < 80:
+        return "the gemm kernels need tensor cores with bf16 (sm_80 on)"
+    steps, why = [], None
+    for tokens, G in compile_graphs(graph, list(sizes or tuning.prefill_tokens), fuse=fuse, state_only=True).items():
+        if not G.graph["schedule"]:
+            return f"{graph.name}: nothing to prefill (no KV cache)"
+        try:
+            steps.append(PrefillStep(tokens, G, generate(G, rows=ctx, target=target, tuning=tuning, tokens=tokens)))
+        except FuselmError as e:
+            why = why or str(e)
+    return steps or why
+
+
+def module_source(kernels: list[KernelSource], trace: bool = False) -> str:
+    """One translation unit holding every distinct kernel (layers with one structure share one);
+    with `trace` the block timeline is compiled in, the i-th function of the module recording id i
+    (tools/trace.py: trace_ids)."""
+    seen, parts = set(), [f"#define FUSELM_TRACE 1\n#define FUSELM_TRACE_EVENTS {TRACE_EVENTS}"] if trace else []
+    for k in kernels:
+        if k.name not in seen:
+            seen.add(k.name)
+            parts.append(k.source)
+    source = "\n".join(parts)
+    if trace:
+        ids = itertools.count()
+        source = re.sub(r"TRACE_BLOCK\(\);", lambda _: f"TRACE_BLOCK_AS({next(ids)});", source)
+    return source
+
+
+def trace_ids(kernels: list[KernelSource]) -> list[str]:
+    """The function names of a traced module in the order of their ids (module_source)."""
+    seen, out = set(), []
+    for k in kernels:
+        if k.name not in seen:
+            seen.add(k.name)
+            out += k.functions()
+    return out
