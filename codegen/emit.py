@@ -16,11 +16,13 @@ from .tuning import Target, Tuning
 FAMILIES = {"gemv": gemv, "gemm": gemm, "rowwise": rowwise, "attention": attention, "moe": moe}
 
 
-def generate(G: nx.DiGraph, rows: int, target: Target, tuning: Tuning, tokens: int = 1,
-             weight_bytes: int = 2) -> list[KernelSource]:
+def generate(G: nx.DiGraph, rows: int, target: Target | None = None, tuning: Tuning | None = None,
+             tokens: int = 1, weight_bytes: int = 2) -> list[KernelSource]:
     """CUDA for every kernel of the compiled graph `G`, with a KV cache of `rows` positions, for
     steps of `tokens` tokens: 1 (decode), or a chunk of a prompt (batched prefill: gemv kernels
-    in their gemm form, attention one block per KV head and token; see prefill_unsupported)."""
+    in their gemm form, attention one block per KV head and token; see prefill_unsupported), on
+    `target` with `tuning` (default: the H200 and the default tuning)."""
+    target, tuning = target or Target(), tuning or Tuning()
     if tokens > 1 and (why := prefill_unsupported(G, tokens, tuning)):
         raise FuselmError(f"no steps of {tokens} tokens: {why}")
     out = []
@@ -32,11 +34,11 @@ def generate(G: nx.DiGraph, rows: int, target: Target, tuning: Tuning, tokens: i
     return out
 
 
-def prefill_unsupported(G: nx.DiGraph, tokens: int, tuning: Tuning) -> str | None:
+def prefill_unsupported(G: nx.DiGraph, tokens: int, tuning: Tuning | None = None) -> str | None:
     """Why the compiled graph `G` cannot run steps of `tokens` tokens (generate(tokens > 1)), or None."""
     for launch in G.graph["schedule"]:
         family = {"gemv": gemm, "moe": moe}.get(launch.family)
-        if family and (why := family.unsupported(G, launch, tokens, tuning)):
+        if family and (why := family.unsupported(G, launch, tokens, tuning or Tuning())):
             return f"{launch.kernel}: {why}"
     return None
 

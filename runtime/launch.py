@@ -7,13 +7,11 @@ attribute lets the next kernel's blocks be scheduled early; a generated GEMV iss
 weight loads and only then waits (`grid_wait_then_release` in common.cuh) until the previous
 grid's writes are visible, so the weight stream does not stop at the kernel boundary. Stream capture records such launches as programmatic edges of the CUDA graph.
 
-The driver entry point is called through ctypes (CuPy does not wrap it), from Hopper (sm_90) on;
-`FUSELM_PDL=0` turns it off.
+The driver entry point is called through ctypes (CuPy does not wrap it), from Hopper (sm_90) on.
 """
 from __future__ import annotations
 
 import ctypes
-import os
 
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
@@ -31,10 +29,10 @@ class LaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
 
 
-def pdl_wanted(compute_capability: str) -> bool:
-    """Whether to launch with PDL on a device of this compute capability ("90" for sm_90): from
-    Hopper on, unless FUSELM_PDL=0 or the driver library has no cuLaunchKernelEx."""
-    if int(compute_capability) < 90 or os.environ.get("FUSELM_PDL", "1") == "0":
+def pdl_wanted(capability: int) -> bool:
+    """Whether to launch with PDL on a device of this compute capability (90 for sm_90): from
+    Hopper on, where the driver library has cuLaunchKernelEx."""
+    if capability < 90:
         return False
     try:
         return hasattr(ctypes.CDLL("libcuda.so.1"), "cuLaunchKernelEx")

@@ -2,9 +2,9 @@
 # Everything fuselm checks on a GPU machine, in one go: install, GPU tests, benchmark.
 # Usage (device machine): bash scripts/gpu_check.sh [bench models...]; results land in $OUT (or ./gpu_out).
 # SKIP_TESTS=1 / SKIP_BENCH=1 leave a part out; PEERS= (empty) skips the transformers comparison.
-# AB="FUSELM_PDL=0;FUSELM_GEMV_UNROLL=8" adds decode-only runs of $AB_MODELS, one per setting (A/B),
-# printed to $OUT/ab.log and recorded as abN.json in $OUT/ab.tgz (whose "settings" lists the FUSELM_*
-# knobs each ran under; one archive because the device tool brings back only a few files).
+# AB="FUSELM_TUNE=gemv_unroll=8;FUSELM_TUNE=attn_wide_warps=0" adds decode-only runs of $AB_MODELS, one
+# per setting (A/B), printed to $OUT/ab.log and recorded as abN.json in $OUT/ab.tgz (whose "tuning"
+# lists the values each ran under; one archive because the device tool brings back only a few files).
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FUSELM_CACHE=${FUSELM_CACHE:-/tmp/fuselm-cache}

@@ -303,7 +303,7 @@ def test_compiles_through_compiler_and_nvrtc(arch, fuse):
     G = compile_graph(graph, fuse=fuse)
     assert G.graph["schedule"]
     ks = cg.generate(G, rows=64)
-    cubin, log, cached = nvrtc.compile_cubin(cg.module_source(ks + [cg.sampler(vocab)]), cg.headers(),
+    cubin, log, cached = nvrtc.compile_cubin(cg.module_source(ks + [cg.sample.generate(vocab, cg.Tuning())]), cg.headers(),
                                              nvrtc.options("sm_90"), use_cache=False)
     assert len(cubin) > 1000 and not cached
 

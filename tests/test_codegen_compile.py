@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import pytest
 
-from fuselm.codegen import generate, headers, module_source, sampler
+from fuselm.codegen import Target, Tuning, generate, headers, module_source, sample
+from fuselm.codegen.attention import Layout
 from fuselm.codegen.nvrtc import compile_cubin, options, spills
 from fuselm.compiler import compile_graph
 from fuselm.models import ARCHITECTURES, DecoderConfig, build_graph
 from fuselm.models.presets import PRESETS, preset
-from fuselm.runtime.prefill import SIZES
+
+SIZES = Tuning().prefill_tokens
 
 ARCHS = ("sm_80", "sm_90")
 
@@ -57,7 +59,7 @@ def kernels_of():
             G = compile_graph(build_graph(cfg), fuse=fuse, tokens=1)
             ks = generate(G, rows=min(cfg.max_position_embeddings, 4096))
             logits = next(iter(G.graph["outputs"].values()))
-            made[name, fuse] = ks + [sampler(G.nodes[logits]["shape"][-1])]
+            made[name, fuse] = ks + [sample.generate(G.nodes[logits]["shape"][-1], Tuning())]
         return made[name, fuse]
     return get
 
@@ -139,40 +141,6 @@ def test_prefill_module_compiles_and_does_not_spill(name, fuse, tokens):
     assert not spilling, f"{name}: prefill kernels spill: {spilling}"
 
 
-UNSTAGED_CHECK = """
-from fuselm.codegen import generate, headers, module_source
-from fuselm.codegen.nvrtc import compile_cubin, options, spills
-from fuselm.compiler import compile_graph
-from fuselm.models import build_graph
-from fuselm.models.presets import preset
-normed_splits = []      # gemms with a norm prologue and split-K: the gather adds partial sums
-for name in ("smollm2-135m", "llama-3.2-1b"):
-    G = compile_graph(build_graph(preset(name)), tokens=64, state_only=True)
-    ks = [k for k in generate(G, rows=4096, tokens=64) if k.family == "gemm"]
-    assert all(len(k.launches) == 1 and "VectorsFromX<" in k.source and "StagedVectors<" not in k.source
-               for k in ks), name
-    normed_splits += [k for k in ks if k.name.startswith("gemm_norm") and "splitk_gather<" in k.source]
-    assert all(k.source.index("grid_wait_then_release();") < k.source.index("gemm_tile<") for k in ks), name
-    _, log, _ = compile_cubin(module_source(ks), headers(), options("sm_90", verbose=True), use_cache=False)
-    assert not any(spills(log).values()), (name, spills(log))
-assert normed_splits and all(", TT, true, THREADS>(" in k.source for k in normed_splits)
-print("ok")
-"""
-
-
-def test_prefill_gemms_compile_without_staging_or_the_early_wait():
-    """FUSELM_GEMM_STAGED=0 FUSELM_GEMM_EARLY=0 (read at import: a fresh interpreter) give the
-    gemms' other paths: every block converting its own vectors (a norm prologue's partial sums of
-    squares added by the split-K gather) and waiting for the previous kernel first; one launch
-    per kernel, and the modules compile for sm_90 without spills."""
-    import os
-    import subprocess
-    import sys
-    env = {**os.environ, "FUSELM_GEMM_STAGED": "0", "FUSELM_GEMM_EARLY": "0"}
-    done = subprocess.run([sys.executable, "-c", UNSTAGED_CHECK], env=env, capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
-
-
 def test_random_graphs_compile_for_sm90():
     """Every hypothesis-drawn DSL graph (tests/graph_strategies.py) compiles, fused and not:
     the code generator has no shape or op combination it cannot emit."""
@@ -241,9 +209,9 @@ def test_attention_position_must_be_a_graph_input():
 def test_attention_falls_back_to_fewer_warps_where_shared_memory_is_short():
     """Eight query heads of 256 per KV head: eight warps' softmax states would need more than 48 kB
     of shared memory, so both attention kernels run four, and the module still compiles."""
-    from fuselm.codegen.attention import SINGLE_WARPS, WARPS, single_warps, split_warps
-    assert single_warps(128, 4) == SINGLE_WARPS == 8 and split_warps(128, 4) == WARPS == 8
-    assert single_warps(256, 8) == split_warps(256, 8) == 4
+    narrow, wide = (Layout(1, hd, group, Target(), Tuning()) for hd, group in ((128, 4), (256, 8)))
+    assert narrow.single_warps == Tuning().attn_single_warps == 8 and narrow.split_warps == Tuning().attn_warps == 8
+    assert wide.single_warps == wide.split_warps == 4
     cfg = DecoderConfig.from_hf(dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=256,
                                      intermediate_size=64, num_hidden_layers=1, num_attention_heads=8,
                                      num_key_value_heads=1, head_dim=256))
@@ -256,26 +224,21 @@ def test_attention_falls_back_to_fewer_warps_where_shared_memory_is_short():
     assert single.function.encode() in cubin and split.function.encode() in cubin
 
 
-@pytest.mark.parametrize("warps", [None, 12])
-def test_the_wide_split_takes_over_where_the_split_outgrows_one_wave(warps, monkeypatch):
+@pytest.mark.parametrize("warps", [9, 12])
+def test_the_wide_split_takes_over_where_the_split_outgrows_one_wave(warps):
     """Llama-3.2-1B (8 KV heads, chunks of 256): from position 16 x 256 = 4096 the split would
     launch more blocks than the H200's 132 SMs, so up to 16 x 288 (the default, 9 warps: chunks of
     288) or 16 x 384 (12 warps) the wide split and its
     combine run instead; between the one-launch attention and 4096 the split as before, and past
     the wide split's range too (a longer context). SmolLM2's 3 KV heads fit in one wave up to 44
-    chunks: no wide split at 4608 rows. FUSELM_ATTN_WIDE_WARPS=0 turns it off. The module
-    compiles, the wide kernels without spills."""
-    from fuselm.codegen import attention
-    if warps:
-        monkeypatch.setattr(attention, "WIDE_WARPS", warps)
-    warps = attention.WIDE_WARPS
-    if warps not in (9, 12) or attention.SMS != 132:
-        pytest.skip("FUSELM_ATTN_WIDE_WARPS or FUSELM_SMS set to a value this test does not cover")
+    chunks: no wide split at 4608 rows. attn_wide_warps=0 turns it off. The module compiles, the
+    wide kernels without spills."""
+    tuning = Tuning(attn_wide_warps=warps)
     chunk = 32 * warps                       # head size 64: 32 positions per warp (MmaPass)
     graph = build_graph(preset("llama-3.2-1b"))
     for rows in (4608, 8192):
         until = min(16 * chunk, rows)
-        ks = generate(compile_graph(graph), rows=rows)
+        ks = generate(compile_graph(graph), rows=rows, tuning=tuning)
         (att, *_) = [k for k in ks if k.family == "attention"]
         assert [(v.name, v.until) for v in att.variants] == [("single", 512), ("split", 4096), ("wide", until)]
         assert [l.function for l in att.launches_at(4095)] == [f"{att.name}_split", f"{att.name}_combine"]
@@ -287,17 +250,15 @@ def test_the_wide_split_takes_over_where_the_split_outgrows_one_wave(warps, monk
     assert split.function.encode() in cubin and not spills(log).get(split.function)
     smol = generate(compile_graph(build_graph(preset("smollm2-135m"))), rows=4608)
     assert [v.name for k in smol for v in k.variants] == ["single"] * 30
-    monkeypatch.setattr(attention, "WIDE_WARPS", 0)
-    assert not any(v.name == "wide" for k in generate(compile_graph(graph), rows=4608) for v in k.variants)
+    off = Tuning(attn_wide_warps=0)
+    assert not any(v.name == "wide" for k in generate(compile_graph(graph), rows=4608, tuning=off) for v in k.variants)
 
 
-def test_gemv_epilogue_operands_are_loaded_before_the_dot_products_where_the_schedule_allows(monkeypatch):
+def test_gemv_epilogue_operands_are_loaded_before_the_dot_products_where_the_schedule_allows():
     """Llama-3.2-1B: the O and down projections load their residual, and the Q/K/V GEMVs of layers
     1 on the position for RoPE and the cache row, before the weight loop (plan_early_reads), through
     L2; layer 0's Q/K/V, with no GEMV ahead of it in the step, reads the position after its wait as
-    before; gate/up and the LM head have no such operand. FUSELM_GEMV_EARLY_READS=0 turns it off.
-    The module compiles without spills."""
-    from fuselm.codegen import gemv
+    before; gate/up and the LM head have no such operand. The module compiles without spills."""
     graph = compile_graph(build_graph(preset("llama-3.2-1b")))
     ks = [k for k in generate(graph, rows=512) if k.family == "gemv"]
     early = {}
@@ -312,17 +273,15 @@ def test_gemv_epilogue_operands_are_loaded_before_the_dot_products_where_the_sch
     cubin, log, _ = compile_cubin(module_source(generate(graph, rows=512)), headers(), options("sm_90", verbose=True),
                                   use_cache=False)
     assert not any(spills(log).values()), spills(log)
-    monkeypatch.setattr(gemv, "EARLY_READS", 0)
-    assert not any("__ldcg(" in k.source for k in generate(graph, rows=512))
 
 
 def test_only_few_block_kernels_release_their_successor_before_waiting():
     """Row-wise kernels and attention split + combine (a block per row, per KV head and chunk, per
     query head) let the next kernel be scheduled before they wait, at the top of the entry point
-    (after the block-timeline hook, a no-op unless FUSELM_TRACE=1); the one-launch attention,
+    (after the block-timeline hook, a no-op unless traced); the one-launch attention,
     GEMVs and the sampler only after their wait."""
     import re
-    ks = generate(compile_graph(build_graph(preset("qwen3-8b"))), rows=4608) + [sampler(151936)]
+    ks = generate(compile_graph(build_graph(preset("qwen3-8b"))), rows=4608) + [sample.generate(151936, Tuning())]
     families = {k.family for k in ks}
     assert {"rowwise", "attention", "gemv"} <= families
     for k in ks:
@@ -337,57 +296,30 @@ def test_only_few_block_kernels_release_their_successor_before_waiting():
             assert "grid_release();" not in k.source
 
 
-@pytest.mark.parametrize("env,message", [
-    ({"FUSELM_EARLY_RELEASE": "rowwise,bogus"}, "FUSELM_EARLY_RELEASE=rowwise,bogus: unknown kernel kinds ['bogus']"),
-    ({"FUSELM_GEMV_WARPS": "3"}, "FUSELM_GEMV_WARPS=3: warps per GEMV block must be a power of 2 from 1 to 32"),
-    ({"FUSELM_ATTN_MMA": "split,combine"}, "FUSELM_ATTN_MMA=split,combine: unknown kernels ['combine']"),
-    ({"FUSELM_ATTN_COMBINE_GROUP": "0"}, "FUSELM_ATTN_COMBINE_GROUP=0: must be 1 to 64"),
-    ({"FUSELM_ATTN_WARPS": "64"}, "FUSELM_ATTN_WARPS=64: must be 1 to 32"),
-    ({"FUSELM_GEMM_BLOCKS": "lots"}, "FUSELM_GEMM_BLOCKS=lots: must be an integer from 1 to 65536")])
-def test_a_bad_codegen_knob_is_a_one_line_error_at_import(env, message):
-    """The experiment knobs are read when fuselm.codegen is imported; a bad value stops it there."""
-    import os
-    import subprocess
-    import sys
-    r = subprocess.run([sys.executable, "-c", "import fuselm.codegen"], capture_output=True, text=True,
-                       env={**os.environ, **env})
-    assert r.returncode != 0 and message in r.stderr.strip().splitlines()[-1]
-
-
 def test_attention_passes_run_on_tensor_cores_where_they_fit():
-    """Head sizes 64 and 128 with at most 8 query heads per KV head get MmaPass (both the split and
-    the one-launch kernel, by default; the wide split's with its V rows after the queries, LATE_V);
-    other layouts LanePass. Under FUSELM_ATTN_MMA=0 every kernel uses LanePass; its chunk
-    (positions per split block) is MmaPass's wherever its lanes hold 8 rows (up to 4 query heads
-    per KV head). FUSELM_ATTN_LATE_V=split,wide defers the split's V rows too, 0 neither's."""
-    import os
-    import subprocess
-    import sys
+    """Head sizes 64 and 128 with at most 8 query heads per KV head get MmaPass from sm_80 on
+    (the split and the one-launch kernel; the wide split's with its V rows after the queries,
+    LATE_V); other layouts and older GPUs LanePass, whose chunk (positions per split block) is
+    MmaPass's wherever its lanes hold 8 rows (up to 4 query heads per KV head)."""
+    from fuselm.codegen.attention import Pass, pass_of
 
-    from fuselm.codegen.attention import split_pass, pass_of, single_pass
-    assert split_pass(64, 4, kv=8) == ("MmaPass<8, 64, 8, 4>", 256)
-    assert split_pass(128, 7, kv=4) == ("MmaPass<4, 128, 8, 7>", 128)
-    assert single_pass(128, 4, kv=8)[0] == "MmaPass<8, 128, 8, 4>"
-    assert split_pass(256, 2, kv=8)[0].startswith("LanePass<8, 256, 8, ")
-    assert split_pass(64, 12, kv=4) == ("LanePass<4, 64, 8, 2, 12>", 64)
-    assert pass_of("split", 8, 6, 2, 4, 8)[0].startswith("LanePass<")
+    def layout(hd, group, kv=1, arch="sm_90"):
+        return Layout(kv, hd, group, Target(arch), Tuning())
+    assert layout(64, 4, kv=8).split_pass == Pass("MmaPass<8, 64, 8, 4>", 256)
+    assert layout(128, 7, kv=4).split_pass == Pass("MmaPass<4, 128, 8, 7>", 128)
+    assert layout(128, 4, kv=8).single_pass.type == "MmaPass<8, 128, 8, 4>"
+    assert layout(256, 2, kv=8).split_pass.type.startswith("LanePass<8, 256, 8, ")
+    assert layout(64, 12, kv=4).split_pass == Pass("LanePass<4, 64, 8, 2, 12>", 64)
+    assert pass_of(8, 6, 2, 4, 8, Target()).type.startswith("LanePass<")
+    assert layout(64, 4, kv=8).wide_split().pass_ == Pass("MmaPass<8, 64, 9, 4, true>", 288)
     source = "\n".join(k.source for k in generate(compile_graph(build_graph(preset("llama-3.2-1b"))), rows=4608))
     assert "attention_chunk<32, 8, 64, MmaPass<8, 64, 8, 4>, 18>" in source
     assert "attention_chunk<32, 8, 64, MmaPass<8, 64, 9, 4, true>, 16>" in source     # the wide split
     assert "attention_single<32, 8, 64, MmaPass<8, 64, 8, 4>>" in source
-    code = ("from fuselm.codegen.attention import split_pass, single_pass; "
-            "print([split_pass(h, g, 1) for h, g in ((64, 4), (128, 4), (64, 3), (128, 7))], single_pass(64, 4, 1)[0])")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env={**os.environ, "FUSELM_ATTN_MMA": "0"}, check=True)
-    assert r.stdout.strip() == ("[('LanePass<1, 64, 8, 8, 4>', 256), ('LanePass<1, 128, 8, 8, 4>', 128), "
-                                "('LanePass<1, 64, 8, 8, 3>', 256), ('LanePass<1, 128, 8, 4, 7>', 64)] "
-                                "LanePass<1, 64, 8, 4, 4>")
-    code = "from fuselm.codegen.attention import split_pass, wide_split; print(split_pass(64, 4, 8), wide_split(64, 4, 8)['pass'])"
-    for late, printed in (("split,wide", "('MmaPass<8, 64, 8, 4, true>', 256) MmaPass<8, 64, 9, 4, true>"),
-                          ("0", "('MmaPass<8, 64, 8, 4>', 256) MmaPass<8, 64, 9, 4>")):
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env={**os.environ, "FUSELM_ATTN_LATE_V": late}, check=True)
-        assert r.stdout.strip() == printed
+    old = [layout(h, g, arch="sm_75").split_pass for h, g in ((64, 4), (128, 4), (64, 3), (128, 7))]
+    assert old == [Pass("LanePass<1, 64, 8, 8, 4>", 256), Pass("LanePass<1, 128, 8, 8, 4>", 128),
+                   Pass("LanePass<1, 64, 8, 8, 3>", 256), Pass("LanePass<1, 128, 8, 4, 7>", 64)]
+    assert layout(64, 4, arch="sm_75").single_pass.type == "LanePass<1, 64, 8, 4, 4>"
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
@@ -401,7 +333,7 @@ def test_every_kernel_argument_has_memory(name, fuse):
     cfg = CONFIGS[name]()
     G = compile_graph(build_graph(cfg), fuse=fuse, tokens=1)
     logits = G.graph["outputs"]["logits"]
-    kernels = generate(G, rows=min(cfg.max_position_embeddings, 4096)) + [sampler(G.nodes[logits]["shape"][-1])]
+    kernels = generate(G, rows=min(cfg.max_position_embeddings, 4096)) + [sample.generate(G.nodes[logits]["shape"][-1], Tuning())]
     for k in kernels:
         for launch in k.all_launches():
             for a in launch.args:

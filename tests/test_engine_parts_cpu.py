@@ -1,6 +1,8 @@
 """The parts of the CUDA runtime and the benchmark that need no GPU."""
 from __future__ import annotations
 
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -74,10 +76,7 @@ def test_pdl_launch_structs_match_the_driver_abi(monkeypatch):
     assert LaunchConfig.hStream.offset == 32 and LaunchConfig.attrs.offset == 40
     assert ctypes.sizeof(LaunchConfig) == 56
     monkeypatch.setattr(launch.ctypes, "CDLL", lambda name: type("Lib", (), {"cuLaunchKernelEx": None})())
-    monkeypatch.delenv("FUSELM_PDL", raising=False)
-    assert pdl_wanted("90") and not pdl_wanted("80")
-    monkeypatch.setenv("FUSELM_PDL", "0")
-    assert not pdl_wanted("90")
+    assert pdl_wanted(90) and not pdl_wanted(80)
 
 
 def test_an_unknown_attention_variant_is_a_one_line_error():
@@ -133,14 +132,12 @@ def test_bench_positions_size_the_cache_or_say_why_they_cannot():
     assert "| from 1024: 95.5, 6000: 80.1 tok/s |" in _row(r)
 
 
-def test_bench_records_the_knobs_it_ran_under(monkeypatch):
-    from fuselm.tools.bench import knob_settings
-    monkeypatch.setenv("FUSELM_EARLY_RELEASE", "0")
-    monkeypatch.setenv("FUSELM_CACHE", "/tmp/somewhere")
-    monkeypatch.delenv("FUSELM_GEMV_WARPS", raising=False)
-    settings = knob_settings()
-    assert settings["FUSELM_EARLY_RELEASE"] == "0"
-    assert "FUSELM_CACHE" not in settings and "FUSELM_GEMV_WARPS" not in settings
+def test_bench_records_the_tuning_it_ran_under():
+    """A bench record's "tuning" lists the values that differ from the defaults (an A/B's side)."""
+    from fuselm.codegen import Tuning
+    assert Tuning().changed() == {}
+    assert Tuning.parse("gemv_warps=4,prefill_tokens=32/64").changed() == {"gemv_warps": 4}
+    assert Tuning.parse("prefill_tokens=32").changed() == {"prefill_tokens": (32,)}
 
 
 def test_prefill_steps_fit_the_context():
@@ -169,83 +166,89 @@ def test_prefill_steps_fit_the_context():
         p.run(list(range(49)), 45)
 
 
-def test_prefill_sizes_knob_is_checked(monkeypatch):
-    """FUSELM_PREFILL_TOKENS: comma-separated step sizes, largest first, each a multiple of 8 up to
-    64; anything else is a one-line error naming the variable."""
-    import pytest
+def test_tuning_values_are_checked(monkeypatch):
+    """Every tuning value is range-checked where it is made (Tuning(), parse, $FUSELM_TUNE), with
+    a one-line error naming it; prefill step sizes are distinct multiples of 8 up to 64."""
+    from fuselm.codegen import Tuning
+    assert Tuning.parse("prefill_tokens=32/64/32").prefill_tokens == (64, 32)
+    for bad, message in (("prefill_tokens=48/20", "prefill_tokens=48/20: distinct step sizes"),
+                         ("prefill_tokens=128", "prefill_tokens=128: distinct"),
+                         ("attn_warps=64", "attn_warps=64: warps per attention split block must be an integer from 1 to 32"),
+                         ("gemm_blocks=lots", "'gemm_blocks=lots': the value must be an integer"),
+                         ("bogus=1", "'bogus=1': expected name=value"), ("gemv_warps", "'gemv_warps': expected")):
+        with pytest.raises(FuselmError, match=re.escape(message)):
+            Tuning.parse(bad)
+    with pytest.raises(FuselmError, match=r"^tuning attn_combine_group=0: .* from 1 to 64$"):
+        Tuning(attn_combine_group=0)
+    monkeypatch.setenv("FUSELM_TUNE", "attn_wide_warps=0")
+    assert Tuning.from_env().attn_wide_warps == 0
+    monkeypatch.setenv("FUSELM_TUNE", "attn_wide_warps=-1")
+    with pytest.raises(FuselmError, match="^FUSELM_TUNE: tuning attn_wide_warps=-1"):
+        Tuning.from_env()
 
-    from fuselm.codegen.knobs import env_ints
-    monkeypatch.setenv("FUSELM_PREFILL_TOKENS", "32, 64,32")
-    assert env_ints("FUSELM_PREFILL_TOKENS", "64", 8, 64, multiple=8) == (64, 32)
-    for bad in ("48,20", "128", "x", ""):
-        monkeypatch.setenv("FUSELM_PREFILL_TOKENS", bad)
-        with pytest.raises(ValueError, match="FUSELM_PREFILL_TOKENS="):
-            env_ints("FUSELM_PREFILL_TOKENS", "64", 8, 64, multiple=8)
 
-
-def test_prefill_build_says_why_a_model_has_none():
-    """runtime/prefill.build returns the reason instead of a module: GPUs before sm_80, rows that
-    are no multiple of 32 (in GEMVs or in the experts of a MoE)."""
-    from fuselm.runtime.prefill import build
+def test_prefill_steps_say_why_a_model_has_none():
+    """prefill_steps returns the reason instead of steps: GPUs before sm_80, rows that are no
+    multiple of 32 (in GEMVs or in the experts of a MoE)."""
+    from fuselm.codegen import Target, Tuning
+    from fuselm.codegen.build import prefill_steps
     tiny = build_graph(DecoderConfig.from_hf(dict(architectures=["LlamaForCausalLM"], vocab_size=64,
                                                  hidden_size=36, intermediate_size=50, num_hidden_layers=1,
                                                  num_attention_heads=3, num_key_value_heads=1)))
-    assert "sm_80" in build(tiny, 64, "sm_75")
-    assert "not a multiple of 32" in build(tiny, 64, "sm_90")
+    assert "sm_80" in prefill_steps(tiny, 64, Target("sm_75"), Tuning())
+    assert "not a multiple of 32" in prefill_steps(tiny, 64, Target(), Tuning())
     moe = build_graph(DecoderConfig.from_hf(dict(architectures=["MixtralForCausalLM"], vocab_size=64,
                                                 hidden_size=64, intermediate_size=48, num_hidden_layers=2,
                                                 num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)))
-    why = build(moe, 64, "sm_90")
+    why = prefill_steps(moe, 64, Target(), Tuning())
     assert isinstance(why, str) and "down rows of 48 weights are not a multiple of 32" in why, why
 
 
-def test_moe_prefill_refuses_more_tokens_than_threads_to_route_them(monkeypatch):
+def test_moe_prefill_refuses_more_tokens_than_threads_to_route_them():
     """The moe prefill routes token t on thread t: steps longer than a block are refused by name."""
-    from fuselm.codegen import gemm, moe
+    from fuselm.codegen import Tuning, moe
     from fuselm.codegen.emit import prefill_unsupported
     graph = build_graph(DecoderConfig.from_hf(dict(architectures=["MixtralForCausalLM"], vocab_size=64,
                                                    hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                                                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)))
     G = compile_graph(graph, tokens=64, state_only=True)
     assert prefill_unsupported(G, 64) is None                        # 4 warps: 128 threads
-    monkeypatch.setattr(gemm, "WARPS", 1)
-    why = prefill_unsupported(G, 64)
+    one_warp = Tuning(gemm_warps=1)
+    why = prefill_unsupported(G, 64, one_warp)
     assert why and "moe" in why and "64 tokens per step need a thread each" in why and "have 32" in why
-    assert moe.unsupported(G, next(l for l in G.graph["schedule"] if l.family == "moe"), 32) is None
+    assert moe.unsupported(G, next(l for l in G.graph["schedule"] if l.family == "moe"), 32, one_warp) is None
 
 
-def test_prefill_plan_leaves_out_the_step_sizes_a_model_cannot_take(monkeypatch):
-    """plan() keeps each step size the model's kernels can take and drops the others (here: a
-    one-warp gemm block routes only 32 tokens of a moe step); with none left, the reason."""
-    from fuselm.codegen import gemm
-    from fuselm.runtime import prefill
+def test_prefill_steps_leave_out_the_step_sizes_a_model_cannot_take():
+    """prefill_steps keeps each step size the model's kernels can take and drops the others (here:
+    a one-warp gemm block routes only 32 tokens of a moe step); with none left, the reason."""
+    from fuselm.codegen import Target, Tuning
+    from fuselm.codegen.build import prefill_steps
     graph = build_graph(DecoderConfig.from_hf(dict(architectures=["MixtralForCausalLM"], vocab_size=64,
                                                    hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                                                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)))
-    monkeypatch.setattr(prefill, "SIZES", (64, 32))
-    assert [t for t, *_ in prefill.plan(graph, 128, "sm_90")] == [64, 32]
-    monkeypatch.setattr(gemm, "WARPS", 1)
-    assert [t for t, *_ in prefill.plan(graph, 128, "sm_90")] == [32]
-    monkeypatch.setattr(prefill, "SIZES", (64,))
-    why = prefill.plan(graph, 128, "sm_90")
+    assert [s.tokens for s in prefill_steps(graph, 128, Target(), Tuning())] == [64, 32]
+    one_warp = Tuning(gemm_warps=1)
+    assert [s.tokens for s in prefill_steps(graph, 128, Target(), one_warp)] == [32]
+    why = prefill_steps(graph, 128, Target(), Tuning(gemm_warps=1, prefill_tokens=(64,)))
     assert isinstance(why, str) and "64 tokens per step need a thread each" in why, why
 
 
-def test_gemm_split_k_takes_the_fewest_slices_that_fill_the_gpu(monkeypatch):
-    """gemm.splits: tiles x slices reach BLOCKS with the fewest slices that cut K into equal runs
-    of at least MIN_CHUNKS chunks; kernels with tiles enough, or rows too short, do not split."""
-    from fuselm.codegen import gemm
-    assert (gemm.BLOCKS, gemm.MIN_CHUNKS) == (512, 4)    # the defaults the GPU tests ran under
-    assert gemm.splits(14336, 64) == 8        # the 8B's down projection: 112 chunks of 128
-    assert gemm.splits(4096, 224) == 4        # its gate/up: 896 blocks
-    assert gemm.splits(8192, 32) == 16        # the 1B's down projection
-    monkeypatch.setattr(gemm, "BLOCKS", 256)  # the tenth session's target
-    assert gemm.splits(14336, 64) == 4
-    assert gemm.splits(4096, 224) == 2
-    assert gemm.splits(4096, 300) == 1        # enough tiles
-    assert gemm.splits(8192, 32) == 8
-    assert gemm.splits(2048, 48) == 4         # short rows: at most 16 / 4 slices
-    assert gemm.splits(1536, 9) == 3          # 12 chunks, slices of 4 or more: at most 3 (below BLOCKS)
-    assert gemm.splits(576, 15) == 1          # 9 chunks of 64: no equal slices of 4 or more
-    monkeypatch.setattr(gemm, "MIN_CHUNKS", 1)
-    assert gemm.splits(576, 15) == 9
+def test_gemm_split_k_takes_the_fewest_slices_that_fill_the_gpu():
+    """gemm.splits: tiles x slices reach gemm_blocks with the fewest slices that cut K into equal
+    runs of at least gemm_min_chunks chunks; kernels with tiles enough, or rows too short, do not split."""
+    from fuselm.codegen import Tuning, gemm
+    t = Tuning()
+    assert (t.gemm_blocks, t.gemm_min_chunks) == (512, 4)    # the defaults the GPU tests ran under
+    assert gemm.splits(14336, 64, t) == 8        # the 8B's down projection: 112 chunks of 128
+    assert gemm.splits(4096, 224, t) == 4        # its gate/up: 896 blocks
+    assert gemm.splits(8192, 32, t) == 16        # the 1B's down projection
+    t = Tuning(gemm_blocks=256)
+    assert gemm.splits(14336, 64, t) == 4
+    assert gemm.splits(4096, 224, t) == 2
+    assert gemm.splits(4096, 300, t) == 1        # enough tiles
+    assert gemm.splits(8192, 32, t) == 8
+    assert gemm.splits(2048, 48, t) == 4         # short rows: at most 16 / 4 slices
+    assert gemm.splits(1536, 9, t) == 3          # 12 chunks, slices of 4 or more: at most 3 (below gemm_blocks)
+    assert gemm.splits(576, 15, t) == 1          # 9 chunks of 64: no equal slices of 4 or more
+    assert gemm.splits(576, 15, Tuning(gemm_blocks=256, gemm_min_chunks=1)) == 9

@@ -35,7 +35,8 @@ from fuselm.loading.checkpoint import open_checkpoint
 from fuselm.runtime.cpu_engine import CpuEngine
 from fuselm.runtime.engine import SamplingParams
 from fuselm.runtime.generate import generate
-from fuselm.runtime.prefill import prefill_kernels
+from fuselm.codegen import Target, Tuning
+from fuselm.codegen.build import prefill_steps
 
 TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=16, hidden_size=32, intermediate_size=64,
             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -336,10 +337,10 @@ def test_nvrtc_failure_is_one_error_line(capsys, monkeypatch, tmp_path):
 
 
 def test_prefill_of_a_graph_without_a_kv_cache():
-    """prefill_kernels of a graph with no state has nothing to fill: an error naming the graph."""
+    """prefill_steps of a graph with no state has nothing to fill: the reason names the graph."""
     g = Graph("nocache")
     g.output(y=g.op("linear", g.input("x", ("T", 32)), g.weight("w", (32, 32))))
-    api_error(FuselmError, r"^nocache: nothing to prefill \(no KV cache\)$", prefill_kernels, g, 16, tokens=8)
+    assert prefill_steps(g, 16, Target(), Tuning(), sizes=(8,)) == "nocache: nothing to prefill (no KV cache)"
 
 
 # ---- the CPU engine and the generation loop -------------------------------------------------------

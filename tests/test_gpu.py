@@ -155,7 +155,7 @@ PREFILL_ARCHS = {"LlamaForCausalLM": {}, **ARCH_TINY}
 
 @pytest.mark.parametrize("split_k", ["default", "every-tile"])
 @pytest.mark.parametrize("arch", sorted(PREFILL_ARCHS))
-def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k, monkeypatch):
+def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k):
     """A 77-token prompt through the batched prefill (a step of every size it has, 64 + 32 by
     default, the last one padded; its arena and runtime buffers poisoned with NaN first) leaves
     the caches that one-token decode steps leave, and the logits of the prompt's last token match
@@ -164,16 +164,14 @@ def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k
     sizes the default splits none; the real-shape tests run the default splits)."""
     import cupy as cp
 
-    from fuselm.codegen import gemm
-    if split_k == "every-tile":
-        monkeypatch.setattr(gemm, "BLOCKS", 1 << 16)
-        monkeypatch.setattr(gemm, "MIN_CHUNKS", 1)
+    from fuselm.codegen import Tuning
+    tuning = Tuning(gemm_blocks=1 << 16, gemm_min_chunks=1) if split_k == "every-tile" else Tuning()
     rng = np.random.default_rng()
     cfg = DecoderConfig.from_hf({**TINY, "architectures": [arch], **PREFILL_ARCHS[arch]})
     graph = build_graph(cfg)
     weights = random_weights(graph, rng)
     prompt = rng.integers(0, cfg.vocab_size, 77).tolist()
-    batched = engine_for(graph, weights, ctx=256)
+    batched = engine_for(graph, weights, ctx=256, tuning=tuning)
     stepped = engine_for(graph, weights, ctx=256, batched_prefill=False)
     assert batched.batched_prefill is not None and stepped.batched_prefill is None
     assert set(batched.batched_prefill.plan(76, 0)) == set(batched.batched_prefill.sizes)
@@ -432,12 +430,12 @@ def test_long_context_spans_attention_chunks(variant):
     them: one launch walking every position, and split + combine over two or more chunks (the
     sizes depend on the head layout), and as the engine picks them by position (switching
     mid-run); windows start mid-chunk."""
-    from fuselm.codegen.attention import split_pass, single_until
+    from fuselm.codegen import Target, Tuning
+    from fuselm.codegen.attention import Layout
     rng = np.random.default_rng()
     cfg = DecoderConfig.from_hf({**TINY, **variant})
-    group = cfg.num_heads // cfg.num_kv_heads
-    _, chunk = split_pass(cfg.head_dim, group, cfg.num_kv_heads)
-    steps = max(150, max(2 * chunk, single_until(cfg.head_dim, group)) + 22)
+    layout = Layout(cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads, Target.of_device(), Tuning())
+    steps = max(150, max(2 * layout.split_pass.chunk, layout.single_until) + 22)
     graph = build_graph(cfg)
     weights, tokens = random_weights(graph, rng), rng.integers(0, cfg.vocab_size, steps)
     runs = {}
@@ -473,10 +471,10 @@ def test_the_wide_split_matches_the_split_at_real_shapes():
     float32 sums' order. Arena and workspace poisoned."""
     import cupy as cp
 
-    from fuselm.codegen import attention
+    from fuselm.codegen import Tuning
     from fuselm.runtime.cuda_engine import CudaEngine
     from fuselm.runtime.random_weights import random_gpu_weights
-    assert attention.WIDE_WARPS, "the wide split is on (FUSELM_ATTN_WIDE_WARPS)"
+    assert Tuning().attn_wide_warps, "the wide split is on by default"
     rng = np.random.default_rng()
     cfg = DecoderConfig.from_hf({**PRESETS["llama-3.2-1b"], "num_hidden_layers": 4})
     graph = build_graph(cfg)
@@ -515,15 +513,16 @@ def test_attention_at_long_context(heads, kv_heads, head_dim, window, softcap, c
     variants: one block per KV head walking every position, and dozens of chunks merged by the
     combine kernel (a thousand-row window: starting mid-chunk); against the float64 reference.
     Head sizes 64 and 128 with up to 8 query heads per KV head run on tensor cores (MmaPass), the
-    others on CUDA cores (LanePass), as do two of the former with tensor cores turned off
-    (FUSELM_ATTN_MMA=0); a soft cap of 2 bends most scores (random rows, unit queries)."""
+    others on CUDA cores (LanePass), as do two of the former with MmaPass taken away (mma_fits
+    patched to refuse); a soft cap of 2 bends most scores (random rows, unit queries)."""
     import cupy as cp
 
-    from fuselm.codegen import attention
+    from fuselm.codegen import Target, Tuning, attention
     from fuselm.runtime.cuda_engine import CudaEngine
     if cuda_cores:
-        monkeypatch.setattr(attention, "MMA", set())
-    mma = not cuda_cores and attention.mma_fits(head_dim, heads // kv_heads)
+        monkeypatch.setattr(attention, "mma_fits", lambda head_dim, group, target: False)
+    target = Target.of_device()
+    mma = not cuda_cores and attention.mma_fits(head_dim, heads // kv_heads, target)
     rng = np.random.default_rng()
     rows, at = 3072, 3001   # row `at` of the head-size-6 caches starts mid-sector
     g = Graph("attention")
@@ -540,8 +539,8 @@ def test_attention_at_long_context(heads, kv_heads, head_dim, window, softcap, c
     ref = run_graph(g, {}, feeds, {n: x.astype(np.float64) for n, x in state.items()})["out"]
     # the wide split where it covers this position (with 12 warps the (32, 8, 128) layout covers 3001;
     # at the default 9 none does: test_the_wide_split_matches_the_split_at_real_shapes covers it)
-    wide = attention.wide_split(head_dim, heads // kv_heads, kv_heads)
-    for variant in ("single", "general", *(["wide"] if wide and wide["from"] <= at < wide["until"] else [])):
+    wide = attention.Layout(kv_heads, head_dim, heads // kv_heads, target, Tuning()).wide_split()
+    for variant in ("single", "general", *(["wide"] if wide and wide.start <= at < wide.until else [])):
         eng = CudaEngine(g, {}, ctx=rows, variant=variant)
         launched = [launch.function for _, launch, _ in eng.schedule_at(at)]
         suffix = {"general": "_split", "wide": "_split_wide"}.get(variant, f"_{variant}")

@@ -9,10 +9,14 @@ import re
 import pytest
 
 from fuselm import cli
-from fuselm.tools import inspect as insp
+from fuselm.codegen import Target, Tuning, headers
+from fuselm.codegen.attention import Layout, Pass
 from fuselm.compiler.pipeline import passes
+from fuselm.tools import inspect as insp
 
 PRESET = "llama-3.2-1b"
+# positions below which Llama-3.2-1B's attention (8 KV heads of 64, 4 query heads each) runs in one launch
+SINGLE_UNTIL = Layout(kv=8, head_dim=64, group=4, target=Target(), tuning=Tuning()).single_until
 FIELDS = {"kernel", "family", "layer", "nodes", "grid", "block", "bytes_read", "bytes_written"}
 
 
@@ -73,13 +77,13 @@ def test_table_lists_every_launch_and_the_summary(capsys):
         assert row[4] == str(launch.block)
         assert ", ".join(k.nodes) in " ".join(row)
     assert "kernels per layer: 5 (+1 attention combine), x 16 layers" in out
-    from fuselm.codegen.attention import single_until
-    assert (f"at positions below {single_until(64, 4)}: attention in one launch per layer, a block per KV head "
+    assert (f"at positions below {SINGLE_UNTIL}: attention in one launch per layer, a block per KV head "
             "(<kernel>_single) (16 kernels)") in out
     assert ("attention passes: split MmaPass<8, 64, 8, 4> on tensor cores, one launch MmaPass<8, 64, 8, 4> "
             "on tensor cores (16 kernels)") in out
-    assert insp._pass_label("MmaPass<8, 64, 9, 4, true>") == "MmaPass<8, 64, 9, 4> on tensor cores, V rows after the queries"
-    assert insp._pass_label("LanePass<8, 256, 8, 8, 2>") == "LanePass<8, 256, 8, 8, 2> on CUDA cores"
+    assert (insp._pass_label(Pass("MmaPass<8, 64, 9, 4, true>", 288))
+            == "MmaPass<8, 64, 9, 4> on tensor cores, V rows after the queries")
+    assert insp._pass_label(Pass("LanePass<8, 256, 8, 8, 2>", 256)) == "LanePass<8, 256, 8, 8, 2> on CUDA cores"
     assert f"launches per token: {len(flat)} " in out
     assert f"{G.graph['arena_bytes']:,} bytes with buffer reuse, {G.graph['arena_bytes_no_reuse']:,} without" in out
     assert G.graph["arena_bytes"] < G.graph["arena_bytes_no_reuse"]
@@ -90,7 +94,8 @@ def test_out_writes_every_distinct_kernel_and_the_schedule(capsys, tmp_path):
     rc, out, err = run_main(capsys, "inspect", PRESET, "--out", str(tmp_path))
     assert rc == 0, err
     names = {k.name for k in kernels}
-    assert {p.name for p in tmp_path.iterdir()} == {f"{n}.cu" for n in names} | {"schedule.txt"}
+    assert {p.name for p in tmp_path.iterdir()} == ({f"{n}.cu" for n in names} | set(headers())
+                                                     | {"schedule.txt", "compile.sh"})
     assert f"wrote {len(names)} kernels" in out and "kernels per layer" in out
     for k in kernels:   # every use of a shared kernel (each layer) lists its own graph nodes
         text = (tmp_path / f"{k.name}.cu").read_text()
@@ -105,6 +110,54 @@ def test_out_writes_every_distinct_kernel_and_the_schedule(capsys, tmp_path):
     assert len(shared) == 4 and sorted(sum(k.name == n for k in kernels) for n in names if n not in shared) == [1, 1, 1, 1, 15]
     rows = table_rows((tmp_path / "schedule.txt").read_text())
     assert [r[1] for r in rows] == [launch.function for _, launch in launches_of(kernels)]
+
+
+def test_out_folder_compiles_with_nothing_but_itself(capsys, tmp_path):
+    """Every kernel file --out writes compiles with NVRTC given that folder as its only include path
+    (no headers handed over in memory), with the options compile.sh gives nvcc."""
+    from fuselm.codegen.nvrtc import compile_cubin, options
+
+    rc, _, err = run_main(capsys, "inspect", "smollm2-135m", "--out", str(tmp_path))
+    assert rc == 0, err
+    script = (tmp_path / "compile.sh").read_text()
+    kernels = sorted(tmp_path.glob("*.cu"))
+    assert kernels and all(k.name in script for k in kernels) and "-I." in script
+    for k in kernels:
+        cubin, _, _ = compile_cubin(k.read_text(), {}, options("sm_90") + [f"--include-path={tmp_path}"],
+                                    use_cache=False)
+        assert cubin[:4] == b"\x7fELF", k.name
+
+
+@pytest.mark.parametrize("option", ["--out", "--dump"])
+def test_out_or_dump_at_a_file_or_an_unwritable_place_is_one_error_line(capsys, tmp_path, option):
+    afile = tmp_path / "a-file"
+    afile.write_text("keep me")
+    assert_one_line_error(*run_main(capsys, "inspect", "smollm2-135m", option, str(afile)),
+                          f"{option} {afile}: exists and is not a folder")
+    assert afile.read_text() == "keep me"
+    assert_one_line_error(*run_main(capsys, "inspect", "smollm2-135m", option, str(afile / "below")),
+                          f"{option} {afile / 'below'}: cannot write there")
+
+
+def test_tuning_is_listed_and_a_bad_value_is_one_error_line(capsys):
+    rc, out, _ = run_main(capsys, "inspect", "smollm2-135m", "--tuning", "--tune", "attn_wide_warps=0")
+    assert rc == 0 and "attn_wide_warps = 0  # warps per block of the wide split (0: none)  (changed)" in out
+    assert "gemv_warps = 8  # warps per GEMV block\n" in out
+    assert_one_line_error(*run_main(capsys, "inspect", "smollm2-135m", "--tune", "gemv_warps=6"),
+                          "--tune: tuning gemv_warps=6: warps per GEMV block must be a power of 2")
+    assert_one_line_error(*run_main(capsys, "inspect", "smollm2-135m", "--tune", "warps=6"),
+                          "--tune: tuning 'warps=6': expected name=value with a name among")
+
+
+def test_sms_size_the_gemvs_split_k(capsys):
+    """The SM count sizes split-K: a GPU of 16 SMs fills with fewer streaming warps, so the 1B's
+    short GEMVs (O, down) share rows between fewer warps, and their tiles of more rows need fewer
+    blocks; the long ones (Q/K/V, gate/up, the LM head) do not split on either."""
+    few = json.loads(run_main(capsys, "inspect", PRESET, "--json", "--sms", "16")[1])
+    many = json.loads(run_main(capsys, "inspect", PRESET, "--json")[1])
+    assert (few["sms"], many["sms"]) == (16, 132)
+    blocks = lambda doc: [l["grid"][0] for l in doc["launches"] if l["family"] == "gemv"]  # noqa: E731
+    assert all(f <= m for f, m in zip(blocks(few), blocks(many))) and sum(blocks(few)) < sum(blocks(many))
 
 
 def test_json_has_one_entry_per_launch(preset_json):
@@ -184,14 +237,13 @@ def test_ctx_changes_the_attention_kernels(capsys, preset_json):
 def test_short_contexts_run_attention_in_one_launch():
     """Every attention kernel has a one-launch variant for positions below single_until; a step
     there has one launch per layer fewer, and the same launches otherwise."""
-    from fuselm.codegen.attention import single_until
     G, kernels = expected(PRESET)
     att = [k for k in kernels if k.family == "attention"]
-    assert att and single_until(64, 4) > 0
+    assert att and SINGLE_UNTIL > 0
     for k in att:
-        assert [(v.name, v.until) for v in k.variants] == [("single", single_until(64, 4))]
-        for position, suffixes in ((0, ["single"]), (single_until(64, 4) - 1, ["single"]),
-                                   (single_until(64, 4), ["split", "combine"])):
+        assert [(v.name, v.until) for v in k.variants] == [("single", SINGLE_UNTIL)]
+        for position, suffixes in ((0, ["single"]), (SINGLE_UNTIL - 1, ["single"]),
+                                   (SINGLE_UNTIL, ["split", "combine"])):
             assert [l.function for l in k.launches_at(position)] == [f"{k.name}_{s}" for s in suffixes], position
         assert k.launches_of("single")[0].grid == (G.nodes[k.nodes[0]]["attrs"]["n_kv_heads"], 1)   # a block per KV head
         assert k.launches_of("general") == k.launches
@@ -203,7 +255,6 @@ def test_short_contexts_run_attention_in_one_launch():
 
 def test_position_shows_the_schedule_of_that_step(capsys, preset_json):
     """--position P: below the switch point each layer's attention is one launch (`_single`)."""
-    from fuselm.codegen.attention import single_until
     rc, out, _ = run_main(capsys, "inspect", PRESET, "--position", "0", "--json")
     assert rc == 0
     short = json.loads(out)
@@ -211,7 +262,7 @@ def test_position_shows_the_schedule_of_that_step(capsys, preset_json):
     singles = [e for e in short["launches"] if e["family"] == "attention"]
     assert len(singles) == 16 and all(e["function"].endswith("_single") for e in singles)
     assert len(short["launches"]) == len(preset_json["launches"]) - 16
-    rc, out, _ = run_main(capsys, "inspect", PRESET, "--position", str(single_until(64, 4)), "--json")
+    rc, out, _ = run_main(capsys, "inspect", PRESET, "--position", str(SINGLE_UNTIL), "--json")
     assert json.loads(out)["launches"] == preset_json["launches"]
     rc, out, _ = run_main(capsys, "inspect", PRESET, "--position", "0")
     assert rc == 0 and "at position 0" in out and "kernels per layer: 5, x 16 layers" in out
@@ -323,21 +374,20 @@ def test_prefill_shows_the_batched_prefill_graph(capsys, tmp_path):
     """--prefill: the state-only graph of a prompt step (the largest step size unless named), its
     GEMVs as gemm kernels over its tokens and attention a block per KV head and token; the last
     layer keeps only its K and V projections; --out writes those kernels."""
-    from fuselm.runtime.prefill import SIZES
-    TOKENS = SIZES[0]
+    TOKENS = Tuning().prefill_tokens[0]
     rc, out, _ = run_main(capsys, "inspect", "smollm2-135m", "--prefill", "--json")
     assert rc == 0
     doc = json.loads(out)
     assert doc["tokens"] == TOKENS
     launches = doc["launches"]
-    assert {l.family for l in launches} == {"rowwise", "gemm", "attention"}
-    assert all(l["grid"][1] == TOKENS for l in launches if l.family == "attention")
+    assert {l["family"] for l in launches} == {"rowwise", "gemm", "attention"}
+    assert all(l["grid"][1] == TOKENS for l in launches if l["family"] == "attention")
     # each gemm kernel launches its vectors' stage first (one block per token), then the gemm
-    gemms = [l for l in launches if l.family == "gemm"]
+    gemms = [l for l in launches if l["family"] == "gemm"]
     assert all(stage["function"] == gemm["kernel"] + "_stage" and gemm["function"] == gemm["kernel"]
                and stage["kernel"] == gemm["kernel"] and stage["grid"][0] == TOKENS
                for stage, gemm in zip(gemms[::2], gemms[1::2]))
-    last = [l for l in launches if l.layer == 29]
+    last = [l for l in launches if l["layer"] == 29]
     assert [l["function"] for l in last] == [last[1]["function"] + "_stage", last[1]["kernel"]]
     assert sum(n.startswith("linear_") for n in last[1]["nodes"]) == 2                    # K and V only
     assert sum(n.startswith("kv_write_") for n in last[1]["nodes"]) == 2

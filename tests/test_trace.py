@@ -1,4 +1,4 @@
-"""The block timeline (runtime/trace.py, FUSELM_TRACE=1) without a GPU: every kernel of a traced
+"""The block timeline (tools/trace.py, kernels built with trace=True) without a GPU: every kernel of a traced
 module records its own id, the traced module compiles with NVRTC, and block events made up here
 are read back into the launch rows and the per-layer pattern they describe."""
 from __future__ import annotations
@@ -8,8 +8,9 @@ import re
 import numpy as np
 import pytest
 
-import fuselm.codegen as codegen
-from fuselm.codegen import generate, headers, module_source, sampler
+from fuselm.codegen import Tuning, generate, headers, module_source
+from fuselm.codegen import sample
+from fuselm.codegen.build import trace_ids
 from fuselm.codegen.nvrtc import compile_cubin, options
 from fuselm.compiler import compile_graph
 from fuselm.errors import FuselmError
@@ -23,25 +24,24 @@ CONFIG = dict(architectures=["LlamaForCausalLM"], vocab_size=100, hidden_size=64
 @pytest.fixture(scope="module")
 def kernels():
     G = compile_graph(build_graph(DecoderConfig.from_hf(CONFIG, source="trace test")), tokens=1)
-    return generate(G, rows=512) + [sampler(CONFIG["vocab_size"])]
+    return generate(G, rows=512) + [sample.generate(CONFIG["vocab_size"], Tuning())]
 
 
-def test_traced_module_numbers_its_kernels_in_order_and_compiles(kernels, monkeypatch):
-    monkeypatch.setenv("FUSELM_TRACE", "1")
-    source = module_source(kernels)
+def test_traced_module_numbers_its_kernels_in_order_and_compiles(kernels):
+    source = module_source(kernels, trace=True)
     assert source.startswith("#define FUSELM_TRACE 1")
-    names = trace.kernel_ids(source)
-    ids = [int(i) for i in re.findall(r"TRACE_BLOCK_AS\((\d+)\);", source)]
-    assert ids == list(range(len(names))) and len(set(names)) == len(names)
+    names = trace_ids(kernels)
+    # the functions as the module defines them, each followed by the id it records
+    defined = re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\([^{]*\{\s*'
+                         r'TRACE_BLOCK_AS\((\d+)\);', source)
+    assert defined == [(name, str(i)) for i, name in enumerate(names)] and len(set(names)) == len(names)
     launched = {launch.function for k in kernels for launch in k.all_launches()}
     assert launched == set(names)
     cubin, _, _ = compile_cubin(source, headers(), options("sm_90"), use_cache=False)
     assert cubin[:4] == b"\x7fELF"
 
 
-def test_untraced_module_has_no_timeline(kernels, monkeypatch):
-    monkeypatch.delenv("FUSELM_TRACE", raising=False)
-    assert not codegen.trace_enabled()
+def test_untraced_module_has_no_timeline(kernels):
     source = module_source(kernels)
     assert "TRACE_BLOCK_AS" not in source and "FUSELM_TRACE 1" not in source
 
@@ -60,7 +60,7 @@ class FakeEngine:
 def made_up_events(engine, steps, position=300, gap_ns=500, run_ns=1000, stagger_ns=10, wait_ns=200):
     """Each launch's blocks start `stagger_ns` apart, wait `wait_ns` and run `run_ns`; the next
     launch starts `gap_ns` after the last block's end. Returned shuffled, as the GPU's atomics would."""
-    names = trace.kernel_ids(module_source(engine.kernels))
+    names = trace_ids(engine.kernels)
     rows, t = [], 10**9
     for step in range(steps):
         for _, launch, _ in engine.schedule_at(position + step):
@@ -131,7 +131,7 @@ def test_steps_that_cross_a_variant_boundary_use_each_positions_schedule(kernels
 def test_record_refuses_an_untraced_build():
     class Untraced:
         traced = False
-    with pytest.raises(FuselmError, match="no block timeline.*FUSELM_TRACE=1"):
+    with pytest.raises(FuselmError, match="no block timeline.*trace=True"):
         trace.record(Untraced(), position=0, steps=1)
 
 
@@ -139,7 +139,6 @@ def test_fuselm_trace_without_a_gpu_is_one_error_line(capsys, monkeypatch):
     import fuselm.runtime.cuda_engine as cuda_engine
     from fuselm import cli
 
-    monkeypatch.setenv("FUSELM_TRACE", "0")          # `fuselm trace` sets it only where unset
     monkeypatch.setattr(cuda_engine, "gpu_available", lambda: False)
     rc = cli.main(["trace", "llama-3.2-1b"])
     out, err = capsys.readouterr()
@@ -160,17 +159,18 @@ def test_fuselm_trace_arguments_are_wired():
 def test_bad_steps_or_positions_are_named_before_any_gpu_work(steps, positions, message):
     import argparse
 
-    args = argparse.Namespace(model="llama-3.2-1b", positions=positions, steps=steps, json=None, events=None)
+    args = argparse.Namespace(model="llama-3.2-1b", positions=positions, steps=steps, json=None, events=None,
+                              tune="")
     with pytest.raises(FuselmError, match=message):
         trace.main(args)
 
 
-def test_trace_refuses_fuselm_trace_0_before_building(monkeypatch):
+def test_bad_tuning_is_named_before_any_gpu_work():
     import argparse
 
-    monkeypatch.setenv("FUSELM_TRACE", "0")
-    args = argparse.Namespace(model="llama-3.2-1b", positions=[100], steps=1, json=None, events=None)
-    with pytest.raises(FuselmError, match="FUSELM_TRACE=0 in the environment"):
+    args = argparse.Namespace(model="llama-3.2-1b", positions=[100], steps=1, json=None, events=None,
+                              tune="gemv_warps=3")
+    with pytest.raises(FuselmError, match="--tune: tuning gemv_warps=3: warps per GEMV block must be a power of 2"):
         trace.main(args)
 
 

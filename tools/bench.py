@@ -50,7 +50,7 @@ def copy_bandwidth(gib: int = 4) -> float:
     return 2 * n * 4 / statistics.median(times[2:])
 
 
-def start_times(graph, weights, vocab: int, ctx: int, fuse: bool = True) -> tuple[float, float, float]:
+def start_times(graph, weights, vocab: int, ctx: int, fuse: bool = True, tuning=None) -> tuple[float, float, float]:
     """Seconds of start-up, weights already on the GPU, in a kernel cache of its own: (graph to
     cubins with the cache empty, the same with it warm, warm start to the first token). Each is an
     engine built as `fuselm.load` builds it after loading weights; the warm start is the second
@@ -67,7 +67,7 @@ def start_times(graph, weights, vocab: int, ctx: int, fuse: bool = True) -> tupl
         try:
             for warm in (False, True):               # the kernel cache empty, then warm
                 t0 = time.perf_counter()
-                engine = CudaEngine(graph, weights, ctx=ctx, fuse=fuse)
+                engine = CudaEngine(graph, weights, ctx=ctx, fuse=fuse, tuning=tuning)
                 engine.prefill(prompt, GREEDY)
                 first_token_s.append(time.perf_counter() - t0)
                 compile_s.append(engine.compile_seconds)
@@ -108,7 +108,7 @@ def step_bytes(kernels, states, context: float) -> float:
 
 def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do_profile: bool = False,
                 peers: tuple[str, ...] = (), copy_Bps: float | None = None, fuse: bool = True,
-                decode_only: bool = False, positions: tuple[int, ...] = ()) -> dict:
+                decode_only: bool = False, positions: tuple[int, ...] = (), tuning=None) -> dict:
     """Measure one preset or checkpoint (see the module docstring); `decode_only` skips the compile
     and long-prompt measurements and the profile at 4k (for quick A/B runs); `positions`: decode
     tok/s also from each of these start positions (the cache grows to hold the last one's run)."""
@@ -137,8 +137,9 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
         weights = random_gpu_weights(graph)
     cp.cuda.Device().synchronize()
     load = time.perf_counter() - t0
-    cold, warm, warm_start = start_times(graph, weights, cfg.vocab_size, ctx, fuse) if not decode_only else (None,) * 3
-    engine = CudaEngine(graph, weights, ctx=ctx, fuse=fuse)
+    cold, warm, warm_start = (start_times(graph, weights, cfg.vocab_size, ctx, fuse, tuning) if not decode_only
+                              else (None,) * 3)
+    engine = CudaEngine(graph, weights, ctx=ctx, fuse=fuse, tuning=tuning)
     del weights
     rng = np.random.default_rng(0)
     prompt32 = rng.integers(0, cfg.vocab_size, 32).tolist()
@@ -231,23 +232,21 @@ def hf_decode_rate(cfg, tokens: int) -> float:
     return round(tokens / (rates[1] - rates[0]), 1)
 
 
-def knob_settings() -> dict[str, str]:
-    """The FUSELM_* experiment knobs set in this run's environment (the cache location aside), so
-    that an A/B record says which side it is."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("FUSELM_") and k != "FUSELM_CACHE"}
-
-
-def run(models: list[str], out: str | None = None, **kw) -> dict:
-    """Benchmark `models`, print a table, write JSON to `out` if given, return the record."""
+def run(models: list[str], out: str | None = None, tuning=None, **kw) -> dict:
+    """Benchmark `models` with `tuning` (default: the defaults with $FUSELM_TUNE), print a table,
+    write JSON to `out` if given, return the record; its "tuning" lists the values that differ
+    from the defaults, so that an A/B record says which side it is."""
     import cupy as cp
 
+    from ..codegen import Tuning
     from ..runtime.cuda_engine import gpu_name
+    tuning = tuning or Tuning.from_env()
     copy = copy_bandwidth()
     record = {"gpu": gpu_name(), "date": date.today().isoformat(), "copy_GBps": round(copy / 1e9, 1),
-              "settings": knob_settings(), "results": []}
+              "tuning": tuning.changed(), "results": []}
     print(f"{record['gpu']}: device copy {copy / 1e9:.0f} GB/s (read + write)")
     for m in models:
-        r = bench_model(m, copy_Bps=copy, **kw)
+        r = bench_model(m, copy_Bps=copy, tuning=tuning, **kw)
         record["results"].append(r)
         print(_row(r), flush=True)
         if r.get("profile"):
@@ -308,6 +307,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--positions", type=_positions, default=(), metavar="P[,P...]",
                    help="decode tok/s also from these start positions (context lengths), e.g. 1024,2048,8000")
     p.add_argument("--json", dest="out", help="write the JSON record here")
+    from .inspect import add_tune_argument
+    add_tune_argument(p)
 
 
 def _positions(text: str) -> tuple[int, ...]:
@@ -320,7 +321,8 @@ def _positions(text: str) -> tuple[int, ...]:
 
 def main(args: argparse.Namespace) -> int:
     """`fuselm bench`: run() over the parsed arguments; 0 on success."""
-    run(args.models, out=args.out, runs=args.runs, tokens=args.tokens, do_profile=args.profile,
+    from .inspect import tuning_of
+    run(args.models, out=args.out, tuning=tuning_of(args), runs=args.runs, tokens=args.tokens, do_profile=args.profile,
         peers=tuple(p for p in args.peers.split(",") if p), fuse=not args.no_fuse,
         decode_only=args.decode_only, positions=args.positions)
     return 0

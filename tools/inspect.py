@@ -1,9 +1,11 @@
 """`fuselm inspect`: the kernels and launch schedule fuselm generates for a model, without a GPU.
 
     fuselm inspect llama-3.2-1b                    the schedule as a table, then a summary
-    fuselm inspect MODEL --out DIR                 every distinct kernel as DIR/<name>.cu + schedule.txt
+    fuselm inspect MODEL --out DIR                 every distinct kernel as DIR/<name>.cu, the headers
+                                                   they include, schedule.txt and compile.sh
     fuselm inspect MODEL --json                    one JSON object: {"launches": [...], ...}
     fuselm inspect MODEL --compile --arch sm_80    also NVRTC: compile time, registers, spills
+    fuselm inspect MODEL --tuning --tune gemv_warps=4   the tuning values the kernels were made with
 
 MODEL is a preset name (models/presets.py), a Hugging Face folder or .gguf file (only its config
 is read, never the weights), or a config.json file. The schedule is one decode step (T = 1 token)
@@ -24,6 +26,11 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..codegen import Target, Tuning, build_program, headers, module_source
+from ..codegen.attention import Pass
+from ..codegen.build import prefill_steps
+from ..codegen.nvrtc import compile_cubin, options, spills
+from ..codegen.tuning import PREFILL_STEP_RANGE
 from ..errors import FuselmError
 
 DEFAULT_CTX = 4096   # as api.load: min(model's maximum, 4096) unless --ctx is given
@@ -70,27 +77,23 @@ def load_config(model: str):
                       f"(presets: {', '.join(sorted(PRESETS))})")
 
 
-def build(cfg, fuse: bool = True, ctx: int | None = None, dump: str | Path | None = None, prefill: int = 0):
-    """(compiled graph, kernels in launch order with the sampler last, ctx) as the runtime has them;
-    with `prefill` > 0, the batched-prefill graph's for steps of that many tokens (runtime/prefill.py:
-    what the KV caches need), or a one-line error saying why the model has none."""
-    from ..compiler import compile_graph
+def build(cfg, fuse: bool = True, ctx: int | None = None, dump: str | Path | None = None, prefill: int = 0,
+          target: Target | None = None, tuning: Tuning | None = None):
+    """(compiled graph, kernels in launch order with the sampler last, ctx) as the runtime has them
+    (codegen.build_program, nothing compiled); with `prefill` > 0, the batched-prefill graph's for
+    steps of that many tokens, or a one-line error saying why the model has none."""
     from ..models import build_graph
-    from ..codegen.emit import generate, sampler
 
     ctx = ctx or min(cfg.max_position_embeddings, DEFAULT_CTX)
+    target, tuning = target or Target(), tuning or Tuning.from_env()
     if prefill:
-        from ..runtime.prefill import prefill_kernels
-        try:
-            G, kernels = prefill_kernels(build_graph(cfg), ctx, fuse, prefill)
-        except FuselmError as e:
-            raise FuselmError(f"{cfg.architecture} has no batched prefill (prompts go one token at a time): {e}") from None
-        return G, kernels, ctx
-    G = compile_graph(build_graph(cfg), fuse=fuse, tokens=1, dump=dump)
-    kernels = generate(G, rows=ctx)
-    logits = next(iter(G.graph["outputs"].values()))       # as CudaEngine: the first output
-    kernels.append(sampler(G.nodes[logits]["shape"][-1]))
-    return G, kernels, ctx
+        steps = prefill_steps(build_graph(cfg), ctx, target, tuning, fuse, sizes=(prefill,))
+        if isinstance(steps, str):
+            raise FuselmError(f"{cfg.architecture} has no batched prefill (prompts go one token at a time): {steps}")
+        return steps[0].G, steps[0].kernels, ctx
+    program = build_program(build_graph(cfg), ctx, target, tuning, fuse=fuse, prefill=False, compile=False,
+                            dump=dump)
+    return program.decode.G, program.decode.kernels, ctx
 
 
 def schedule_rows(kernels, position: int | None = None, tokens: int = 1) -> list[Row]:
@@ -147,13 +150,11 @@ def _launch_label(function: str, kernel_name: str) -> str:
     return f"{kernel_name.split('_')[0]} {suffix}" if suffix else function
 
 
-def _pass_label(pass_type: str) -> str:
-    """A pass type with where it runs (MmaPass on tensor cores, LanePass on CUDA cores) and, for an
+def _pass_label(p: Pass) -> str:
+    """A pass with where it runs (MmaPass on tensor cores, LanePass on CUDA cores) and, for an
     MmaPass with LATE_V, that its V rows go out after the queries."""
-    late = pass_type.endswith(", true>")
-    where = f"{pass_type[:-len(', true>')] + '>' if late else pass_type} on "
-    where += f"{'tensor' if pass_type.startswith('MmaPass') else 'CUDA'} cores"
-    return where + (", V rows after the queries" if late else "")
+    kind = p.type.removesuffix(", true>") + ">" if p.late_v else p.type
+    return f"{kind} on {'tensor' if p.on_tensor_cores else 'CUDA'} cores" + (", V rows after the queries" if p.late_v else "")
 
 
 def summary(G, kernels, rows: list[Row], ctx: int, position: int | None = None, prefill: bool = False) -> list[str]:
@@ -187,8 +188,8 @@ def summary(G, kernels, rows: list[Row], ctx: int, position: int | None = None, 
     variants = Counter((v.until, v.note) for k in kernels for v in k.variants)
     for (until, note), n in sorted(variants.items()):
         out.append(f"at positions below {until}: {note} ({n} kernel{'s' if n != 1 else ''})")
-    passes = Counter(tuple(k.notes["passes"].items()) for k in kernels if "passes" in k.notes)
-    for kinds, n in sorted(passes.items()):
+    passes = Counter(tuple(k.passes.items()) for k in kernels if k.passes)
+    for kinds, n in sorted(passes.items(), key=str):
         out.append("attention passes: " + ", ".join(f"{what} {_pass_label(p)}" for what, p in kinds)
                    + f" ({n} kernel{'s' if n != 1 else ''})")
     split = {k.name: k.launches[-1].grid[1] for k in kernels if k.family == "gemm" and k.launches[-1].grid[1] > 1}
@@ -226,6 +227,15 @@ def kernel_files(kernels) -> dict[str, str]:
     return files
 
 
+def compile_script(names: list[str], arch: str) -> str:
+    """compile.sh for a folder written by --out: each kernel file to a cubin with nvcc, the headers
+    beside them the only include path (NVRTC takes the same options)."""
+    flags = " ".join(o for o in options(arch) if not o.startswith("--gpu-architecture"))
+    return ("#!/bin/sh\n# Each kernel to a cubin; the .cuh headers beside them are all they include.\n"
+            f'cd "$(dirname "$0")"\nfor f in {" ".join(sorted(names))}; do\n'
+            f'    nvcc -cubin -arch={arch} {flags} -I. "$f" -o "${{f%.cu}}.cubin" || exit 1\ndone\n')
+
+
 # ---- NVRTC ----------------------------------------------------------------------------------------
 
 _REGS = re.compile(r"Used (\d+) registers")
@@ -235,9 +245,6 @@ _STACK = re.compile(r"(\d+) bytes stack frame")
 def compile_report(kernels, arch: str) -> dict:
     """Compile the whole module with NVRTC (no cache): seconds, and per function registers, stack
     frame and spill bytes from ptxas' resource report."""
-    from ..codegen import headers, module_source
-    from ..codegen.nvrtc import compile_cubin, options, spills
-
     t0 = time.perf_counter()
     cubin, log, _ = compile_cubin(module_source(kernels), headers(), options(arch, verbose=True),
                                   use_cache=False)
@@ -250,9 +257,9 @@ def compile_report(kernels, arch: str) -> dict:
             functions.setdefault(fn, {})
         elif fn:
             for key, rx in (("registers", _REGS), ("stack_bytes", _STACK)):
-                s = rx.search(line)
-                if s:
-                    functions[fn][key] = int(s.group(1))
+                r = rx.search(line)
+                if r:
+                    functions[fn][key] = int(r.group(1))
     for f, b in spills(log).items():
         functions.setdefault(f, {})["spill_bytes"] = b
     return {"arch": arch, "seconds": round(seconds, 3), "cubin_bytes": len(cubin), "functions": functions}
@@ -277,10 +284,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """`fuselm inspect`'s options."""
     p.add_argument("model", metavar="MODEL",
                    help="preset name, HF checkpoint folder, .gguf file or config.json (weights are not read)")
-    p.add_argument("--out", metavar="DIR", help="write every distinct kernel as DIR/<name>.cu and "
-                   "the schedule as DIR/schedule.txt")
+    p.add_argument("--out", metavar="DIR", help="write every distinct kernel as DIR/<name>.cu with the "
+                   "headers it includes, the schedule as DIR/schedule.txt and DIR/compile.sh")
     p.add_argument("--json", action="store_true", help="print the schedule as JSON")
-    p.add_argument("--arch", default="sm_90", help="GPU architecture for --compile (default sm_90)")
+    p.add_argument("--arch", default="sm_90", help="GPU architecture the kernels are made for (default sm_90)")
+    p.add_argument("--sms", type=int, default=Target().sms, metavar="N",
+                   help=f"SMs of that GPU: split-K and the attention wave (default {Target().sms}, the H200's)")
+    add_tune_argument(p)
+    p.add_argument("--tuning", action="store_true", help="list the tuning values the kernels were made with")
     p.add_argument("--compile", action="store_true",
                    help="compile the module with NVRTC: time, registers and spills per function")
     p.add_argument("--no-fuse", action="store_true", help="the schedule without fusion")
@@ -295,6 +306,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: the largest step size)")
 
 
+def add_tune_argument(p: argparse.ArgumentParser) -> None:
+    """--tune, shared by inspect, bench and trace."""
+    p.add_argument("--tune", metavar="NAME=V,...", default="",
+                   help="tuning values to change, over $FUSELM_TUNE (see codegen/tuning.py; inspect --tuning lists them)")
+
+
+def tuning_of(args: argparse.Namespace) -> Tuning:
+    """The defaults, $FUSELM_TUNE, then --tune."""
+    try:
+        return Tuning.parse(args.tune, Tuning.from_env())
+    except FuselmError as e:
+        raise FuselmError(f"--tune: {e}") from None
+
+
+def writable_folder(path: str, option: str) -> Path:
+    """`path` as a folder to write into, created if missing; a one-line error naming `option`
+    where it is a file or cannot be written."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise FuselmError(f"{option} {path}: exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".fuselm-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise FuselmError(f"{option} {path}: cannot write there ({e.strerror or e})") from None
+    return out
+
+
 def main(args: argparse.Namespace) -> int:
     """`fuselm inspect`: print (or write with --out / --dump) what the compiler makes of a model."""
     if args.ctx is not None and args.ctx <= 0:
@@ -303,44 +344,52 @@ def main(args: argparse.Namespace) -> int:
         raise FuselmError(f"--position must be 0 or more, got {args.position}")
     if not re.fullmatch(r"sm_\d+[a-z]?", args.arch):
         raise FuselmError(f"--arch must look like sm_90, got '{args.arch}'")
+    target = Target(args.arch, args.sms)
+    tuning = tuning_of(args)
     tokens, prefill = 1, args.prefill
     if args.prefill_tokens is not None and not prefill:
         raise FuselmError("--prefill-tokens needs --prefill")
     if prefill:
-        from ..runtime.prefill import SIZES, STEP_RANGE
-        tokens = SIZES[0] if args.prefill_tokens is None else args.prefill_tokens
-        low, high = STEP_RANGE
+        tokens = tuning.prefill_tokens[0] if args.prefill_tokens is None else args.prefill_tokens
+        low, high = PREFILL_STEP_RANGE
         if tokens % 8 or not low <= tokens <= high:
             raise FuselmError(f"--prefill-tokens takes a step of {low} to {high} tokens, a multiple of 8; got {tokens}")
+    out = writable_folder(args.out, "--out") if args.out else None
+    if args.dump:
+        writable_folder(args.dump, "--dump")
     cfg, source = load_config(args.model)
-    G, kernels, ctx = build(cfg, fuse=not args.no_fuse, ctx=args.ctx, dump=args.dump, prefill=tokens if prefill else 0)
+    G, kernels, ctx = build(cfg, fuse=not args.no_fuse, ctx=args.ctx, dump=args.dump,
+                            prefill=tokens if prefill else 0, target=target, tuning=tuning)
     rows = schedule_rows(kernels, args.position, tokens)
     at = f" at position {args.position}" if args.position is not None else ""
     step = f"a prefill step of {tokens} tokens" if prefill else "one decode token"
     title = (f"{source}: {cfg.architecture}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
              f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads of {cfg.head_dim}, vocab {cfg.vocab_size}; "
-             f"{'fused' if not args.no_fuse else 'unfused'}, ctx {ctx}; {step}{at}")
+             f"{'fused' if not args.no_fuse else 'unfused'}, ctx {ctx}; {step}{at}; "
+             f"{target.arch} with {target.sms} SMs")
     lines = summary(G, kernels, rows, ctx, args.position, prefill)
+    if args.tuning:
+        lines += ["tuning:"] + ["  " + line for line in tuning.lines()]
     rep = compile_report(kernels, args.arch) if args.compile else None
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+    if out:
         files = kernel_files(kernels)
-        for name, text in files.items():
+        for name, text in {**files, **headers()}.items():
             (out / name).write_text(text)
+        (out / "compile.sh").write_text(compile_script(list(files), args.arch))
         (out / "schedule.txt").write_text("\n".join([title, "", table(rows), "", *lines,
                                                      *(compile_lines(rep) if rep else [])]) + "\n")
     if args.json:
         doc = {"model": source, "architecture": cfg.architecture, "fused": not args.no_fuse, "ctx": ctx,
-               "tokens": tokens, "position": args.position, "launches": [r.as_json() for r in rows],
+               "tokens": tokens, "position": args.position, "arch": target.arch, "sms": target.sms,
+               "tuning": tuning.changed(), "launches": [r.as_json() for r in rows],
                "arena_bytes": G.graph["arena_bytes"], "arena_bytes_no_reuse": G.graph["arena_bytes_no_reuse"]}
         if rep:
             doc["compile"] = rep
         print(json.dumps(doc, indent=1))
         return 0
-    if args.out:
+    if out:
         print(title)
-        print(f"wrote {len(files)} kernels and schedule.txt to {args.out}")
+        print(f"wrote {len(files)} kernels, their {len(headers())} headers, compile.sh and schedule.txt to {args.out}")
     else:
         print(title + "\n\n" + table(rows) + "\n")
     print("\n".join(lines + (compile_lines(rep) if rep else [])))

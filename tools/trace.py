@@ -1,9 +1,9 @@
 """`fuselm trace PRESET`: when each kernel's blocks start, pass their wait for the previous kernel
 and end, inside decode steps replayed as CUDA graphs. The block timeline is compiled into every
-kernel only with FUSELM_TRACE=1 in the environment (common.cuh, BlockTrace; `fuselm trace` sets
-it); the kernels are otherwise the same, and the step about 6% slower than untraced.
+kernel only where the engine is built with trace=True (common.cuh, BlockTrace; `fuselm trace`
+does); the kernels are otherwise the same, and the step about 6% slower than untraced.
 
-The profile (runtime/profile.py) says what each kernel costs; this says where a step's time goes
+The profile (tools/profile.py) says what each kernel costs; this says where a step's time goes
 between kernels: how long after its predecessor's last block a kernel's blocks start, how long
 they wait, and how far its last block trails the rest.
 """
@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 
 import numpy as np
 
-from ..codegen import TRACE_EVENTS, module_source, trace_enabled
+from ..codegen.build import TRACE_EVENTS, trace_ids
 from ..errors import FuselmError
 from ..models.presets import PRESETS
 
@@ -25,17 +24,12 @@ TIMES = ("first_start", "median_start", "last_start", "median_waited", "median_e
 _KERNEL = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(')
 
 
-def kernel_ids(source: str) -> list[str]:
-    """Kernel function names in module order: the id each one's TRACE_BLOCK records."""
-    return _KERNEL.findall(source)
-
-
 def record(engine, position: int, steps: int) -> np.ndarray:
     """Block events [n, 4] (id|smid|block, start, waited, end in ns) of the steps at positions
     `position` .. `position` + `steps` - 1."""
     if not getattr(engine, "traced", False):
-        raise FuselmError("these kernels record no block timeline: build the engine with FUSELM_TRACE=1 "
-                          "in the environment (fuselm trace sets it)")
+        raise FuselmError("these kernels record no block timeline: build the engine with trace=True "
+                          "(fuselm trace does)")
     cp = engine.cp
     count = engine.module.get_global("fuselm_trace_count")
     engine.capture_graphs()
@@ -59,7 +53,7 @@ def launches(engine, events: np.ndarray, position: int, steps: int) -> list[dict
     """One row per launch of each traced step (the step at `position` + step uses that position's
     schedule), in step order: thread 0's start, wait and end times of its blocks, in us from the
     step's first block start (the median wait over the blocks whose thread 0 waited)."""
-    names = kernel_ids(module_source(engine.kernels))
+    names = trace_ids(engine.kernels)
     schedules = [engine.schedule_at(position + step) for step in range(steps)]
     ids = (events[:, 0] >> 48).astype(int)
     by_function = {}
@@ -157,6 +151,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=3, help="steps traced at each position")
     p.add_argument("--json", help="write every launch's row here")
     p.add_argument("--events", help="write the raw block events (.npz, per position) here")
+    from .inspect import add_tune_argument
+    add_tune_argument(p)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -165,16 +161,16 @@ def main(args: argparse.Namespace) -> int:
         raise FuselmError(f"--steps {args.steps}: at least 1")
     if min(args.positions) < 0:
         raise FuselmError(f"--positions {min(args.positions)}: positions are not negative")
-    os.environ.setdefault("FUSELM_TRACE", "1")    # read when the engine generates its kernels
-    if not trace_enabled():
-        raise FuselmError("FUSELM_TRACE=0 in the environment: the kernels would record no block timeline")
+    from .inspect import tuning_of
+    tuning = tuning_of(args)
     from ..models import build_graph
     from ..models.presets import preset
     from ..runtime.cuda_engine import CudaEngine
     from ..runtime.random_weights import random_gpu_weights
     graph = build_graph(preset(args.model))
     # The benchmark's context (4608 rows), or more: the attention kernels depend on it.
-    engine = CudaEngine(graph, random_gpu_weights(graph), ctx=max(4608, max(args.positions) + args.steps + 1))
+    engine = CudaEngine(graph, random_gpu_weights(graph), ctx=max(4608, max(args.positions) + args.steps + 1),
+                        tuning=tuning, trace=True)
     out, raw = {}, {}
     for position in dict.fromkeys(args.positions):
         raw[f"events_{position}"] = record(engine, position, args.steps)
@@ -185,7 +181,7 @@ def main(args: argparse.Namespace) -> int:
             _print(layer_pattern(mine), where, step_us)
         out[position] = rows
     if args.events:
-        np.savez_compressed(args.events, kernels=np.array(kernel_ids(module_source(engine.kernels))), **raw)
+        np.savez_compressed(args.events, kernels=np.array(trace_ids(engine.kernels)), **raw)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "launches": out}, f)
