@@ -7,7 +7,7 @@ A split could ask L2 for the next layer's rows once its own are in, but between 
 through L2 as the GEMVs do, then times an ordinary read of the rows (first block start to last
 block end, %globaltimer). Cases: no prefetch (HBM), `prefetch.global.L2`, and
 `prefetch.global.L2::evict_last`, each with the persisting set-aside (cudaLimitPersistingL2CacheSize)
-at 0 and at the device's maximum. Results: bench/results/2026-12-02-h200-s12-probe-l2-survival.log
+at 0 and at the device's maximum. Results: bench/results/2026-12-02-h200-probes.log
 (asked-for rows survive; evict_last ones arrive in 2.27 us against 3.4 from HBM).
 
 Usage (GPU machine): python3 scripts/probe_l2_survival.py   (prints one line per case)

@@ -9,7 +9,7 @@ contiguous, as in a head-major cache; "h": with the L2::256B fetch-size hint), b
 shared memory completing on an mbarrier ("bulk", the copy engine beside each SM), and by ordinary
 loads of rows that the previous run left in L2 ("L2"). Each kernel times itself with %globaltimer
 (first block start to last block end), so launch gaps do not count. Results:
-bench/results/2026-12-01-h200-s7-probe-sm-bandwidth.log.
+bench/results/2026-12-01-h200-probes.log.
 
 Usage (GPU machine): python3 scripts/probe_sm_bandwidth.py   (prints one line per case)
 """
