@@ -27,17 +27,12 @@ MAX_SCORES = 32  # cache rows x query heads whose scores one lane keeps in regis
 
 @dataclass(frozen=True)
 class Pass:
-    """A pass over a block of cache rows: its C++ type and the cache positions it covers."""
+    """A pass over a block of cache rows: its C++ type, the cache positions it covers, whether it
+    runs on tensor cores (MmaPass; else LanePass) and issues its V rows after the queries."""
     type: str
     chunk: int
-
-    @property
-    def on_tensor_cores(self) -> bool:
-        return self.type.startswith("MmaPass")
-
-    @property
-    def late_v(self) -> bool:
-        return self.type.endswith(", true>")
+    on_tensor_cores: bool = False
+    late_v: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,7 +79,8 @@ def pass_of(kv: int, head_dim: int, group: int, warps: int, row_limit: int, targ
     in registers)."""
     if mma_fits(head_dim, group, target):
         late = ", true" if late_v else ""
-        return Pass(f"MmaPass<{kv}, {head_dim}, {warps}, {group}{late}>", warps * (2048 // head_dim))   # MmaPass::CHUNK
+        return Pass(f"MmaPass<{kv}, {head_dim}, {warps}, {group}{late}>", warps * (2048 // head_dim),   # MmaPass::CHUNK
+                    on_tensor_cores=True, late_v=late_v)
     rows = _rows_per_lane(row_limit, group)
     return Pass(f"LanePass<{kv}, {head_dim}, {warps}, {rows}, {group}>",
                 warps * (32 // lanes_per_row(head_dim)) * rows)                                 # LanePass::CHUNK
@@ -158,10 +154,10 @@ class Layout:
 
 
 def generate(spec: KernelSpec) -> KernelSource:
-    """The attention kernels of one ATTENTION node over a cache of spec.rows positions: for decode
+    """The attention kernels of one ATTENTION node over a KV cache of spec.ctx rows: for decode
     the split and combine launches with their variants by position (the split's records go
     through the runtime's "workspace"); for a prefill step the prefill kernel alone."""
-    G, launch, rows, tokens, tuning = spec.G, spec.launch, spec.rows, spec.tokens, spec.tuning
+    G, launch, ctx, tokens, tuning = spec.G, spec.launch, spec.ctx, spec.tokens, spec.tuning
     params = Params(G)
     (n,) = launch.nodes
     d = G.nodes[n]
@@ -178,16 +174,16 @@ def generate(spec: KernelSpec) -> KernelSource:
         raise FuselmError(f"{n}: {layout.group} query heads per KV head of {hd} need {need} bytes of shared memory "
                           f"per warp in the attention kernel; at most {SMEM_STATIC} are supported")
     split = layout.split_pass
-    nchunk = -(-rows // split.chunk)
+    nchunk = -(-ctx // split.chunk)
     record = (hd + 3) // 4 * 4 + 4                                      # Record<HD>::FLOATS
     wide = layout.wide_split() if tokens == 1 else None
-    if wide and wide.start < rows:   # its chunks cover the cache, so it may serve any position
-        wide = WideSplit(wide.start, min(wide.until, rows), wide.pass_, wide.warps, -(-rows // wide.chunk))
+    if wide and wide.start < ctx:   # its chunks cover the cache, so it may serve any position
+        wide = WideSplit(wide.start, min(wide.until, ctx), wide.pass_, wide.warps, -(-ctx // wide.chunk))
     else:
         wide = None
     threads, single_threads = layout.split_warps * 32, layout.single_warps * 32
     combine_threads = tuning.attn_combine_warps * 32
-    single_until = min(layout.single_until, rows)
+    single_until = min(layout.single_until, ctx)
     name, source = render(
         "attention.cu.j2", "attention", f"h{H}_kv{KV}_d{hd}", params=params.decls, H=H, KV=KV, HD=hd,
         chunk=split.chunk, split_pass=split.type, nchunk=nchunk, window=int(a.get("window") or 0),

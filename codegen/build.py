@@ -92,7 +92,7 @@ def build_program(graph: Graph, ctx: int, target: Target | None = None, tuning: 
     target = target or Target()
     tuning = tuning or Tuning.from_env()
     G = compile_graph(graph, fuse=fuse, tokens=1, pass_list=pass_list, dump=dump)
-    kernels = generate(G, rows=ctx, target=target, tuning=tuning)
+    kernels = generate(G, ctx=ctx, target=target, tuning=tuning)
     logits = G.graph["outputs"].get("logits")
     if logits:
         kernels.append(sample.generate(G.nodes[logits]["shape"][-1], tuning))
@@ -122,7 +122,7 @@ def prefill_steps(graph: Graph, ctx: int, target: Target, tuning: Tuning, fuse: 
         if not G.graph["schedule"]:
             return f"{graph.name}: nothing to prefill (no KV cache)"
         try:
-            steps.append(PrefillStep(tokens, G, generate(G, rows=ctx, target=target, tuning=tuning, tokens=tokens)))
+            steps.append(PrefillStep(tokens, G, generate(G, ctx=ctx, target=target, tuning=tuning, tokens=tokens)))
         except FuselmError as e:
             why = why or str(e)
     return steps or why

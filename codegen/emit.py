@@ -16,9 +16,9 @@ from .tuning import Target, Tuning
 FAMILIES = {"gemv": gemv, "gemm": gemm, "rowwise": rowwise, "attention": attention, "moe": moe}
 
 
-def generate(G: nx.DiGraph, rows: int, target: Target | None = None, tuning: Tuning | None = None,
+def generate(G: nx.DiGraph, ctx: int, target: Target | None = None, tuning: Tuning | None = None,
              tokens: int = 1, weight_bytes: int = 2) -> list[KernelSource]:
-    """CUDA for every kernel of the compiled graph `G`, with a KV cache of `rows` positions, for
+    """CUDA for every kernel of the compiled graph `G`, with a KV cache of `ctx` rows, for
     steps of `tokens` tokens: 1 (decode), or a chunk of a prompt (batched prefill: gemv kernels
     in their gemm form, attention one block per KV head and token; see prefill_unsupported), on
     `target` with `tuning` (default: the H200 and the default tuning)."""
@@ -28,8 +28,8 @@ def generate(G: nx.DiGraph, rows: int, target: Target | None = None, tuning: Tun
     out = []
     for launch in G.graph["schedule"]:
         family = "gemm" if launch.family == "gemv" and tokens > 1 else launch.family
-        k = FAMILIES[family].generate(KernelSpec(G, launch, rows, tokens, target, tuning))
-        k.bytes_read, k.bytes_written = _traffic(G, launch, rows, weight_bytes, tokens)
+        k = FAMILIES[family].generate(KernelSpec(G, launch, ctx, tokens, target, tuning))
+        k.bytes_read, k.bytes_written = _traffic(G, launch, ctx, weight_bytes, tokens)
         out.append(k)
     return out
 
@@ -43,12 +43,12 @@ def prefill_unsupported(G: nx.DiGraph, tokens: int, tuning: Tuning | None = None
     return None
 
 
-def _traffic(G: nx.DiGraph, launch, rows: int, weight_bytes: int, tokens: int = 1) -> tuple[int, int]:
-    """Bytes a launch reads and writes per step of `tokens` tokens (KV cache counted at `rows`
-    positions; activations as one token's, for a prefill step)."""
+def _traffic(G: nx.DiGraph, launch, ctx: int, weight_bytes: int, tokens: int = 1) -> tuple[int, int]:
+    """Bytes a launch reads and writes per step of `tokens` tokens (KV cache counted at `ctx`
+    rows; activations as one token's, for a prefill step)."""
     def nbytes(v):
         d = G.nodes[v]
-        shape = [1 if s == "T" else rows if s == "S" else s for s in d["shape"]]
+        shape = [1 if s == "T" else ctx if s == "S" else s for s in d["shape"]]
         if any(G.nodes[n]["kind"] is Kind.EMBEDDING and G.nodes[n]["inputs"][0] == v for n in launch.nodes):
             shape = shape[1:]                       # an embedding reads one row of its table
         per = weight_bytes if d["op"] in ("weight", "state") else 4

@@ -14,7 +14,7 @@ class KernelSpec:
     """What a kernel family is handed to generate one scheduled kernel."""
     G: nx.DiGraph             # the compiled graph
     launch: ScheduledKernel   # the kernel of its schedule
-    rows: int                 # KV cache rows the attention kernels are built for
+    ctx: int                  # KV cache rows (the context length) the attention kernels are built for
     tokens: int               # tokens per step: 1 (decode) or a prefill step's
     target: Target
     tuning: Tuning

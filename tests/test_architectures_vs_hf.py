@@ -302,7 +302,7 @@ def test_compiles_through_compiler_and_nvrtc(arch, fuse):
     graph, vocab = tiny_graph(arch)
     G = compile_graph(graph, fuse=fuse)
     assert G.graph["schedule"]
-    ks = cg.generate(G, rows=64)
+    ks = cg.generate(G, ctx=64)
     cubin, log, cached = nvrtc.compile_cubin(cg.module_source(ks + [cg.sample.generate(vocab, cg.Tuning())]), cg.headers(),
                                              nvrtc.options("sm_90"), use_cache=False)
     assert len(cubin) > 1000 and not cached
@@ -318,7 +318,7 @@ def test_presets_compile(name):
     from fuselm.models.presets import preset
 
     G = compile_graph(build_graph(preset(name)))
-    assert cg.generate(G, rows=64)
+    assert cg.generate(G, ctx=64)
 
 
 def test_mixtral_moe_runs_as_its_own_kernel_family():

@@ -57,7 +57,7 @@ def kernels_of():
         if (name, fuse) not in made:
             cfg = CONFIGS[name]()
             G = compile_graph(build_graph(cfg), fuse=fuse, tokens=1)
-            ks = generate(G, rows=min(cfg.max_position_embeddings, 4096))
+            ks = generate(G, ctx=min(cfg.max_position_embeddings, 4096))
             logits = next(iter(G.graph["outputs"].values()))
             made[name, fuse] = ks + [sample.generate(G.nodes[logits]["shape"][-1], Tuning())]
         return made[name, fuse]
@@ -130,7 +130,7 @@ def test_prefill_module_compiles_and_does_not_spill(name, fuse, tokens):
         assert why and PREFILL_UNSUPPORTED[name] in why
         return
     assert why is None
-    ks = generate(G, rows=min(cfg.max_position_embeddings, 4096), tokens=tokens)
+    ks = generate(G, ctx=min(cfg.max_position_embeddings, 4096), tokens=tokens)
     assert {k.family for k in ks} <= {"gemm", "attention", "rowwise", "moe"} and "gemm" in {k.family for k in ks}
     cubin, log, _ = compile_cubin(module_source(ks), headers(), options("sm_90", verbose=True), use_cache=False)
     functions = {launch.function for k in ks for launch in k.all_launches()}
@@ -154,7 +154,7 @@ def test_random_graphs_compile_for_sm90():
         rows = max([v.shape[0] for v in case.state.values()] + [8])
         for fuse in (True, False):
             G = compile_graph(case.graph, fuse=fuse, tokens=1)
-            cubin, _, _ = compile_cubin(module_source(generate(G, rows=rows)), headers(),
+            cubin, _, _ = compile_cubin(module_source(generate(G, ctx=rows)), headers(),
                                         options("sm_90"), use_cache=False)
             assert cubin[:4] == b"\x7fELF"
 
@@ -178,7 +178,7 @@ def test_attention_too_wide_for_shared_memory_is_a_clear_error():
                                      num_key_value_heads=1, head_dim=256))
     G = compile_graph(build_graph(cfg))
     with pytest.raises(FuselmError, match=r"attention_\d+: 64 query heads per KV head of 256 need \d+ bytes"):
-        generate(G, rows=64)
+        generate(G, ctx=64)
 
 
 def test_attention_head_dim_over_256_is_a_clear_error():
@@ -187,7 +187,7 @@ def test_attention_head_dim_over_256_is_a_clear_error():
                                      intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
                                      num_key_value_heads=1, head_dim=512))
     with pytest.raises(FuselmError, match=r"attention_\d+: head_dim 512 > 256 is not supported"):
-        generate(compile_graph(build_graph(cfg)), rows=64)
+        generate(compile_graph(build_graph(cfg)), ctx=64)
 
 
 def test_attention_position_must_be_a_graph_input():
@@ -203,7 +203,7 @@ def test_attention_position_must_be_a_graph_input():
     vc = g.op("kv_write", g.state("vc", ("S", 16)), v, pos)
     g.output(out=g.op("attention", q, kc, vc, shifted, n_heads=1, n_kv_heads=1, head_dim=16, scale=0.25))
     with pytest.raises(FuselmError, match=r"attention_\d+: the position must be a graph input"):
-        generate(compile_graph(g, tokens=1), rows=16)
+        generate(compile_graph(g, tokens=1), ctx=16)
 
 
 def test_attention_falls_back_to_fewer_warps_where_shared_memory_is_short():
@@ -215,7 +215,7 @@ def test_attention_falls_back_to_fewer_warps_where_shared_memory_is_short():
     cfg = DecoderConfig.from_hf(dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=256,
                                      intermediate_size=64, num_hidden_layers=1, num_attention_heads=8,
                                      num_key_value_heads=1, head_dim=256))
-    ks = generate(compile_graph(build_graph(cfg)), rows=512)
+    ks = generate(compile_graph(build_graph(cfg)), ctx=512)
     (att,) = [k for k in ks if k.family == "attention"]
     (single,) = att.launches_of("single")
     split, _ = att.launches_of("general")
@@ -238,7 +238,7 @@ def test_the_wide_split_takes_over_where_the_split_outgrows_one_wave(warps):
     graph = build_graph(preset("llama-3.2-1b"))
     for rows in (4608, 8192):
         until = min(16 * chunk, rows)
-        ks = generate(compile_graph(graph), rows=rows, tuning=tuning)
+        ks = generate(compile_graph(graph), ctx=rows, tuning=tuning)
         (att, *_) = [k for k in ks if k.family == "attention"]
         assert [(v.name, v.until) for v in att.variants] == [("single", 512), ("split", 4096), ("wide", until)]
         assert [l.function for l in att.launches_at(4095)] == [f"{att.name}_split", f"{att.name}_combine"]
@@ -248,10 +248,10 @@ def test_the_wide_split_takes_over_where_the_split_outgrows_one_wave(warps):
         assert att.launches_at(until) == att.launches
     cubin, log, _ = compile_cubin(module_source(ks), headers(), options("sm_90", verbose=True), use_cache=False)
     assert split.function.encode() in cubin and not spills(log).get(split.function)
-    smol = generate(compile_graph(build_graph(preset("smollm2-135m"))), rows=4608)
+    smol = generate(compile_graph(build_graph(preset("smollm2-135m"))), ctx=4608)
     assert [v.name for k in smol for v in k.variants] == ["single"] * 30
     off = Tuning(attn_wide_warps=0)
-    assert not any(v.name == "wide" for k in generate(compile_graph(graph), rows=4608, tuning=off) for v in k.variants)
+    assert not any(v.name == "wide" for k in generate(compile_graph(graph), ctx=4608, tuning=off) for v in k.variants)
 
 
 def test_gemv_epilogue_operands_are_loaded_before_the_dot_products_where_the_schedule_allows():
@@ -260,7 +260,7 @@ def test_gemv_epilogue_operands_are_loaded_before_the_dot_products_where_the_sch
     L2; layer 0's Q/K/V, with no GEMV ahead of it in the step, reads the position after its wait as
     before; gate/up and the LM head have no such operand. The module compiles without spills."""
     graph = compile_graph(build_graph(preset("llama-3.2-1b")))
-    ks = [k for k in generate(graph, rows=512) if k.family == "gemv"]
+    ks = [k for k in generate(graph, ctx=512) if k.family == "gemv"]
     early = {}
     for k in ks:
         lines = [line.strip() for line in k.source.splitlines() if "__ldcg(" in line]
@@ -270,7 +270,7 @@ def test_gemv_epilogue_operands_are_loaded_before_the_dot_products_where_the_sch
                      "gemv_norm_k2048_2x8192": {0}, "gemv_norm_k2048_1x128256": {0}}, early
     qkv0, qkv1 = ks[0], ks[4]                         # launch order: Q/K/V, O, gate/up, down per layer
     assert "__ldcg(" not in qkv0.source and qkv1.source.count("__ldcg(") == 4
-    cubin, log, _ = compile_cubin(module_source(generate(graph, rows=512)), headers(), options("sm_90", verbose=True),
+    cubin, log, _ = compile_cubin(module_source(generate(graph, ctx=512)), headers(), options("sm_90", verbose=True),
                                   use_cache=False)
     assert not any(spills(log).values()), spills(log)
 
@@ -281,7 +281,7 @@ def test_only_few_block_kernels_release_their_successor_before_waiting():
     (after the block-timeline hook, a no-op unless traced); the one-launch attention,
     GEMVs and the sampler only after their wait."""
     import re
-    ks = generate(compile_graph(build_graph(preset("qwen3-8b"))), rows=4608) + [sample.generate(151936, Tuning())]
+    ks = generate(compile_graph(build_graph(preset("qwen3-8b"))), ctx=4608) + [sample.generate(151936, Tuning())]
     families = {k.family for k in ks}
     assert {"rowwise", "attention", "gemv"} <= families
     for k in ks:
@@ -305,14 +305,14 @@ def test_attention_passes_run_on_tensor_cores_where_they_fit():
 
     def layout(hd, group, kv=1, arch="sm_90"):
         return Layout(kv, hd, group, Target(arch), Tuning())
-    assert layout(64, 4, kv=8).split_pass == Pass("MmaPass<8, 64, 8, 4>", 256)
-    assert layout(128, 7, kv=4).split_pass == Pass("MmaPass<4, 128, 8, 7>", 128)
+    assert layout(64, 4, kv=8).split_pass == Pass("MmaPass<8, 64, 8, 4>", 256, on_tensor_cores=True)
+    assert layout(128, 7, kv=4).split_pass == Pass("MmaPass<4, 128, 8, 7>", 128, on_tensor_cores=True)
     assert layout(128, 4, kv=8).single_pass.type == "MmaPass<8, 128, 8, 4>"
     assert layout(256, 2, kv=8).split_pass.type.startswith("LanePass<8, 256, 8, ")
     assert layout(64, 12, kv=4).split_pass == Pass("LanePass<4, 64, 8, 2, 12>", 64)
     assert pass_of(8, 6, 2, 4, 8, Target()).type.startswith("LanePass<")
-    assert layout(64, 4, kv=8).wide_split().pass_ == Pass("MmaPass<8, 64, 9, 4, true>", 288)
-    source = "\n".join(k.source for k in generate(compile_graph(build_graph(preset("llama-3.2-1b"))), rows=4608))
+    assert layout(64, 4, kv=8).wide_split().pass_ == Pass("MmaPass<8, 64, 9, 4, true>", 288, True, True)
+    source = "\n".join(k.source for k in generate(compile_graph(build_graph(preset("llama-3.2-1b"))), ctx=4608))
     assert "attention_chunk<32, 8, 64, MmaPass<8, 64, 8, 4>, 18>" in source
     assert "attention_chunk<32, 8, 64, MmaPass<8, 64, 9, 4, true>, 16>" in source     # the wide split
     assert "attention_single<32, 8, 64, MmaPass<8, 64, 8, 4>>" in source
@@ -333,7 +333,7 @@ def test_every_kernel_argument_has_memory(name, fuse):
     cfg = CONFIGS[name]()
     G = compile_graph(build_graph(cfg), fuse=fuse, tokens=1)
     logits = G.graph["outputs"]["logits"]
-    kernels = generate(G, rows=min(cfg.max_position_embeddings, 4096)) + [sample.generate(G.nodes[logits]["shape"][-1], Tuning())]
+    kernels = generate(G, ctx=min(cfg.max_position_embeddings, 4096)) + [sample.generate(G.nodes[logits]["shape"][-1], Tuning())]
     for k in kernels:
         for launch in k.all_launches():
             for a in launch.args:
@@ -348,7 +348,7 @@ def test_every_kernel_argument_has_memory(name, fuse):
     for tokens in SIZES:
         P = compile_graph(build_graph(cfg), fuse=fuse, tokens=tokens, state_only=True)
         if not prefill_unsupported(P, tokens):
-            check_prefill_arguments(P, generate(P, rows=min(cfg.max_position_embeddings, 4096), tokens=tokens))
+            check_prefill_arguments(P, generate(P, ctx=min(cfg.max_position_embeddings, 4096), tokens=tokens))
 
 
 def check_prefill_arguments(P, kernels) -> None:

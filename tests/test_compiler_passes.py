@@ -374,7 +374,7 @@ def test_a_new_elementwise_op_is_fused_into_a_gemv_epilogue(h, mytest_op):
     assert [G.nodes[n]["op"] for n in launch.nodes] == ["rmsnorm", "linear", "add", "mytest_op", "mytest_op"]
     assert launch.writes == [g.outputs["z"]]
     assert run_both(h, g, G, tokens=2) < 1e-5
-    [src] = generate(G, rows=4)
+    [src] = generate(G, ctx=4)
     assert src.source.count("fmaf(") == 2 and "0.1171875f" in src.source
     assert compile_graph(g, fuse=False, tokens=2).graph["schedule"][-1].family == "rowwise"
 

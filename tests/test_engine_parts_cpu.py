@@ -44,7 +44,7 @@ class _Cache:
 def _kernels_and_caches(cfg_dict):
     graph = build_graph(DecoderConfig.from_hf(cfg_dict))
     caches = {n.name: _Cache(n.shape[-1]) for n in graph.sources("state")}
-    return generate(compile_graph(graph), rows=64), caches, graph
+    return generate(compile_graph(graph), ctx=64), caches, graph
 
 
 def test_step_bytes_count_one_embedding_row_and_the_chosen_experts_only():
@@ -88,7 +88,7 @@ def test_an_unknown_attention_variant_is_a_one_line_error():
     cfg = DecoderConfig.from_hf(dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=64,
                                      intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                                      num_key_value_heads=2))
-    kernels = generate(compile_graph(build_graph(cfg)), rows=256)
+    kernels = generate(compile_graph(build_graph(cfg)), ctx=256)
     for ok in (None, "general", "single"):
         check_variant(kernels, ok)
     with pytest.raises(FuselmError, match=r"^variant 'singel': no kernel of this graph has it \(known: general, single\)$"):

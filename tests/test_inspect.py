@@ -81,7 +81,7 @@ def test_table_lists_every_launch_and_the_summary(capsys):
             "(<kernel>_single) (16 kernels)") in out
     assert ("attention passes: split MmaPass<8, 64, 8, 4> on tensor cores, one launch MmaPass<8, 64, 8, 4> "
             "on tensor cores (16 kernels)") in out
-    assert (insp._pass_label(Pass("MmaPass<8, 64, 9, 4, true>", 288))
+    assert (insp._pass_label(Pass("MmaPass<8, 64, 9, 4, true>", 288, on_tensor_cores=True, late_v=True))
             == "MmaPass<8, 64, 9, 4> on tensor cores, V rows after the queries")
     assert insp._pass_label(Pass("LanePass<8, 256, 8, 8, 2>", 256)) == "LanePass<8, 256, 8, 8, 2> on CUDA cores"
     assert f"launches per token: {len(flat)} " in out

@@ -24,7 +24,7 @@ CONFIG = dict(architectures=["LlamaForCausalLM"], vocab_size=100, hidden_size=64
 @pytest.fixture(scope="module")
 def kernels():
     G = compile_graph(build_graph(DecoderConfig.from_hf(CONFIG, source="trace test")), tokens=1)
-    return generate(G, rows=512) + [sample.generate(CONFIG["vocab_size"], Tuning())]
+    return generate(G, ctx=512) + [sample.generate(CONFIG["vocab_size"], Tuning())]
 
 
 def test_traced_module_numbers_its_kernels_in_order_and_compiles(kernels):

@@ -153,7 +153,7 @@ def _launch_label(function: str, kernel_name: str) -> str:
 def _pass_label(p: Pass) -> str:
     """A pass with where it runs (MmaPass on tensor cores, LanePass on CUDA cores) and, for an
     MmaPass with LATE_V, that its V rows go out after the queries."""
-    kind = p.type.removesuffix(", true>") + ">" if p.late_v else p.type
+    kind = p.type.replace(", true>", ">")
     return f"{kind} on {'tensor' if p.on_tensor_cores else 'CUDA'} cores" + (", V rows after the queries" if p.late_v else "")
 
 
