@@ -22,51 +22,19 @@
 // |error| <= 2^-17 of the value), so the scores keep about float32 accuracy.
 #pragma once
 #include "attention_pass.cuh"
-
-// mma.sync on bf16 needs sm_80: MmaPass says so at compile time (FUSELM_ATTN_MMA=0 runs attention on
-// CUDA cores) instead of failing at the first step; the helpers below are empty before.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-#define FUSELM_MMA_ARCH 0
-#else
-#define FUSELM_MMA_ARCH 1
-#endif
-
-// d += a b for a 16x16 bf16 A (4 words), a 16x8 bf16 B (2 words), float accumulators.
-__device__ __forceinline__ void mma_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                          unsigned b0, unsigned b1) {
-#if FUSELM_MMA_ARCH
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#endif
-}
-
-// (x0, x1) as a bf16 pair (x0 in the low half), rounded to nearest.
-__device__ __forceinline__ unsigned pack_bf16x2(float x0, float x1) {
-    unsigned r = 0;
-#if FUSELM_MMA_ARCH
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
-#endif
-    return r;
-}
-// The same pair as hi + lo, both bf16 pairs: lo holds what rounding x to hi left out.
-__device__ __forceinline__ void split_bf16x2(float x0, float x1, unsigned& hi, unsigned& lo) {
-    hi = pack_bf16x2(x0, x1);
-    lo = pack_bf16x2(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xffff0000u));
-}
-
-__device__ __forceinline__ unsigned word_of(const uint4& q, int i) { return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w; }
+#include "mma.cuh"
 
 // LATE_V (the split kernels): only the K rows go out before the wait; after it the queries, then
 // the V rows. The queries, small and in L2, would otherwise queue behind the block's 64 kB of
 // rows, and the scores could start only once every row was in; this way the scores and the
-// softmax run while V streams in (perf notes, step 66).
+// softmax run while V streams in (docs/perf-notes.md: LATE_V).
 template <int KV, int HD, int WARPS, int G, bool LATE_V = false>
 struct MmaPass {
     static_assert(HD == 64 || HD == 128, "MmaPass: head size 64 or 128");
     static_assert(G <= 8, "MmaPass: at most 8 query heads per KV head");
-    static_assert(KV > 0 && FUSELM_MMA_ARCH, "MmaPass needs sm_80 or later: set FUSELM_ATTN_MMA=0");
+    // mma.sync on bf16 needs sm_80: said at compile time (FUSELM_ATTN_MMA=0 runs attention on CUDA
+    // cores) instead of failing at the first step.
+    static_assert(KV > 0 && FUSELM_SM80, "MmaPass needs sm_80 or later: set FUSELM_ATTN_MMA=0");
     static constexpr int NP = 2048 / HD;         // positions per warp and pass: 16 loads of 16 bytes per lane
     static constexpr int CHUNK = WARPS * NP, W = KV * HD;
     static constexpr int NT = NP / 8, NU = NP / 16, KSTEPS = HD / 16, VDIMS = HD / 8;

@@ -33,12 +33,6 @@ __device__ __forceinline__ uint4 load_dims8(const bf16_t* row, int d0) {
     }
 }
 
-__device__ __forceinline__ void unpack8_bf16(uint4 q, float (&out)[8]) {
-    const bf16_t* h = reinterpret_cast<const bf16_t*>(&q);
-#pragma unroll
-    for (int i = 0; i < 8; i++) out[i] = bf16_to_f32(h[i]);
-}
-
 // Sum (or max) over the lanes whose index differs only in the bits FROM .. 16.
 template <int FROM>
 __device__ __forceinline__ float lanes_sum(float v) {

@@ -1,26 +1,12 @@
 // Shared device helpers. Header-free on purpose: NVRTC needs no CUDA include path, so CI can
-// compile every kernel without a GPU or a toolkit.
+// compile every kernel without a GPU or a toolkit. PTX is wrapped in bf16.cuh, mma.cuh,
+// cp_async.cuh, pdl.cuh and sreg.cuh (one helper per instruction); nothing else writes asm.
 #pragma once
+#include "bf16.cuh"
+#include "pdl.cuh"
+#include "sreg.cuh"
 
 #define NEG_INF __int_as_float(0xff800000)
-
-typedef unsigned short bf16_t;   // raw bfloat16 bits
-typedef unsigned short f16_t;    // raw IEEE half bits
-
-__device__ __forceinline__ float bf16_to_f32(bf16_t h) { return __uint_as_float(((unsigned)h) << 16); }
-
-__device__ __forceinline__ float f16_to_f32(f16_t h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-
-// Round to nearest even; the KV cache is stored in bf16.
-__device__ __forceinline__ bf16_t f32_to_bf16(float f) {
-    unsigned u = __float_as_uint(f);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16_t)(u >> 16);
-}
 
 #if FUSELM_WEIGHT_F16
 typedef f16_t weight_t;
@@ -90,12 +76,6 @@ __device__ __forceinline__ float rms_scale(float sum_sq, int n, float eps) { ret
 __device__ unsigned long long fuselm_trace[FUSELM_TRACE_EVENTS][4];   // [event] id|smid|block, start, waited, end
 __device__ unsigned fuselm_trace_count;
 
-__device__ __forceinline__ unsigned long long global_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
 // Thread 0's stamps, in shared memory: no register held through the kernel for them.
 __device__ __forceinline__ unsigned long long& trace_started() {
     __shared__ unsigned long long t;
@@ -117,8 +97,7 @@ struct BlockTrace {
         const unsigned long long end = global_ns();
         const unsigned i = atomicAdd(&fuselm_trace_count, 1u);
         if (i >= FUSELM_TRACE_EVENTS) return;   // the host sees the count and refuses
-        unsigned smid;
-        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+        const unsigned smid = sm_id();
         const unsigned block = blockIdx.y * gridDim.x + blockIdx.x;
         fuselm_trace[i][0] = (unsigned long long)id << 48 | (unsigned long long)smid << 32 | block;
         fuselm_trace[i][1] = trace_started();
@@ -142,10 +121,10 @@ struct BlockTrace {
 // its successor be scheduled right after its own wait (with its first weight loads in flight,
 // see warp_dot_rows), so it does not take SM slots from the blocks of the kernel before it.
 __device__ __forceinline__ void grid_wait_then_release() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+#if FUSELM_SM90   // before, no wait: none to trace either
+    griddep_wait();
     TRACE_WAITED();
-    asm volatile("griddepcontrol.launch_dependents;" :::);
+    griddep_launch_dependents();
 #endif
 }
 
@@ -155,8 +134,4 @@ __device__ __forceinline__ void grid_wait_then_release() {
 // finished only after waiting for its own (a grid finishes only once all its blocks have; blocks
 // that leave without waiting, empty attention chunks, touch nothing a later kernel writes).
 // (Releasing again in grid_wait_then_release is a no-op.)
-__device__ __forceinline__ void grid_release() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" :::);
-#endif
-}
+__device__ __forceinline__ void grid_release() { griddep_launch_dependents(); }

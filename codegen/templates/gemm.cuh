@@ -9,10 +9,11 @@
 // r + 8; words 0, 1 of each load feed the span's first mma, words 2, 3 its second. The tokens'
 // vectors (float32, the norm's gain applied when there is a prologue) are staged per chunk of KC
 // k in shared memory as bf16 hi + lo words in the same order, and every product takes two mma
-// (hi, lo), which keeps float32 accuracy (as in attention_mma.cuh).
+// (hi, lo), which keeps float32 accuracy (split_bf16x2, as in attention_mma.cuh).
 #pragma once
-#include "attention_mma.cuh"   // mma_16816, split_bf16x2
-#include "gemv.cuh"            // slot_row
+#include "cp_async.cuh"
+#include "gemv.cuh"            // slot_row, load_f32x8, apply_gain8
+#include "mma.cuh"
 
 #if FUSELM_WEIGHT_F16
 #error "gemm.cuh: the mma takes the weights as bf16; f16 weights have no gemm form"
@@ -27,28 +28,12 @@ struct StagedX {
     uint4 hi[TT][STRIDE], lo[TT][STRIDE];
 };
 
-// Entries k .. k + 8 of one token's vector x, loaded with plain loads: x is the previous kernel's
-// output (see gemv.cuh).
-__device__ __forceinline__ void load_entry(const float* x, int k, float (&v)[8]) {
-    const float4 a = *reinterpret_cast<const float4*>(x + k);
-    const float4 b = *reinterpret_cast<const float4*>(x + k + 4);
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-}
-
-// Those 8 values (times the norm gain where NORMED, their squares added to sumsq) as hi and lo
-// bf16 words.
+// Entries k .. k + 8 of one token's vector (load_f32x8: plain loads, x is the previous kernel's
+// output), times the norm gain where NORMED (their squares added to sumsq), as hi and lo bf16 words.
 template <bool NORMED>
 __device__ __forceinline__ void split_entry(float (&v)[8], const weight_t* gain, float gain_offset, int k,
                                             float& sumsq, uint4& h, uint4& l) {
-    if constexpr (NORMED) {
-        float gv[8];
-        unpack8(__ldg(reinterpret_cast<const uint4*>(gain + k)), gv);
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            sumsq = fmaf(v[j], v[j], sumsq);
-            v[j] *= gv[j] + gain_offset;
-        }
-    }
+    if constexpr (NORMED) apply_gain8(v, gain, k, gain_offset, sumsq);
     split_bf16x2(v[0], v[1], h.x, l.x);
     split_bf16x2(v[2], v[3], h.y, l.y);
     split_bf16x2(v[4], v[5], h.z, l.z);
@@ -74,7 +59,7 @@ struct VectorsFromX {
             const int g = threadIdx.x + i * THREADS, t = g / ENTRIES, e = g % ENTRIES;
             if (g < TT * ENTRIES) {
                 float v[8];
-                load_entry(x + (size_t)t * K, kc + 8 * e, v);
+                load_f32x8(x + (size_t)t * K, kc + 8 * e, v);
                 split_entry<NORMED>(v, gain, gain_offset, kc + 8 * e, sumsq[i], xs.hi[t][e], xs.lo[t][e]);
             }
         }
@@ -117,11 +102,9 @@ struct StagedVectors {
         for (int j = 0; j < (CHUNK + THREADS - 1) / THREADS; j++) {
             const int i = j * THREADS + threadIdx.x, t = (i / ENTRIES) % TT, e = i % ENTRIES;
             uint4* to = i < TT * ENTRIES ? &xs.hi[t][e] : &xs.lo[t][e];
-            if (CHUNK % THREADS == 0 || i < CHUNK)   // L2 only (.cg): the stage kernel's writes
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-                             :: "r"((unsigned)__cvta_generic_to_shared(to)), "l"(chunk + i) : "memory");
+            if (CHUNK % THREADS == 0 || i < CHUNK) cp_async_16_cg(to, chunk + i);   // .cg: the stage kernel's writes
         }
-        asm volatile("cp.async.wait_all;" ::: "memory");
+        cp_async_wait_all();
     }
     __device__ __forceinline__ void sums(float* ss) const {   // over all of K: split-K adds none
         for (int t = threadIdx.x; t < TT; t += THREADS) ss[t] = Layout::sums(words)[t];
@@ -139,7 +122,7 @@ __device__ __forceinline__ void stage_vectors(const float* x, const weight_t* ga
     float v[PER][8];
 #pragma unroll
     for (int i = 0; i < PER; i++)
-        if (i * THREADS + threadIdx.x < K / 8) load_entry(x + (size_t)t * K, 8 * (i * THREADS + threadIdx.x), v[i]);
+        if (i * THREADS + threadIdx.x < K / 8) load_f32x8(x + (size_t)t * K, 8 * (i * THREADS + threadIdx.x), v[i]);
     float sumsq = 0.0f;
 #pragma unroll
     for (int i = 0; i < PER; i++) {
@@ -240,7 +223,7 @@ __device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int til
                                           StagedX<TT, KC>& xs, float* tile_out, float* ss) {
     static_assert(K % KS == 0 && KS % KC == 0 && KC % 32 == 0 && TT % 8 == 0 && R == 16 * (THREADS / 32),
                   "gemm tile shape");
-    static_assert(FUSELM_MMA_ARCH, "gemm needs mma.sync on bf16 (sm_80 on); runtime/prefill.py refuses older GPUs");
+    static_assert(FUSELM_SM80, "gemm needs mma.sync on bf16 (sm_80 on); runtime/prefill.py refuses older GPUs");
     constexpr int SPANS = KC / 32, NT = TT / 8;
     const TileRows<K, M, R, N, HD, INTERLEAVED> rows(W, tile);
     float acc[M][NT][4] = {};

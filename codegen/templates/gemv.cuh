@@ -6,16 +6,31 @@
 #pragma once
 #include "common.cuh"
 
+// x[k .. k + 8) of a vector, 16-byte aligned, as two plain 16-byte loads (never __ldg: see above).
+__device__ __forceinline__ void load_f32x8(const float* x, int k, float (&v)[8]) {
+    const float4 a = *reinterpret_cast<const float4*>(x + k);
+    const float4 b = *reinterpret_cast<const float4*>(x + k + 4);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+// The norm prologue on x[k .. k + 8) in v: their squares added to ss, then each times its gain
+// gain[k + i] + offset. The gain is a weight, written by no kernel: __ldg is safe before the wait.
+__device__ __forceinline__ void apply_gain8(float (&v)[8], const weight_t* gain, int k, float offset, float& ss) {
+    float g[8];
+    unpack8(__ldg(reinterpret_cast<const uint4*>(gain + k)), g);
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        ss = fmaf(v[i], v[i], ss);
+        v[i] *= g[i] + offset;
+    }
+}
+
 // The input vector as the GEMV sees it: x itself ...
 struct PlainVector {
     static constexpr bool NORMED = false;
     const float* x;
     __device__ __forceinline__ PlainVector from(int k0) const { return {x + k0}; }
-    __device__ __forceinline__ void load8(int k, float (&v)[8], float&) const {
-        const float4 a = *reinterpret_cast<const float4*>(x + k);
-        const float4 b = *reinterpret_cast<const float4*>(x + k + 4);
-        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-    }
+    __device__ __forceinline__ void load8(int k, float (&v)[8], float&) const { load_f32x8(x, k, v); }
     __device__ __forceinline__ float at(int k, float&) const { return x[k]; }
 };
 
@@ -30,15 +45,8 @@ struct NormedVector {
     float offset;   // 1 for norms that multiply by (1 + w)
     __device__ __forceinline__ NormedVector from(int k0) const { return {x + k0, w + k0, offset}; }
     __device__ __forceinline__ void load8(int k, float (&v)[8], float& ss) const {
-        float unused;
-        PlainVector{x}.load8(k, v, unused);
-        float g[8];
-        unpack8(__ldg(reinterpret_cast<const uint4*>(w + k)), g);
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            ss = fmaf(v[i], v[i], ss);
-            v[i] *= g[i] + offset;
-        }
+        load_f32x8(x, k, v);
+        apply_gain8(v, w, k, offset, ss);
     }
     __device__ __forceinline__ float at(int k, float& ss) const {
         ss = fmaf(x[k], x[k], ss);

@@ -1,0 +1,52 @@
+// 16-bit floats as raw bits (bfloat16: the KV cache, the mma operands, bf16 weights; IEEE half:
+// f16 weights) and their conversions to and from float32, one value or packed pairs.
+#pragma once
+#include "arch.cuh"
+
+typedef unsigned short bf16_t;   // raw bfloat16 bits
+typedef unsigned short f16_t;    // raw IEEE half bits
+
+// Exact: a bf16 is the high half of a float32.
+__device__ __forceinline__ float bf16_to_f32(bf16_t h) { return __uint_as_float(((unsigned)h) << 16); }
+
+// Exact (cvt.f32.f16).
+__device__ __forceinline__ float f16_to_f32(f16_t h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// Round to nearest even, in integer arithmetic (any arch); the KV cache is stored in bf16.
+__device__ __forceinline__ bf16_t f32_to_bf16(float f) {
+    unsigned u = __float_as_uint(f);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+// (x0, x1) as a bf16 pair (x0 in the low half), rounded to nearest (cvt.rn.bf16x2.f32, sm_80 on).
+__device__ __forceinline__ unsigned pack_bf16x2(float x0, float x1) {
+    unsigned r = 0;
+#if FUSELM_SM80
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));   // first source: high half
+#endif
+    return r;
+}
+
+// The same pair as hi + lo, both bf16 pairs: lo holds what rounding x to hi left out (two mma of
+// hi and lo keep about float32 accuracy, |error| <= 2^-17 of the value).
+__device__ __forceinline__ void split_bf16x2(float x0, float x1, unsigned& hi, unsigned& lo) {
+    hi = pack_bf16x2(x0, x1);
+    lo = pack_bf16x2(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xffff0000u));
+}
+
+// The 8 bf16 values of one 16-byte load, as float32.
+__device__ __forceinline__ void unpack8_bf16(uint4 q, float (&out)[8]) {
+    const bf16_t* h = reinterpret_cast<const bf16_t*>(&q);
+#pragma unroll
+    for (int i = 0; i < 8; i++) out[i] = bf16_to_f32(h[i]);
+}
+
+// Word i (a packed pair) of a 16-byte load; i a compile-time constant once unrolled.
+__device__ __forceinline__ unsigned word_of(const uint4& q, int i) {
+    return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w;
+}

@@ -1,0 +1,20 @@
+// Asynchronous copies from global to shared memory (cp.async, sm_80 on; empty before): the data
+// goes straight to shared memory, through no registers, while the thread runs on.
+#pragma once
+#include "arch.cuh"
+
+// Start copying 16 bytes from global `src` to shared `dst` (both 16-byte aligned), through L2
+// only (.cg: skips L1, which may hold stale lines of another kernel's writes).
+__device__ __forceinline__ void cp_async_16_cg(void* dst, const void* src) {
+#if FUSELM_SM80
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                 :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+#endif
+}
+
+// Wait for every copy this thread started; other threads' copies need a barrier after it.
+__device__ __forceinline__ void cp_async_wait_all() {
+#if FUSELM_SM80
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
