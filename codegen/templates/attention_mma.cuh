@@ -32,9 +32,9 @@ template <int KV, int HD, int WARPS, int G, bool LATE_V = false>
 struct MmaPass {
     static_assert(HD == 64 || HD == 128, "MmaPass: head size 64 or 128");
     static_assert(G <= 8, "MmaPass: at most 8 query heads per KV head");
-    // mma.sync on bf16 needs sm_80: said at compile time (FUSELM_ATTN_MMA=0 runs attention on CUDA
-    // cores) instead of failing at the first step.
-    static_assert(KV > 0 && FUSELM_SM80, "MmaPass needs sm_80 or later: set FUSELM_ATTN_MMA=0");
+    // mma.sync on bf16 needs sm_80: said at compile time (codegen picks LanePass below it) instead
+    // of failing at the first step.
+    static_assert(KV > 0 && FUSELM_SM80, "MmaPass needs sm_80 or later (codegen/attention.py: mma_fits)");
     static constexpr int NP = 2048 / HD;         // positions per warp and pass: 16 loads of 16 bytes per lane
     static constexpr int CHUNK = WARPS * NP, W = KV * HD;
     static constexpr int NT = NP / 8, NU = NP / 16, KSTEPS = HD / 16, VDIMS = HD / 8;

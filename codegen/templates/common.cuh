@@ -67,7 +67,7 @@ __device__ __forceinline__ float rope_rotate(float self, float partner, bool sec
 
 __device__ __forceinline__ float rms_scale(float sum_sq, int n, float eps) { return rsqrtf(sum_sq / n + eps); }
 
-// Block timeline for `fuselm trace` (FUSELM_TRACE=1 compiles it in): thread 0 of every block
+// Block timeline for `fuselm trace` (a module built with trace=True compiles it in): thread 0 of every block
 // records its own times: when it started, when its wait for the previous kernel returned (0 if it
 // never waited) and when it left. codegen's module_source numbers each kernel's TRACE_BLOCK() in
 // module order (TRACE_BLOCK_AS(id)): the id names the kernel, and defines FUSELM_TRACE_EVENTS
