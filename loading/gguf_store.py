@@ -66,13 +66,20 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
     return gguf_name
 
 
+class GGUFFile(gguf.GGUFReader):
+    """gguf's reader, keeping the path it opened: errors about its metadata name the file."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.path = path
+
+
 def read_gguf(path: Path) -> gguf.GGUFReader:
     """Parse a GGUF file; any failure of the parser becomes one line naming the file."""
     try:
-        reader = gguf.GGUFReader(path)
+        reader = GGUFFile(path)
     except Exception as e:  # the parser raises ValueError, struct.error, IndexError... on bad bytes
-        detail = " ".join(str(e).split()) or type(e).__name__
-        raise FuselmError(f"{path}: not a valid GGUF file, truncated or corrupt ({detail})") from None
+        raise FuselmError(f"{path}: not a valid GGUF file, truncated or corrupt ({_one_line(e)})") from None
     for t in reader.tensors:  # a truncated data section shows as views shorter than the header says
         if t.data.nbytes != int(t.n_bytes):
             raise FuselmError(f"{path}: truncated: tensor '{t.name}' has {t.data.nbytes} of {t.n_bytes} bytes")
@@ -80,9 +87,20 @@ def read_gguf(path: Path) -> gguf.GGUFReader:
 
 
 def metadata(reader: gguf.GGUFReader, key: str, default=None):
-    """The value of metadata `key` (a Python scalar, str or list), or `default` if absent."""
+    """The value of metadata `key` (a Python scalar, str or list), or `default` if absent; a value
+    that does not decode (a string that is not UTF-8) is an error naming the file and the key."""
     field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    if field is None:
+        return default
+    try:
+        return field.contents()
+    except (UnicodeDecodeError, ValueError, IndexError, TypeError) as e:
+        where = getattr(reader, "path", "GGUF file")
+        raise FuselmError(f"{where}: GGUF metadata '{key}' does not decode ({_one_line(e)})") from None
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 class GGUFStore(TensorStore):

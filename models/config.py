@@ -71,7 +71,43 @@ class DecoderConfig:
         if cfg.num_heads % cfg.num_kv_heads:
             raise ConfigError(f"{source}: num_attention_heads {heads} is not a multiple of "
                               f"num_key_value_heads {cfg.num_kv_heads}")
+        if not number("head_dim", default=0, low=0) and hidden % heads:
+            raise ConfigError(f"{source}: hidden_size {hidden} is not a multiple of num_attention_heads "
+                              f"{heads} (and there is no head_dim)")
+        check_ranges(cfg)
         return cfg
+
+
+# Bounds on what a model file may claim, far beyond any released model: a corrupt or hostile value
+# fails here, naming the key, instead of building a graph of a billion layers or dividing by 3e33.
+SIZE_LIMITS = {"vocab_size": 1 << 22, "hidden_size": 1 << 17, "intermediate_size": 1 << 20,
+               "num_hidden_layers": 1024, "num_attention_heads": 1024, "num_key_value_heads": 1024,
+               "head_dim": 2048, "max_position_embeddings": 1 << 26}
+FLOAT_RANGES = {"rms_norm_eps": (0.0, 0.1), "rope_theta": (1.0, 1e12)}   # open below, closed above
+
+
+def check_ranges(cfg: DecoderConfig) -> None:
+    """Refuse hyperparameters no model has: sizes past SIZE_LIMITS, a norm eps or RoPE base outside
+    FLOAT_RANGES (or not finite), an odd head_dim (RoPE rotates pairs) and RoPE scaling whose
+    parameters are not finite and positive. The error names `cfg.source` and the key."""
+    src = cfg.source
+    sizes = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+             "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+             "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+             "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_position_embeddings}
+    for key, value in sizes.items():
+        if not 1 <= value <= SIZE_LIMITS[key]:
+            raise ConfigError(f"{src}: {key} = {value} is out of range (1 to {SIZE_LIMITS[key]})")
+    for key, (low, high) in FLOAT_RANGES.items():
+        value = getattr(cfg, key)
+        if not (math.isfinite(value) and low < value <= high):
+            raise ConfigError(f"{src}: {key} = {value!r} is out of range ({low:g} < {key} <= {high:g})")
+    if cfg.head_dim % 2:
+        raise ConfigError(f"{src}: head_dim = {cfg.head_dim} is odd (RoPE rotates pairs of dimensions)")
+    try:
+        rope_inv_freq(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{src}: {e}") from None
 
 
 def _number(d: dict, source: str, key: str, kind=int, default=None, required: bool = False, low: int = 1):
@@ -112,17 +148,22 @@ def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:
 
     def param(name):
         try:
-            return float(sc[name])
+            value = float(sc[name])
         except KeyError:
             raise ConfigError(f"rope_scaling of type '{kind}' needs '{name}'") from None
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"rope_scaling {name} = {sc[name]!r} is not a number") from None
+        if isinstance(sc[name], bool) or not (math.isfinite(value) and 0 < value <= 1e8):
+            raise ConfigError(f"rope_scaling {name} = {sc[name]!r} is out of range (0 < {name} <= 1e8)")
+        return value
 
     if kind == "linear":
         inv = inv / param("factor")
     elif kind == "llama3":
         factor, lo, hi = param("factor"), param("low_freq_factor"), param("high_freq_factor")
         old = param("original_max_position_embeddings")
+        if lo >= hi:
+            raise ConfigError(f"rope_scaling low_freq_factor {lo:g} is not below high_freq_factor {hi:g}")
         wavelen = 2 * math.pi / inv
         scaled = np.where(wavelen > old / lo, inv / factor, inv)
         smooth = (old / wavelen - lo) / (hi - lo)
