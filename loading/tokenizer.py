@@ -5,6 +5,7 @@ A TextTokenizer comes from a Hugging Face folder (tokenizer.json + tokenizer_con
 """
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -12,6 +13,7 @@ import tokenizers
 
 from ..errors import FuselmError
 from . import chat_template as templates
+from . import special_text
 from .json_file import read_object
 
 # Tokens that end a turn or a document in common vocabularies; generation stops on any present.
@@ -79,10 +81,38 @@ class TextTokenizer:
         """The id of `token` in the vocabulary, or None."""
         return None if token is None else self.backend.token_to_id(token)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
         """Token ids of `text`; add_special_tokens adds what the tokenizer's post-processor adds (BOS).
-        Text rendered by a chat template usually holds its BOS already: encode it with False."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        Text rendered by a chat template usually holds its BOS already: encode it with False.
+        parse_special=False keeps the text of special tokens as text ("<|im_start|>" typed by a
+        user becomes the characters, never the control token): use it for anything a user wrote."""
+        backend = self.backend if parse_special else self._plain_backend
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @cached_property
+    def _plain_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that encodes special tokens' text as ordinary text."""
+        plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    @cached_property
+    def special_texts(self) -> tuple[str, ...]:
+        """The text of every special (control) token, longest first."""
+        texts = {t.content for t in self.backend.get_added_tokens_decoder().values() if t.special}
+        return tuple(sorted((t for t in texts if t), key=lambda t: (-len(t), t)))
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of `messages` through the chat template, where only the template's own markup
+        can become special tokens: special-token text inside the messages stays text (no forged
+        turns). Each such text is swapped for a placeholder before rendering, so the template sees
+        and transforms the rest of the content as usual; the placeholders are encoded as text."""
+        marked, sentinel = special_text.mark(messages, self.special_texts, self.chat_template or "")
+        rendered = self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt)
+        ids: list[int] = []
+        for text, typed in special_text.split(rendered, sentinel, self.special_texts):
+            ids += self.encode(text, add_special_tokens=False, parse_special=not typed)
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """The text of `ids` (special tokens kept unless skip_special_tokens)."""

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..dsl import Graph
 from ..errors import FuselmError
-from .engine import SamplingParams
+from .engine import SamplingParams, check_logits
 from .reference import new_state, run_graph
 from .sampling import Sampler
 
@@ -70,4 +70,5 @@ class CpuEngine:
         self.position += len(ids_arr)
         self.tokens.extend(int(i) for i in ids_arr)
         self.last_logits = out["logits"][-1]
+        check_logits(self.last_logits, self.position - 1)
         return self._sampler(self.last_logits, self.tokens)

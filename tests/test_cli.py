@@ -204,7 +204,7 @@ def test_interactive_chat_keeps_history_and_resets(capsys, monkeypatch, tiny_che
     # The second turn reuses the cached first one: it feeds only <|im_end|> closing the reply, the
     # 7 tokens of "<|im_start|>user the cat<|im_end|><|im_start|>assistant", and the reply's last
     # token when the reply ended at -n (a sampled token is fed only when the next one is asked for).
-    prompts = [int(l.split("prompt: ")[1].split()[0]) for l in err.splitlines() if "prompt: " in l]
+    prompts = [int(l.split("prefill: ")[1].split()[0]) for l in err.splitlines() if "prefill: " in l]
     assert prompts[0] == prompts[2] == 6 and prompts[1] in (8, 9)
 
 

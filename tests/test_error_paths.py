@@ -333,7 +333,7 @@ def test_cpu_engine_rejects_an_empty_context_or_prompt(tiny):
 
 def test_prompt_that_encodes_to_no_tokens():
     """A non-blank prompt that the tokenizer turns into no ids fails before the engine is touched."""
-    tok = types.SimpleNamespace(encode=lambda text, add_special_tokens=True: [])
+    tok = types.SimpleNamespace(encode=lambda text, add_special_tokens=True, parse_special=True: [])
     engine = types.SimpleNamespace(max_context=16)       # no prefill/decode: touching it would fail
     api_error(FuselmError, "^the prompt encodes to no tokens$", generate, engine, tok, "\u200b", 4)
 

@@ -43,8 +43,11 @@ class ByteTokenizer:
     bos_id = None
     has_chat_template = True
 
-    def encode(self, text, add_special_tokens=True):
+    def encode(self, text, add_special_tokens=True, parse_special=True):
         return list(text.encode("utf-8"))
+
+    def encode_chat(self, messages, add_generation_prompt=True):
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
 
     def decode(self, ids):
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -169,7 +172,8 @@ def test_stop_id_ends_generation_and_is_not_printed():
     stats = GenerationStats()
     text = "".join(generate(engine, ByteTokenizer(), "prompt", 10, stats=stats))
     assert text == "hi"
-    assert stats.generated_tokens == 3 and stats.decode_steps == 2 and stats.prompt_tokens == 6
+    assert stats.generated_tokens == 2 and stats.decode_steps == 2 and stats.prompt_tokens == 6
+    assert stats.stopped and stats.summary().startswith("answer: 2 tokens (stop token) | prefill: 6 tokens")
     assert engine.fed == list(b"prompt") + [ord("h"), ord("i")]   # the stop id is never fed
 
 
