@@ -63,6 +63,7 @@ class TextTokenizer:
         self.backend = backend
         self.chat_template = chat_template
         # compiled once, here: a broken template fails while the checkpoint opens, before weights load
+        self.template_origin = template_origin
         self._template = templates.compile_template(chat_template, template_origin) if chat_template else None
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self.bos_id = self.token_id(self.special_tokens.get("bos_token"))
@@ -126,7 +127,8 @@ class TextTokenizer:
         """The prompt text of `messages` ([{"role": ..., "content": ...}]), as transformers renders it."""
         if self._template is None:
             raise FuselmError("this tokenizer has no chat template; pass the prompt as plain text")
-        return templates.render(self._template, messages, add_generation_prompt, self.special_tokens, **kwargs)
+        return templates.render(self._template, messages, add_generation_prompt, self.special_tokens,
+                                origin=self.template_origin, **kwargs)
 
     @classmethod
     def from_folder(cls, folder: Path, config: dict | None = None, generation: dict | None = None) -> "TextTokenizer":

@@ -287,21 +287,6 @@ def test_python_api(tiny_checkpoint):
         fuselm.load(folder, ctx=-1)
 
 
-def test_ctx_beyond_the_trained_positions_warns(capsys):
-    """A KV cache longer than max_position_embeddings works but says the model was not trained for it."""
-    import io
-
-    import fuselm
-    from fuselm.loading.default_model import default_model_path
-    try:
-        path = default_model_path(auto_pull=False)
-    except Exception:
-        pytest.skip("the embedded default model is not installed")
-    log = io.StringIO()
-    fuselm.load(path, device="cpu", ctx=8200, progress=False, log=log)
-    assert "warning: ctx 8200 is beyond the 8192 positions" in log.getvalue()
-
-
 ARCH_CONFIGS = {   # tiny configs that switch on each architecture's own features
     "MistralForCausalLM": dict(sliding_window=4),
     "Qwen2ForCausalLM": dict(),
