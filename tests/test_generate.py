@@ -254,3 +254,15 @@ def test_cpu_engine_with_the_generation_loop(model):
     assert stats.generated_tokens <= 8 and engine.position == 2 + stats.decode_steps
     assert engine.tokens[:2] == [ord("a"), ord("b")]
     assert all(isinstance(p, str) for p in pieces)
+
+
+def test_summary_counts_the_answer_apart_from_the_decode_steps():
+    """One token from the prefill and a stop: "answer: 1 token", and no decode rate over no steps
+    (it used to say "decode: 2 tokens ... 0.0 tok/s" here, counting the first and the stop token)."""
+    stats = GenerationStats()
+    assert "".join(generate(ScriptedEngine([ord("a"), STOP]), ByteTokenizer(), "xy", 10, stats=stats)) == "a"
+    assert (stats.generated_tokens, stats.decode_steps, stats.stopped) == (1, 1, True)
+    stats = GenerationStats()
+    list(generate(ScriptedEngine([ord("a"), ord("b")]), ByteTokenizer(), "xy", 1, stats=stats))
+    line = stats.summary()
+    assert line.startswith("answer: 1 token (token limit) | prefill: 2 tokens, ") and "decode" not in line, line

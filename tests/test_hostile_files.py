@@ -4,6 +4,8 @@ and the reason. Each case here once gave a traceback or loaded and produced garb
 import json
 import re
 import shutil
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -223,3 +225,70 @@ def test_tiny_gguf_loads(tmp_path):
     assert model.config.vocab_size == len(TOKENS) and np.isfinite(model.config.rms_norm_eps)
     "".join(model.generate("the", 3))
     assert model.last_stats.prompt_tokens >= 1 and model.last_stats.decode_steps >= 0
+
+
+# ---- chat templates: sandboxed and bounded --------------------------------------------------------
+
+NESTED = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+HOSTILE_TEMPLATES = {
+    "nested loops": (NESTED, "rendering took more than 0.3 s"),
+    "loops over a list, no calls": ("{% set l = range(100000)|list %}{% for i in l %}{% for j in l %}"
+                                    "{% endfor %}{% endfor %}", "rendering took more than 0.3 s"),
+    "output": ("{% for i in range(1000) %}{% for j in range(1000) %}xxxxxxxxxx{% endfor %}{% endfor %}",
+               "the output exceeds 65536 characters"),
+    "string times": ("{{ 'x' * 1000000000 }}", "'*' would build 1000000000 items"),
+    "power": ("{{ 10 ** 100000000 }}", "'**' would build too large a number"),
+    "squaring": ("{% set ns = namespace(n=3) %}{% for i in range(64) %}{% set ns.n = ns.n * ns.n %}{% endfor %}",
+                 "'*' would build a number of more than 65536 bits"),
+    "doubling with ~": ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
+                        "{% endfor %}", "'~' built 16777216 characters"),
+    "doubling with +": ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}"
+                        "{% endfor %}", "'+' would build 16777216 items"),
+    "wide filter": ("{{ 'x'|center(1000000000) }}", "argument 1000000000 is too large"),
+    "wide method": ("{{ 'x'.ljust(1000000000) }}", "argument 1000000000 is too large"),
+    "wide format": ("{{ '{:>1000000000}'.format(1) }}", "format with a field width of a million or more"),
+    "wide %": ("{{ '%1000000000d' % 1 }}", "'%' with a field width of a million or more"),
+    "recursion": ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
+    "type error": ("{{ 1 + 'a' }}", "failed: TypeError: unsupported operand"),
+    "sandbox escape": ("{{ ''.__class__.__mro__ }}", "chat template: access to attribute '__class__'"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_TEMPLATES))
+def test_hostile_chat_templates_are_bounded(monkeypatch, name):
+    """Templates that would hang, eat memory or escape: one line naming the file, within about
+    MAX_SECONDS (0.3 s here)."""
+    from fuselm.loading import chat_template
+
+    monkeypatch.setattr(chat_template, "MAX_SECONDS", 0.3)
+    if name == "output":   # a smaller limit, reached well within the time
+        monkeypatch.setattr(chat_template, "MAX_CHARS", 1 << 16)
+    source, says = HOSTILE_TEMPLATES[name]
+    template = chat_template.compile_template(source, "m/tokenizer_config.json")
+    started = time.monotonic()
+    message = one_line(chat_template.render, template, [{"role": "user", "content": "hi"}], True, {},
+                       origin="m/tokenizer_config.json")
+    assert message.startswith("m/tokenizer_config.json: chat template") and says in message, message
+    assert time.monotonic() - started < 3
+
+
+def test_a_hanging_template_in_a_checkpoint_names_its_file(tiny, monkeypatch):
+    from fuselm.loading import chat_template
+
+    monkeypatch.setattr(chat_template, "MAX_SECONDS", 0.3)
+    (tiny / "tokenizer_config.json").write_text(json.dumps({"chat_template": NESTED}))
+    model = fuselm.load(tiny, device="cpu", progress=False)
+    message = one_line(model.chat, [{"role": "user", "content": "w1"}], 2)
+    assert message == f"{tiny / 'tokenizer_config.json'}: chat template: rendering took more than 0.3 s"
+    # the trace function is gone afterwards: plain rendering of a fine template is untouched
+    assert sys.gettrace() is None or "chat_template" not in repr(sys.gettrace())
+
+
+def test_ordinary_templates_render_unchanged():
+    from fuselm.loading import chat_template
+
+    source = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] | trim + "
+              "'<|im_end|>\\n' }}{% endfor %}{{ '%s-%d' % ('a', 3) }}{{ '{:>4}'.format(7) }}{{ 'x' * 3 }}")
+    template = chat_template.compile_template(source)
+    out = chat_template.render(template, [{"role": "user", "content": " hi "}], True, {})
+    assert out == "<|im_start|>user\nhi<|im_end|>\na-3   7xxx"

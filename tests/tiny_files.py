@@ -60,3 +60,24 @@ def write_tiny_gguf(path, weights: bool = True, edit=None, **hparams):
             t = llama_cpp_order(t, 4 if "attn_q" in name else 2)
         w.add_tensor(name, t)
     return finish(w, path)
+
+
+CHAT_SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant{% endif %}")
+
+
+def write_chat_tokenizer(folder, template: str = CHAT_TEMPLATE):
+    """Replace the tiny folder's tokenizer by one with ChatML specials (ids 3, 4), the words
+    user, assistant, system and w0.., and a ChatML-like chat template; returns `folder`."""
+    from tokenizers import AddedToken
+
+    words = CHAT_SPECIALS + ["user", "assistant", "system"]
+    words += [f"w{i}" for i in range(TINY["vocab_size"] - len(words))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(s, special=True) for s in CHAT_SPECIALS])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>", "chat_template": template}))
+    return folder
