@@ -63,7 +63,7 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader, path: Path) -> TextTokenizer:
     template = metadata(reader, "tokenizer.chat_template")
     if template is not None and not isinstance(template, str):
         raise FuselmError(f"{path}: GGUF metadata tokenizer.chat_template is not a string")
-    return TextTokenizer(backend, template, special, eos, template_origin=path)
+    return TextTokenizer(backend, template, special, eos, template_origin=path, source=path)
 
 
 def _backend(meta, kind: str, tokens: list[str]) -> Tokenizer:

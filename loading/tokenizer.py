@@ -59,8 +59,9 @@ class TextTokenizer:
 
     def __init__(self, backend: tokenizers.Tokenizer, chat_template: str | None = None,
                  special_tokens: dict[str, str] | None = None, eos_ids: Iterable[int] = (),
-                 template_origin: str | Path | None = None):
+                 template_origin: str | Path | None = None, source: str | Path | None = None):
         self.backend = backend
+        self.source = source or template_origin or "tokenizer"   # the file, for errors
         self.chat_template = chat_template
         # compiled once, here: a broken template fails while the checkpoint opens, before weights load
         self.template_origin = template_origin
@@ -87,8 +88,11 @@ class TextTokenizer:
         Text rendered by a chat template usually holds its BOS already: encode it with False.
         parse_special=False keeps the text of special tokens as text ("<|im_start|>" typed by a
         user becomes the characters, never the control token): use it for anything a user wrote."""
-        backend = self.backend if parse_special else self._plain_backend
-        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            backend = self.backend if parse_special else self._plain_backend
+            return backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except Exception as e:   # tokenizers raises plain Exception (a broken vocabulary, no unk)
+            raise FuselmError(f"{self.source}: the tokenizer cannot encode this text ({_one_line(e)})") from None
 
     @cached_property
     def _plain_backend(self) -> tokenizers.Tokenizer:
@@ -117,7 +121,10 @@ class TextTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """The text of `ids` (special tokens kept unless skip_special_tokens)."""
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        try:
+            return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        except Exception as e:   # as in encode
+            raise FuselmError(f"{self.source}: the tokenizer cannot decode ids ({_one_line(e)})") from None
 
     def stream(self) -> StreamDecoder:
         """A fresh incremental decoder for one generated sequence."""
@@ -142,20 +149,33 @@ class TextTokenizer:
             backend = tokenizers.Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises its own Exception type on bad JSON
             raise FuselmError(f"{path}: cannot read tokenizer ({' '.join(str(e).split())})") from None
-        tok_cfg = read_object(folder / "tokenizer_config.json", missing={})
-        special = {k: _token_text(tok_cfg.get(k)) for k in SPECIAL_KEYS}
-        eos = [i for d in (config or {}, generation or {}) for i in _as_list(d.get("eos_token_id"))]
+        cfg_path = folder / "tokenizer_config.json"
+        tok_cfg = read_object(cfg_path, missing={})
+        special = {k: _token_text(tok_cfg.get(k), cfg_path, k) for k in SPECIAL_KEYS}
+        eos = [i for name, d in (("config.json", config), ("generation_config.json", generation))
+               for i in _token_ids((d or {}).get("eos_token_id"), folder / name)]
         template, origin = _find_chat_template(folder, tok_cfg)
-        return cls(backend, template, special, eos, template_origin=origin)
+        return cls(backend, template, special, eos, template_origin=origin, source=path)
 
 
-def _token_text(value) -> str | None:
-    # tokenizer_config.json writes a special token as a string or as a serialized AddedToken
-    return value.get("content") if isinstance(value, dict) else value
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
-def _as_list(value) -> list[int]:
-    return [] if value is None else [value] if isinstance(value, int) else list(value)
+def _token_text(value, path: Path, key: str) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or a serialized AddedToken."""
+    text = value.get("content") if isinstance(value, dict) else value
+    if text is not None and not isinstance(text, str):
+        raise FuselmError(f"{path}: {key} = {value!r} is not a token")
+    return text
+
+
+def _token_ids(value, path: Path) -> list[int]:
+    """eos_token_id: an id or a list of ids (non-negative integers)."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise FuselmError(f"{path}: eos_token_id = {value!r} is not a token id or a list of them")
+    return ids
 
 
 def _find_chat_template(folder: Path, tok_cfg: dict) -> tuple[str | None, Path]:
@@ -169,6 +189,10 @@ def _find_chat_template(folder: Path, tok_cfg: dict) -> tuple[str | None, Path]:
     if not template:
         origin, template = folder / "tokenizer_config.json", tok_cfg.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template}
+        if not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in template):
+            raise FuselmError(f"{origin}: chat_template is a list but not of {{name, template}} objects")
+        named = {t["name"]: t.get("template") for t in template}
         template = named.get("default") or next(iter(named.values()), None)
-    return template, origin
+    if template is not None and not isinstance(template, str):
+        raise FuselmError(f"{origin}: chat_template is not a string (a {type(template).__name__})")
+    return template or None, origin

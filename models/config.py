@@ -46,6 +46,9 @@ class DecoderConfig:
         number = partial(_number, d, source)
 
         archs = d.get("architectures") or [d.get("model_type", "?")]
+        if not isinstance(archs, list) or not isinstance(archs[0], str):
+            raise ConfigError(f"{source}: architectures = {archs!r} is not a list of class names")
+        _check_extra(d, source)
         heads, hidden = number("num_attention_heads", required=True), number("hidden_size", required=True)
         rope_parameters = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
         window = d.get("use_sliding_window", True) and number("sliding_window", default=0, low=0)
@@ -108,6 +111,32 @@ def check_ranges(cfg: DecoderConfig) -> None:
         rope_inv_freq(cfg)
     except ConfigError as e:
         raise ConfigError(f"{src}: {e}") from None
+
+
+# Keys the architecture builders read from the raw config (cfg.extra), and what each must be.
+EXTRA_NAMES = ("hidden_act", "hidden_activation", "dtype", "torch_dtype")
+EXTRA_COUNTS = {"max_window_layers": 1 << 20, "num_local_experts": 1024, "num_experts_per_tok": 1024}
+EXTRA_FLOATS = {"query_pre_attn_scalar": (0.0, 1e6), "attn_logit_softcapping": (-1e-300, 1e6),
+                "final_logit_softcapping": (-1e-300, 1e6)}   # open below, closed above
+
+
+def _check_extra(d: dict, source: str) -> None:
+    """The architecture-specific keys, where present: names are strings, layer_types a list of
+    strings, counts integers in range, scales and soft-caps finite numbers in range."""
+    for key in EXTRA_NAMES:
+        if d.get(key) is not None and not isinstance(d[key], str):
+            raise ConfigError(f"{source}: {key} = {d[key]!r} is not a name")
+    types = d.get("layer_types")
+    if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
+        raise ConfigError(f"{source}: layer_types = {types!r} is not a list of names")
+    for key, high in EXTRA_COUNTS.items():
+        value = _number(d, source, key, default=None, low=0)
+        if value is not None and value > high:
+            raise ConfigError(f"{source}: {key} = {value} is out of range (0 to {high})")
+    for key, (low, high) in EXTRA_FLOATS.items():
+        value = _number(d, source, key, float, default=None)
+        if value is not None and not (math.isfinite(value) and low < value <= high):
+            raise ConfigError(f"{source}: {key} = {value!r} is out of range ({max(low, 0):g} to {high:g})")
 
 
 def _number(d: dict, source: str, key: str, kind=int, default=None, required: bool = False, low: int = 1):
