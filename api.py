@@ -16,7 +16,7 @@ from typing import Iterator, Sequence
 
 from .errors import FuselmError
 from .runtime.engine import Engine, SamplingParams
-from .runtime.generate import GenerationStats, generate
+from .runtime.generate import GenerationStats, encode_prompt, generate
 
 DEFAULT_MAX_CONTEXT = 4096   # KV cache rows when ctx is not given (and the model allows as many)
 DEVICES = ("auto", "cpu", "cuda")
@@ -42,8 +42,8 @@ def load(path: str | Path | None = None, device: str = "auto", ctx: int | None =
     ckpt = open_checkpoint(str(path))
     cfg = ckpt.config
     if ctx is not None and ctx > cfg.max_position_embeddings:
-        print(f"warning: ctx {ctx} is beyond the {cfg.max_position_embeddings} positions the model "
-              f"was trained for; output past them may degrade", file=log)
+        raise FuselmError(f"ctx {ctx} is beyond the model's {cfg.max_position_embeddings} positions "
+                          f"(max_position_embeddings of {cfg.source or path})")
     ctx = ctx or min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
     graph = build_graph(cfg)
     engine = _make_engine(device, graph, ckpt, ctx, fuse, progress, log)
@@ -151,6 +151,23 @@ class Model:
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                         repetition_penalty=repetition_penalty, seed=seed)
         return self._generate(list(messages), max_new_tokens, self._cache_ids, sampling)
+
+    def fit_chat(self, messages: Sequence[dict], max_new_tokens: int) -> tuple[list[dict], int]:
+        """`messages` without their oldest turns, as many as must go for the chat plus
+        `max_new_tokens` to fit the context, and how many messages were dropped. A leading system
+        message and the last message stay; when even they do not fit, chat() says so."""
+        kept = list(messages)
+        head = 1 if kept and kept[0].get("role") == "system" else 0
+        dropped = 0
+        fits = lambda m: len(encode_prompt(self.tokenizer, m)) + max_new_tokens <= self.engine.max_context  # noqa: E731
+        while len(kept) - head > 1 and not fits(kept):
+            del kept[head]
+            dropped += 1
+            # a turn is a user message and the replies after it: the history starts with a user again
+            while len(kept) - head > 1 and kept[head].get("role") != "user":
+                del kept[head]
+                dropped += 1
+        return kept, dropped
 
     def reset(self) -> None:
         """Forget the cached conversation."""

@@ -23,13 +23,16 @@ Handlers raise FuselmError (or ValueError) for the user's mistakes: `main` print
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+from . import __version__
 from .errors import FuselmError
-from .runtime.engine import SamplingParams
+from .runtime.engine import SamplingError, SamplingParams
+from .runtime.generate import check_text
 
 
 class Command(NamedTuple):
@@ -57,18 +60,30 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--max-new-tokens", type=int, default=128, metavar="N",
                    help="tokens to generate at most (default 128)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("-i", "--interactive", action="store_true", help="multi-turn chat on stdin")
+    p.add_argument("-i", "--interactive", action="store_true",
+                   help="multi-turn chat on stdin; when the context fills up, the oldest turns are "
+                   "dropped (a system message is kept)")
     g = p.add_argument_group("sampling (defaults: the model's generation_config.json, else greedy)")
     g.add_argument("--temp", type=float, metavar="T", help="temperature; 0 is greedy")
-    g.add_argument("--top-k", type=int, metavar="K")
-    g.add_argument("--top-p", type=float, metavar="P")
-    g.add_argument("--min-p", type=float, metavar="M")
-    g.add_argument("--repeat-penalty", type=float, metavar="R")
-    g.add_argument("--seed", type=int, metavar="S")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--ctx", type=int, metavar="N", help="context length (KV cache rows); "
-                   "default min(model's maximum, 4096)")
+    g.add_argument("--top-k", type=int, metavar="K", help="sample among the K likeliest tokens; 0: no cut")
+    g.add_argument("--top-p", type=float, metavar="P",
+                   help="sample among the likeliest tokens whose probabilities sum to P, in (0, 1]")
+    g.add_argument("--min-p", type=float, metavar="M",
+                   help="drop tokens less likely than M times the likeliest one, in [0, 1)")
+    g.add_argument("--repeat-penalty", type=float, metavar="R",
+                   help="divide the logits of tokens already seen by R (> 0; 1 is off)")
+    g.add_argument("--seed", type=int, metavar="S",
+                   help="seed of the sampler, an integer >= 0: the same seed gives the same text")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where to run: cuda, cpu, or auto (the GPU when there is one; default)")
+    p.add_argument("--ctx", type=int, metavar="N", help="context length (KV cache rows), at most the "
+                   "model's maximum positions; default min(model's maximum, 4096)")
     p.add_argument("--no-fuse", action="store_true", help="CUDA: run the graph without fusion")
+
+
+# the option of each SamplingParams field, for the messages of its range checks
+SAMPLING_OPTIONS = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
+                    "repetition_penalty": "--repeat-penalty", "seed": "--seed"}
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
@@ -83,20 +98,34 @@ def _check_run_arguments(args: argparse.Namespace) -> None:
         raise FuselmError(f"-n must be a positive number of tokens, got {args.max_new_tokens}")
     if args.ctx is not None and args.ctx <= 0:
         raise FuselmError(f"--ctx must be a positive number of tokens, got {args.ctx}")
-    SamplingParams(**_sampling_kwargs(args)).validate()
+    try:
+        SamplingParams(**_sampling_kwargs(args)).validate()
+    except SamplingError as e:
+        raise FuselmError(f"{SAMPLING_OPTIONS[e.param]}: {e}") from None
     if args.model is not None and not Path(args.model).exists():
         raise FuselmError(f"no such file or folder: {args.model}")
-    if args.prompt is not None and not args.prompt.strip():
-        raise FuselmError("the prompt is empty")
+    if args.prompt is not None:
+        check_text(args.prompt, "-p")
+        if not args.prompt.strip():
+            raise FuselmError("the prompt is empty")
+
+
+def _accept_any_bytes_on_stdin() -> None:
+    """Decode stdin so that bytes which are not UTF-8 arrive as lone surrogates, which check_text
+    then names, instead of a decoding exception that would end an interactive chat."""
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        sys.stdin.reconfigure(errors="surrogateescape")
 
 
 def run(args: argparse.Namespace) -> int:
     """`fuselm run`: one prompt streamed to stdout, or an interactive chat."""
     _check_run_arguments(args)
+    _accept_any_bytes_on_stdin()
     prompt = args.prompt
     interactive = args.interactive or (prompt is None and sys.stdin.isatty())
     if prompt is None and not interactive:
         prompt = sys.stdin.read()
+        check_text(prompt, "the prompt on stdin")
         if not prompt.strip():
             raise FuselmError("the prompt is empty (give -p, or pipe text on stdin)")
 
@@ -123,16 +152,41 @@ def _stream(pieces) -> str:
     return "".join(text)
 
 
+def _line_reader():
+    """A function reading one line of chat input ('' at end of input). On a terminal it is
+    `input()` with the standard library's readline (arrow keys edit the line and recall history)
+    where that exists; elsewhere the prompt goes to stderr and the line is read from stdin."""
+    if sys.stdin.isatty() and sys.stdout.isatty():
+        try:
+            import readline  # noqa: F401  (importing it gives input() line editing)
+        except ImportError:  # Windows has no readline: input() still works, unedited
+            pass
+
+        def read() -> str:
+            try:
+                return input("> ") + "\n"
+            except EOFError:
+                return ""
+        return read
+
+    def read() -> str:
+        print("> ", end="", file=sys.stderr, flush=True)
+        return sys.stdin.readline()
+    return read
+
+
 def chat_loop(model, max_new_tokens: int, sampling: dict) -> int:
-    """Multi-turn chat: history kept between turns; /reset forgets it, /exit or Ctrl-D leaves."""
+    """Multi-turn chat: history kept between turns (the oldest turns dropped once the context is
+    full); /reset forgets it, /exit or Ctrl-D leaves."""
     use_template = model.tokenizer.has_chat_template
     print("chat: /reset forgets the conversation, /exit or Ctrl-D leaves"
-          + ("" if use_template else " (no chat template: each line is a separate prompt)"),
+          + ("; when the context fills up, the oldest turns are dropped" if use_template
+             else " (no chat template: each line is a separate prompt)"),
           file=sys.stderr)
+    read = _line_reader()
     messages: list[dict] = []
     while True:
-        print("> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
+        line = read()
         if not line:                    # Ctrl-D / end of input
             print(file=sys.stderr)
             return 0
@@ -146,13 +200,19 @@ def chat_loop(model, max_new_tokens: int, sampling: dict) -> int:
             continue
         if not line:
             continue
-        turn = messages + [{"role": "user", "content": line}]
         try:
-            pieces = (model.chat(turn, max_new_tokens, **sampling) if use_template
-                      else model.generate(line, max_new_tokens, **sampling))
+            check_text(line, "this line")
+            if use_template:
+                turn, dropped = model.fit_chat(messages + [{"role": "user", "content": line}], max_new_tokens)
+                if dropped:
+                    print(f"(context full: dropped the oldest {dropped} message{'s' * (dropped != 1)})",
+                          file=sys.stderr)
+                pieces = model.chat(turn, max_new_tokens, **sampling)
+            else:
+                pieces = model.generate(line, max_new_tokens, **sampling)
             reply = _stream(pieces)
-        except FuselmError as e:       # e.g. the history outgrew the context: keep the loop alive
-            print(f"error: {e} (try /reset)", file=sys.stderr)
+        except FuselmError as e:       # keep the loop and the conversation alive
+            print(f"error: {e}", file=sys.stderr)
             continue
         except KeyboardInterrupt:      # stop this reply, keep the chat
             print("\n(interrupted)", file=sys.stderr)
@@ -232,6 +292,7 @@ COMMANDS: dict[str, Command] = {
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one subparser per entry of COMMANDS."""
     parser = _Parser(prog="fuselm", description="Single-GPU LLM inference with fused CUDA kernels.")
+    parser.add_argument("--version", action="version", version=f"fuselm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for name, cmd in COMMANDS.items():

@@ -1,6 +1,7 @@
 """Opening a checkpoint (Hugging Face folder or GGUF file) and loading the weights a graph asks for."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,7 +56,7 @@ def _open_folder(folder: Path) -> Checkpoint:
     cfg = DecoderConfig.from_hf(raw, str(cfg_path))
     generation = read_object(folder / "generation_config.json", missing={})
     tokenizer = TextTokenizer.from_folder(folder, raw, generation)
-    return Checkpoint(folder, cfg, open_safetensors_folder(folder), tokenizer, generation)
+    return _checked(Checkpoint(folder, cfg, open_safetensors_folder(folder), tokenizer, generation))
 
 
 def _open_gguf(path: Path) -> Checkpoint:
@@ -64,7 +65,27 @@ def _open_gguf(path: Path) -> Checkpoint:
     cfg = DecoderConfig.from_hf(raw, str(path))
     tokenizer = tokenizer_from_gguf(reader, path)
     store = GGUFStore(reader, path, cfg.num_heads, cfg.num_kv_heads)
-    return Checkpoint(path, cfg, store, tokenizer, generation_from_gguf(raw))
+    return _checked(Checkpoint(path, cfg, store, tokenizer, generation_from_gguf(raw)))
+
+
+def _checked(ckpt: Checkpoint) -> Checkpoint:
+    """The checkpoint, once its config agrees with its tokenizer and its tensors' headers: every id
+    the tokenizer makes has a row in the embedding, which has the config's shape, and the config's
+    layer count is the tensors'. A mismatch is a corrupt file, named here before any weight is read."""
+    cfg, where = ckpt.config, ckpt.path
+    if ckpt.tokenizer.vocab_size > cfg.vocab_size:
+        raise FuselmError(f"{where}: the tokenizer has {ckpt.tokenizer.vocab_size} tokens but vocab_size "
+                          f"is {cfg.vocab_size}")
+    names = ckpt.tensors.names()
+    embed = "model.embed_tokens.weight"
+    if embed in names and ckpt.tensors.shape(embed) != (cfg.vocab_size, cfg.hidden_size):
+        raise FuselmError(f"{where}: tensor '{embed}' has shape {ckpt.tensors.shape(embed)} but vocab_size "
+                          f"and hidden_size are ({cfg.vocab_size}, {cfg.hidden_size})")
+    layers = {int(m[1]) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    if layers and max(layers) + 1 != cfg.num_layers:
+        raise FuselmError(f"{where}: the tensors hold {max(layers) + 1} layers but num_hidden_layers "
+                          f"is {cfg.num_layers}")
+    return ckpt
 
 
 def load_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, progress: bool = True) -> dict[str, np.ndarray]:

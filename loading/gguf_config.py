@@ -19,7 +19,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> dict:
     """The config.json keys DecoderConfig.from_hf reads, from `<arch>.*` metadata."""
     arch = metadata(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise FuselmError(f"{path}: GGUF architecture '{arch}' is not supported "
                           f"(supported: {', '.join(ARCHITECTURES)})")
 
@@ -78,14 +78,18 @@ def _gemma2_keys(cfg: dict, key, window) -> dict:
     """Gemma 2's soft-caps, window and query scale. llama.cpp's converter writes both soft-caps and
     the window; it does not write query_pre_attn_scalar: llama.cpp scales queries by head_dim^-0.5,
     except for the 27B (46 layers), where it uses (hidden/heads)^-0.5, as its config does."""
-    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if cfg["num_hidden_layers"] == 46 else hd
+    sizes = [cfg.get(k) for k in ("hidden_size", "num_attention_heads", "num_hidden_layers")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes):
+        return {}   # DecoderConfig.from_hf names the bad key
+    hidden, heads, layers = sizes
+    hd = cfg.get("head_dim") or hidden // heads
+    scalar = hidden // heads if layers == 46 else hd
     out = {"attn_logit_softcapping": key("attn_logit_softcapping", 0.0) or None,
            "final_logit_softcapping": key("final_logit_softcapping", 0.0) or None,
            "query_pre_attn_scalar": scalar, "hidden_activation": "gelu_pytorch_tanh",
            "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6)}
     if window:
-        out["sliding_window"] = int(window)
+        out["sliding_window"] = window
     return out
 
 

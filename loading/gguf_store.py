@@ -66,13 +66,20 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
     return gguf_name
 
 
+class GGUFFile(gguf.GGUFReader):
+    """gguf's reader, keeping the path it opened: errors about its metadata name the file."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.path = path
+
+
 def read_gguf(path: Path) -> gguf.GGUFReader:
     """Parse a GGUF file; any failure of the parser becomes one line naming the file."""
     try:
-        reader = gguf.GGUFReader(path)
+        reader = GGUFFile(path)
     except Exception as e:  # the parser raises ValueError, struct.error, IndexError... on bad bytes
-        detail = " ".join(str(e).split()) or type(e).__name__
-        raise FuselmError(f"{path}: not a valid GGUF file, truncated or corrupt ({detail})") from None
+        raise FuselmError(f"{path}: not a valid GGUF file, truncated or corrupt ({_one_line(e)})") from None
     for t in reader.tensors:  # a truncated data section shows as views shorter than the header says
         if t.data.nbytes != int(t.n_bytes):
             raise FuselmError(f"{path}: truncated: tensor '{t.name}' has {t.data.nbytes} of {t.n_bytes} bytes")
@@ -80,9 +87,29 @@ def read_gguf(path: Path) -> gguf.GGUFReader:
 
 
 def metadata(reader: gguf.GGUFReader, key: str, default=None):
-    """The value of metadata `key` (a Python scalar, str or list), or `default` if absent."""
+    """The value of metadata `key` (a Python scalar, str or list), or `default` if absent; a value
+    that does not decode (a string that is not UTF-8) is an error naming the file and the key."""
     field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    if field is None:
+        return default
+    try:
+        return field.contents()
+    except (UnicodeDecodeError, ValueError, IndexError, TypeError) as e:
+        where = getattr(reader, "path", "GGUF file")
+        raise FuselmError(f"{where}: GGUF metadata '{key}' does not decode ({_one_line(e)})") from None
+
+
+def metadata_count(reader: gguf.GGUFReader, key: str) -> int:
+    """Metadata `key` as a count (0 where absent); anything but a non-negative integer names the key."""
+    value = metadata(reader, key, 0)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise FuselmError(f"{getattr(reader, 'path', 'GGUF file')}: GGUF metadata '{key}' = {value!r} "
+                          "is not a count")
+    return value
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 class GGUFStore(TensorStore):
@@ -91,7 +118,7 @@ class GGUFStore(TensorStore):
     def __init__(self, reader: gguf.GGUFReader, path: Path, n_heads: int, n_kv_heads: int):
         self.source, self._path = str(path), path
         self.arch = metadata(reader, "general.architecture") or "llama"
-        self._n_experts = int(metadata(reader, f"{self.arch}.expert_count", 0) or 0)
+        self._n_experts = metadata_count(reader, f"{self.arch}.expert_count")
         self._tensors = {}   # Hugging Face name -> (GGUF tensor, index in its expert stack or None)
         for t in reader.tensors:
             name = hf_name(t.name, self.arch)
@@ -103,7 +130,7 @@ class GGUFStore(TensorStore):
                                   f"[{self.arch}.expert_count = {self._n_experts}, rows, cols]")
             self._tensors.update({name.replace("*", str(e)): (t, e) for e in range(self._n_experts)})
         if self._n_experts:
-            self._check_experts(int(metadata(reader, f"{self.arch}.block_count", 0) or 0))
+            self._check_experts(metadata_count(reader, f"{self.arch}.block_count"))
         self._heads = {"q_proj": n_heads, "k_proj": n_kv_heads} if self.arch in PERMUTED_QK else {}
         self._norm_offset = 1.0 if self.arch in NORM_PLUS_ONE else 0.0
 

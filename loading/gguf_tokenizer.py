@@ -33,36 +33,57 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader, path: Path) -> TextTokenizer:
     if not tokens:
         raise FuselmError(f"{path}: GGUF metadata has no tokenizer (tokenizer.ggml.tokens)")
     kind = meta("model")
+    if kind not in ("gpt2", "llama"):
+        raise FuselmError(f"{path}: GGUF tokenizer model '{kind}' is not supported (supported: gpt2, llama)")
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise FuselmError(f"{path}: GGUF metadata tokenizer.ggml.tokens is not a list of strings")
+    add_bos_default = kind == "llama"  # llama.cpp adds BOS to SentencePiece vocabularies unless told not to
+    ids = {k: _token_id(meta(f"{k}_token_id"), len(tokens)) for k in ("bos", "eos", "unknown", "padding")}
+    special = {name: tokens[ids[k]] if ids[k] is not None else None
+               for name, k in (("bos_token", "bos"), ("eos_token", "eos"),
+                               ("unk_token", "unknown"), ("pad_token", "padding"))}
+    add_bos, add_eos = meta("add_bos_token", add_bos_default), meta("add_eos_token", False)
+    try:
+        backend = _backend(meta, kind, tokens)
+        single, specials = ["$A"], []   # what the post-processor puts around every encoded text
+        if add_bos and ids["bos"] is not None:
+            single.insert(0, special["bos_token"])
+            specials.append((special["bos_token"], ids["bos"]))
+        if add_eos and ids["eos"] is not None:
+            single.append(special["eos_token"])
+            specials.append((special["eos_token"], ids["eos"]))
+        if specials:
+            backend.post_processor = processors.TemplateProcessing(single=single,
+                                                                   special_tokens=list(dict(specials).items()))
+    except FuselmError:
+        raise
+    except Exception as e:  # tokenizers raises plain Exception on a vocabulary it cannot build
+        raise FuselmError(f"{path}: the GGUF tokenizer cannot be built ({' '.join(str(e).split())})") from None
+    eos = [ids["eos"]] if ids["eos"] is not None else []
+    template = metadata(reader, "tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise FuselmError(f"{path}: GGUF metadata tokenizer.chat_template is not a string")
+    return TextTokenizer(backend, template, special, eos, template_origin=path, source=path)
+
+
+def _backend(meta, kind: str, tokens: list[str]) -> Tokenizer:
+    """The tokenizers backend: the vocabulary and merges, control tokens as specials."""
     if kind == "gpt2":
         backend = _byte_level(tokens, meta("merges") or [], meta("pre"))
-        add_bos_default = False
-    elif kind == "llama":
-        backend = _sentencepiece(tokens, meta("scores"), meta("merges"), meta("add_space_prefix", True))
-        add_bos_default = True  # llama.cpp adds BOS to SentencePiece vocabularies unless told not to
     else:
-        raise FuselmError(f"{path}: GGUF tokenizer model '{kind}' is not supported (supported: gpt2, llama)")
-
+        backend = _sentencepiece(tokens, meta("scores"), meta("merges"), meta("add_space_prefix", True))
     types = meta("token_type") or [1] * len(tokens)
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
                                 for t, ty in zip(tokens, types) if ty == CONTROL])
     backend.add_tokens([AddedToken(t, normalized=False, special=False)
                         for t, ty in zip(tokens, types) if ty == USER_DEFINED])
+    return backend
 
-    ids = {k: meta(f"{k}_token_id") for k in ("bos", "eos", "unknown", "padding")}
-    special = {name: tokens[ids[k]] if ids[k] is not None and ids[k] < len(tokens) else None
-               for name, k in (("bos_token", "bos"), ("eos_token", "eos"),
-                               ("unk_token", "unknown"), ("pad_token", "padding"))}
-    add_bos, add_eos = meta("add_bos_token", add_bos_default), meta("add_eos_token", False)
-    if (add_bos and ids["bos"] is not None) or (add_eos and ids["eos"] is not None):
-        single = ["$A"]
-        specials = []
-        if add_bos and ids["bos"] is not None:
-            single, specials = [special["bos_token"], *single], [(special["bos_token"], ids["bos"])]
-        if add_eos and ids["eos"] is not None:
-            single, specials = [*single, special["eos_token"]], specials + [(special["eos_token"], ids["eos"])]
-        backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=list(dict(specials).items()))
-    eos = [ids["eos"]] if ids["eos"] is not None else []
-    return TextTokenizer(backend, metadata(reader, "tokenizer.chat_template"), special, eos, template_origin=path)
+
+def _token_id(value, n_tokens: int) -> int | None:
+    """A special token id from the metadata, or None where absent or not an id of the vocabulary."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < n_tokens
+    return value if ok else None
 
 
 def _byte_level(tokens: list[str], merges: list[str], pre: str | None) -> Tokenizer:

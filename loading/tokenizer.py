@@ -5,6 +5,7 @@ A TextTokenizer comes from a Hugging Face folder (tokenizer.json + tokenizer_con
 """
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -12,6 +13,7 @@ import tokenizers
 
 from ..errors import FuselmError
 from . import chat_template as templates
+from . import special_text
 from .json_file import read_object
 
 # Tokens that end a turn or a document in common vocabularies; generation stops on any present.
@@ -57,10 +59,12 @@ class TextTokenizer:
 
     def __init__(self, backend: tokenizers.Tokenizer, chat_template: str | None = None,
                  special_tokens: dict[str, str] | None = None, eos_ids: Iterable[int] = (),
-                 template_origin: str | Path | None = None):
+                 template_origin: str | Path | None = None, source: str | Path | None = None):
         self.backend = backend
+        self.source = source or template_origin or "tokenizer"   # the file, for errors
         self.chat_template = chat_template
         # compiled once, here: a broken template fails while the checkpoint opens, before weights load
+        self.template_origin = template_origin
         self._template = templates.compile_template(chat_template, template_origin) if chat_template else None
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self.bos_id = self.token_id(self.special_tokens.get("bos_token"))
@@ -79,14 +83,48 @@ class TextTokenizer:
         """The id of `token` in the vocabulary, or None."""
         return None if token is None else self.backend.token_to_id(token)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
         """Token ids of `text`; add_special_tokens adds what the tokenizer's post-processor adds (BOS).
-        Text rendered by a chat template usually holds its BOS already: encode it with False."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        Text rendered by a chat template usually holds its BOS already: encode it with False.
+        parse_special=False keeps the text of special tokens as text ("<|im_start|>" typed by a
+        user becomes the characters, never the control token): use it for anything a user wrote."""
+        try:
+            backend = self.backend if parse_special else self._plain_backend
+            return backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except Exception as e:   # tokenizers raises plain Exception (a broken vocabulary, no unk)
+            raise FuselmError(f"{self.source}: the tokenizer cannot encode this text ({_one_line(e)})") from None
+
+    @cached_property
+    def _plain_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that encodes special tokens' text as ordinary text."""
+        plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    @cached_property
+    def special_texts(self) -> tuple[str, ...]:
+        """The text of every special (control) token, longest first."""
+        texts = {t.content for t in self.backend.get_added_tokens_decoder().values() if t.special}
+        return tuple(sorted((t for t in texts if t), key=lambda t: (-len(t), t)))
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of `messages` through the chat template, where only the template's own markup
+        can become special tokens: special-token text inside the messages stays text (no forged
+        turns). Each such text is swapped for a placeholder before rendering, so the template sees
+        and transforms the rest of the content as usual; the placeholders are encoded as text."""
+        marked, sentinel = special_text.mark(messages, self.special_texts, self.chat_template or "")
+        rendered = self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt)
+        ids: list[int] = []
+        for text, typed in special_text.split(rendered, sentinel, self.special_texts):
+            ids += self.encode(text, add_special_tokens=False, parse_special=not typed)
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """The text of `ids` (special tokens kept unless skip_special_tokens)."""
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        try:
+            return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        except Exception as e:   # as in encode
+            raise FuselmError(f"{self.source}: the tokenizer cannot decode ids ({_one_line(e)})") from None
 
     def stream(self) -> StreamDecoder:
         """A fresh incremental decoder for one generated sequence."""
@@ -96,7 +134,8 @@ class TextTokenizer:
         """The prompt text of `messages` ([{"role": ..., "content": ...}]), as transformers renders it."""
         if self._template is None:
             raise FuselmError("this tokenizer has no chat template; pass the prompt as plain text")
-        return templates.render(self._template, messages, add_generation_prompt, self.special_tokens, **kwargs)
+        return templates.render(self._template, messages, add_generation_prompt, self.special_tokens,
+                                origin=self.template_origin, **kwargs)
 
     @classmethod
     def from_folder(cls, folder: Path, config: dict | None = None, generation: dict | None = None) -> "TextTokenizer":
@@ -110,20 +149,33 @@ class TextTokenizer:
             backend = tokenizers.Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises its own Exception type on bad JSON
             raise FuselmError(f"{path}: cannot read tokenizer ({' '.join(str(e).split())})") from None
-        tok_cfg = read_object(folder / "tokenizer_config.json", missing={})
-        special = {k: _token_text(tok_cfg.get(k)) for k in SPECIAL_KEYS}
-        eos = [i for d in (config or {}, generation or {}) for i in _as_list(d.get("eos_token_id"))]
+        cfg_path = folder / "tokenizer_config.json"
+        tok_cfg = read_object(cfg_path, missing={})
+        special = {k: _token_text(tok_cfg.get(k), cfg_path, k) for k in SPECIAL_KEYS}
+        eos = [i for name, d in (("config.json", config), ("generation_config.json", generation))
+               for i in _token_ids((d or {}).get("eos_token_id"), folder / name)]
         template, origin = _find_chat_template(folder, tok_cfg)
-        return cls(backend, template, special, eos, template_origin=origin)
+        return cls(backend, template, special, eos, template_origin=origin, source=path)
 
 
-def _token_text(value) -> str | None:
-    # tokenizer_config.json writes a special token as a string or as a serialized AddedToken
-    return value.get("content") if isinstance(value, dict) else value
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
-def _as_list(value) -> list[int]:
-    return [] if value is None else [value] if isinstance(value, int) else list(value)
+def _token_text(value, path: Path, key: str) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or a serialized AddedToken."""
+    text = value.get("content") if isinstance(value, dict) else value
+    if text is not None and not isinstance(text, str):
+        raise FuselmError(f"{path}: {key} = {value!r} is not a token")
+    return text
+
+
+def _token_ids(value, path: Path) -> list[int]:
+    """eos_token_id: an id or a list of ids (non-negative integers)."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise FuselmError(f"{path}: eos_token_id = {value!r} is not a token id or a list of them")
+    return ids
 
 
 def _find_chat_template(folder: Path, tok_cfg: dict) -> tuple[str | None, Path]:
@@ -137,6 +189,10 @@ def _find_chat_template(folder: Path, tok_cfg: dict) -> tuple[str | None, Path]:
     if not template:
         origin, template = folder / "tokenizer_config.json", tok_cfg.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template}
+        if not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in template):
+            raise FuselmError(f"{origin}: chat_template is a list but not of {{name, template}} objects")
+        named = {t["name"]: t.get("template") for t in template}
         template = named.get("default") or next(iter(named.values()), None)
-    return template, origin
+    if template is not None and not isinstance(template, str):
+        raise FuselmError(f"{origin}: chat_template is not a string (a {type(template).__name__})")
+    return template or None, origin

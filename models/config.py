@@ -46,6 +46,9 @@ class DecoderConfig:
         number = partial(_number, d, source)
 
         archs = d.get("architectures") or [d.get("model_type", "?")]
+        if not isinstance(archs, list) or not isinstance(archs[0], str):
+            raise ConfigError(f"{source}: architectures = {archs!r} is not a list of class names")
+        _check_extra(d, source)
         heads, hidden = number("num_attention_heads", required=True), number("hidden_size", required=True)
         rope_parameters = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
         window = d.get("use_sliding_window", True) and number("sliding_window", default=0, low=0)
@@ -71,7 +74,69 @@ class DecoderConfig:
         if cfg.num_heads % cfg.num_kv_heads:
             raise ConfigError(f"{source}: num_attention_heads {heads} is not a multiple of "
                               f"num_key_value_heads {cfg.num_kv_heads}")
+        if not number("head_dim", default=0, low=0) and hidden % heads:
+            raise ConfigError(f"{source}: hidden_size {hidden} is not a multiple of num_attention_heads "
+                              f"{heads} (and there is no head_dim)")
+        check_ranges(cfg)
         return cfg
+
+
+# Bounds on what a model file may claim, far beyond any released model: a corrupt or hostile value
+# fails here, naming the key, instead of building a graph of a billion layers or dividing by 3e33.
+SIZE_LIMITS = {"vocab_size": 1 << 22, "hidden_size": 1 << 17, "intermediate_size": 1 << 20,
+               "num_hidden_layers": 1024, "num_attention_heads": 1024, "num_key_value_heads": 1024,
+               "head_dim": 2048, "max_position_embeddings": 1 << 26}
+FLOAT_RANGES = {"rms_norm_eps": (0.0, 0.1), "rope_theta": (1.0, 1e12)}   # open below, closed above
+
+
+def check_ranges(cfg: DecoderConfig) -> None:
+    """Refuse hyperparameters no model has: sizes past SIZE_LIMITS, a norm eps or RoPE base outside
+    FLOAT_RANGES (or not finite), an odd head_dim (RoPE rotates pairs) and RoPE scaling whose
+    parameters are not finite and positive. The error names `cfg.source` and the key."""
+    src = cfg.source
+    sizes = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+             "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+             "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+             "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_position_embeddings}
+    for key, value in sizes.items():
+        if not 1 <= value <= SIZE_LIMITS[key]:
+            raise ConfigError(f"{src}: {key} = {value} is out of range (1 to {SIZE_LIMITS[key]})")
+    for key, (low, high) in FLOAT_RANGES.items():
+        value = getattr(cfg, key)
+        if not (math.isfinite(value) and low < value <= high):
+            raise ConfigError(f"{src}: {key} = {value!r} is out of range ({low:g} < {key} <= {high:g})")
+    if cfg.head_dim % 2:
+        raise ConfigError(f"{src}: head_dim = {cfg.head_dim} is odd (RoPE rotates pairs of dimensions)")
+    try:
+        rope_inv_freq(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{src}: {e}") from None
+
+
+# Keys the architecture builders read from the raw config (cfg.extra), and what each must be.
+EXTRA_NAMES = ("hidden_act", "hidden_activation", "dtype", "torch_dtype")
+EXTRA_COUNTS = {"max_window_layers": 1 << 20, "num_local_experts": 1024, "num_experts_per_tok": 1024}
+EXTRA_FLOATS = {"query_pre_attn_scalar": (0.0, 1e6), "attn_logit_softcapping": (-1e-300, 1e6),
+                "final_logit_softcapping": (-1e-300, 1e6)}   # open below, closed above
+
+
+def _check_extra(d: dict, source: str) -> None:
+    """The architecture-specific keys, where present: names are strings, layer_types a list of
+    strings, counts integers in range, scales and soft-caps finite numbers in range."""
+    for key in EXTRA_NAMES:
+        if d.get(key) is not None and not isinstance(d[key], str):
+            raise ConfigError(f"{source}: {key} = {d[key]!r} is not a name")
+    types = d.get("layer_types")
+    if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
+        raise ConfigError(f"{source}: layer_types = {types!r} is not a list of names")
+    for key, high in EXTRA_COUNTS.items():
+        value = _number(d, source, key, default=None, low=0)
+        if value is not None and value > high:
+            raise ConfigError(f"{source}: {key} = {value} is out of range (0 to {high})")
+    for key, (low, high) in EXTRA_FLOATS.items():
+        value = _number(d, source, key, float, default=None)
+        if value is not None and not (math.isfinite(value) and low < value <= high):
+            raise ConfigError(f"{source}: {key} = {value!r} is out of range ({max(low, 0):g} to {high:g})")
 
 
 def _number(d: dict, source: str, key: str, kind=int, default=None, required: bool = False, low: int = 1):
@@ -112,17 +177,22 @@ def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:
 
     def param(name):
         try:
-            return float(sc[name])
+            value = float(sc[name])
         except KeyError:
             raise ConfigError(f"rope_scaling of type '{kind}' needs '{name}'") from None
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"rope_scaling {name} = {sc[name]!r} is not a number") from None
+        if isinstance(sc[name], bool) or not (math.isfinite(value) and 0 < value <= 1e8):
+            raise ConfigError(f"rope_scaling {name} = {sc[name]!r} is out of range (0 < {name} <= 1e8)")
+        return value
 
     if kind == "linear":
         inv = inv / param("factor")
     elif kind == "llama3":
         factor, lo, hi = param("factor"), param("low_freq_factor"), param("high_freq_factor")
         old = param("original_max_position_embeddings")
+        if lo >= hi:
+            raise ConfigError(f"rope_scaling low_freq_factor {lo:g} is not below high_freq_factor {hi:g}")
         wavelen = 2 * math.pi / inv
         scaled = np.where(wavelen > old / lo, inv / factor, inv)
         smooth = (old / wavelen - lo) / (hi - lo)

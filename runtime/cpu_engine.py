@@ -5,14 +5,16 @@ A prompt is fed as one step of T tokens (prefill); every later token is one step
 """
 from __future__ import annotations
 
+import math
+import os
 from typing import Mapping, Sequence
 
 import numpy as np
 
 from ..dsl import Graph
 from ..errors import FuselmError
-from .engine import SamplingParams
-from .reference import new_state, run_graph
+from .engine import SamplingParams, check_logits
+from .reference import bind_shape, new_state, run_graph
 from .sampling import Sampler
 
 
@@ -33,8 +35,13 @@ class CpuEngine:
 
     @classmethod
     def from_checkpoint(cls, ckpt, graph: Graph, ctx: int, progress: bool = True) -> "CpuEngine":
-        """Load `ckpt`'s weights as float32 arrays and build the engine."""
+        """Load `ckpt`'s weights as float32 arrays and build the engine; refused before any weight
+        is read when they and the KV cache would not fit in the machine's memory."""
         from ..loading.checkpoint import load_weights   # deferred: written in parallel, heavy imports
+        need, have = memory_needed(graph, ctx), physical_memory()
+        if have is not None and need > have:
+            raise FuselmError(f"the CPU engine needs {need / 2**30:.1f} GiB (float32 weights and a KV cache "
+                              f"of {ctx} tokens) but this machine has {have / 2**30:.1f} GiB; lower --ctx")
         return cls(graph, load_weights(ckpt, graph, dtype=np.float32, progress=progress), ctx)
 
     def reset(self) -> None:
@@ -70,4 +77,20 @@ class CpuEngine:
         self.position += len(ids_arr)
         self.tokens.extend(int(i) for i in ids_arr)
         self.last_logits = out["logits"][-1]
+        check_logits(self.last_logits, self.position - 1)
         return self._sampler(self.last_logits, self.tokens)
+
+
+def memory_needed(graph: Graph, ctx: int) -> int:
+    """Bytes of the CPU engine's float32 weights and state (KV cache rows = ctx) for `graph`."""
+    weights = sum(math.prod(n.shape) for n in graph.sources("weight"))
+    state = sum(math.prod(bind_shape(n.shape, {"S": ctx})) for n in graph.sources("state"))
+    return 4 * (weights + state)
+
+
+def physical_memory() -> int | None:
+    """The machine's memory in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None

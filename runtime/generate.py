@@ -1,8 +1,9 @@
 """The generation loop: prompt in, text pieces out as the engine produces tokens.
 
 Works with any `Engine` (CPU or CUDA) and any tokenizer with the `TextTokenizer` interface
-(`encode`, `stream`, `apply_chat_template`, `stop_ids`). Pieces are whole UTF-8 characters: the
-tokenizer's stream decoder holds back bytes until a character is complete.
+(`encode`, `encode_chat`, `stream`, `stop_ids`). Pieces are whole UTF-8 characters: the
+tokenizer's stream decoder holds back bytes until a character is complete. What a user wrote is
+never parsed for special tokens: only a chat template's own markup becomes control tokens.
 """
 from __future__ import annotations
 
@@ -11,18 +12,19 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from ..errors import FuselmError
-from .engine import Engine, SamplingParams
+from .engine import Engine, NonFiniteLogits, SamplingParams
 
 
 @dataclass
 class GenerationStats:
     """Counts and timings of one generation. Times cover engine calls only, not the consumer."""
     prompt_tokens: int = 0        # tokens fed by the prefill (a reused cache prefix is not counted)
-    generated_tokens: int = 0     # tokens sampled, stop token included
+    generated_tokens: int = 0     # tokens of the answer: sampled ids up to the stop id, which is not one
     prefill_s: float = 0.0
-    decode_steps: int = 0
+    decode_steps: int = 0         # engine.decode calls: each feeds one token and samples the next
     decode_s: float = 0.0
     ttft_s: float = 0.0           # from the call to the first sampled token (encoding included)
+    stopped: bool = False         # whether a stop id ended the answer (else max_new_tokens did)
 
     @property
     def prompt_tok_s(self) -> float:
@@ -37,26 +39,53 @@ class GenerationStats:
         return 1000 * self.decode_s / self.decode_steps if self.decode_steps else 0.0
 
     def summary(self) -> str:
-        """One line for the terminal."""
-        return (f"prompt: {self.prompt_tokens} tokens, {self.prompt_tok_s:.1f} tok/s | "
-                f"decode: {self.generated_tokens} tokens, {self.decode_tok_s:.1f} tok/s, "
-                f"{self.ms_per_token:.1f} ms/token | TTFT {self.ttft_s * 1000:.0f} ms")
+        """One line for the terminal: the answer's length, then each phase's own count and rate
+        (the first token comes from the prefill; the decode rate counts decode steps)."""
+        ended = "stop token" if self.stopped else "token limit"
+        line = (f"answer: {_count(self.generated_tokens)} ({ended}) | "
+                f"prefill: {_count(self.prompt_tokens)}, {self.prompt_tok_s:.1f} tok/s")
+        if self.decode_steps:
+            line += (f" | decode: {_count(self.decode_steps, 'step')}, {self.decode_tok_s:.1f} tok/s, "
+                     f"{self.ms_per_token:.1f} ms/token")
+        return line + f" | TTFT {self.ttft_s * 1000:.0f} ms"
+
+
+def _count(n: int, unit: str = "token") -> str:
+    return f"{n} {unit}{'s' * (n != 1)}"
+
+
+def check_text(text: str, what: str) -> None:
+    """Refuse text that is not valid Unicode: a lone surrogate, which is how Python carries bytes
+    that were not UTF-8 (command-line arguments, stdin). `what` names where the text came from."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        char = ord(text[e.start])
+        raw = f"byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"lone surrogate U+{char:04X}"
+        raise FuselmError(f"{what} is not valid UTF-8 text ({raw} at character {e.start})") from None
 
 
 def encode_prompt(tok, prompt: str | Sequence[dict]) -> list[int]:
-    """Token ids of a plain prompt, or of chat messages rendered by the model's chat template."""
+    """Token ids of a plain prompt, or of chat messages rendered by the model's chat template.
+    Neither the prompt nor the messages' contents can produce special tokens."""
     if isinstance(prompt, str):
         if not prompt.strip():
             raise FuselmError("the prompt is empty")
-        return list(tok.encode(prompt, add_special_tokens=True))
+        check_text(prompt, "the prompt")
+        return list(tok.encode(prompt, add_special_tokens=True, parse_special=False))
     messages = list(prompt)
+    if not all(isinstance(m, dict) for m in messages):
+        raise FuselmError("each chat message must be a dict with 'role' and 'content'")
     if not messages or not any(str(m.get("content", "")).strip() for m in messages):
         raise FuselmError("the chat has no messages with content")
+    for i, m in enumerate(messages):
+        for key, value in m.items():
+            if isinstance(value, str):
+                check_text(value, f"message {i} {key}")
     if not tok.has_chat_template:
         raise FuselmError("this model has no chat template; run without --chat")
-    text = tok.apply_chat_template(messages, add_generation_prompt=True)
     # The template writes its own special tokens (BOS included), so add none here, as HF does.
-    return list(tok.encode(text, add_special_tokens=False))
+    return list(tok.encode_chat(messages, add_generation_prompt=True))
 
 
 def generate(engine: Engine, tok, prompt: str | Sequence[dict], max_new_tokens: int,
@@ -72,10 +101,7 @@ def generate(engine: Engine, tok, prompt: str | Sequence[dict], max_new_tokens: 
     start = time.perf_counter()
     if max_new_tokens <= 0:
         raise FuselmError(f"max_new_tokens must be > 0, got {max_new_tokens}")
-    try:
-        sampling.validate()
-    except ValueError as e:
-        raise FuselmError(str(e)) from None
+    sampling.validate()
     ids = encode_prompt(tok, prompt)
     if not ids:
         raise FuselmError("the prompt encodes to no tokens")
@@ -99,27 +125,35 @@ def _run(engine, tok, ids, max_new_tokens, sampling, stats, cache_ids, start) ->
     stop_ids = tok.stop_ids
     decoder = tok.stream()
 
-    t = time.perf_counter()
-    token = engine.prefill(fed, sampling)
-    now = time.perf_counter()
-    if cache_ids is not None:
-        cache_ids.extend(fed)
-    stats.prompt_tokens, stats.prefill_s, stats.ttft_s = len(fed), now - t, now - start
-    stats.generated_tokens = 1
-    while token not in stop_ids:
-        piece = decoder.push(token)
-        if piece:
-            yield piece
-        if stats.generated_tokens >= max_new_tokens:
-            break
+    try:
         t = time.perf_counter()
-        next_token = engine.decode(token, sampling)
-        stats.decode_s += time.perf_counter() - t
-        stats.decode_steps += 1
+        token = engine.prefill(fed, sampling)
+        now = time.perf_counter()
         if cache_ids is not None:
-            cache_ids.append(token)
-        stats.generated_tokens += 1
-        token = next_token
+            cache_ids.extend(fed)
+        stats.prompt_tokens, stats.prefill_s, stats.ttft_s = len(fed), now - t, now - start
+        while token not in stop_ids:
+            stats.generated_tokens += 1
+            piece = decoder.push(token)
+            if piece:
+                yield piece
+            if stats.generated_tokens >= max_new_tokens:
+                break
+            t = time.perf_counter()
+            next_token = engine.decode(token, sampling)
+            stats.decode_s += time.perf_counter() - t
+            stats.decode_steps += 1
+            if cache_ids is not None:
+                cache_ids.append(token)
+            token = next_token
+        else:
+            stats.stopped = True
+    except NonFiniteLogits:
+        # nothing sampled from garbage is shown; the cache holds the poisoned rows: forget it
+        engine.reset()
+        if cache_ids is not None:
+            cache_ids.clear()
+        raise
     tail = decoder.flush()
     if tail:
         yield tail

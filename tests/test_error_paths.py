@@ -10,7 +10,6 @@ import io
 import json
 import re
 import shutil
-import struct
 import subprocess
 import sys
 import types
@@ -21,14 +20,14 @@ import numpy as np
 import pytest
 from gguf_files import TOKENS, finish, gguf_writer
 from safetensors.numpy import load_file, save_file
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tiny_files import GGUF_HPARAMS, TINY, write_safetensors, write_tiny_folder
 
 import fuselm
 from fuselm import cli
 from fuselm.compiler import compile_graph
 from fuselm.dsl import Graph, ShapeError
 from fuselm.errors import FuselmError
-from fuselm.models import ConfigError, DecoderConfig, build_graph
+from fuselm.models import ConfigError, DecoderConfig
 from fuselm.models.presets import preset
 from fuselm.loading import chat_template, default_model
 from fuselm.loading.checkpoint import open_checkpoint
@@ -37,12 +36,6 @@ from fuselm.runtime.engine import SamplingParams
 from fuselm.runtime.generate import generate
 from fuselm.codegen import Target, Tuning
 from fuselm.codegen.build import prefill_steps
-
-TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=16, hidden_size=32, intermediate_size=64,
-            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-            tie_word_embeddings=True)
-GGUF_HPARAMS = dict(block_count=1, context_length=64, embedding_length=32, feed_forward_length=64,
-                    head_count=4, head_count_kv=2, vocab_size=len(TOKENS))
 
 
 def cli_error(capsys, *argv) -> str:
@@ -70,29 +63,13 @@ def api_error(exc_type, pattern, fn, *args, **kwargs) -> str:
 def tiny_base(tmp_path_factory):
     """A tiny Llama HF folder (config.json, float32 model.safetensors, word-level tokenizer.json,
     no chat template), written once per module; tests mutate copies of it."""
-    folder = tmp_path_factory.mktemp("tiny-base")
-    rng = np.random.default_rng(0)
-    weights = build_graph(DecoderConfig.from_hf(TINY)).sources("weight")
-    save_file({n.name: (0.1 * rng.standard_normal(n.shape)).astype(np.float32) for n in weights},
-              str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(TINY))
-    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(TINY["vocab_size"] - 3)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(folder / "tokenizer.json"))
-    return folder
+    return write_tiny_folder(tmp_path_factory.mktemp("tiny-base"))
 
 
 @pytest.fixture
 def tiny(tiny_base, tmp_path):
     """A fresh copy of the tiny folder, free to break."""
     return shutil.copytree(tiny_base, tmp_path / "tiny")
-
-
-def write_safetensors(path, header, data: bytes = b"") -> None:
-    """A .safetensors file from a raw header (any JSON value) and data bytes."""
-    raw = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
 
 
 def write_config(tmp_path, **changes):
@@ -218,7 +195,8 @@ def test_unreadable_file_in_a_folder_names_it(capsys, tiny, name, content, says)
 
 
 @pytest.mark.parametrize("header,data,says", [
-    ({"w": {"dtype": "F32", "shape": [2]}}, b"\0" * 8, "corrupt header entry for tensor 'w'"),
+    ({"w": {"dtype": "F32", "shape": [2]}}, b"\0" * 8,
+     "corrupt header entry for tensor 'w' (needs dtype, shape and data_offsets)"),
     ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}, b"\0" * 8,
      "corrupt: tensor 'w' has 8 bytes for shape [4]"),
 ])
@@ -356,7 +334,7 @@ def test_cpu_engine_rejects_an_empty_context_or_prompt(tiny):
 
 def test_prompt_that_encodes_to_no_tokens():
     """A non-blank prompt that the tokenizer turns into no ids fails before the engine is touched."""
-    tok = types.SimpleNamespace(encode=lambda text, add_special_tokens=True: [])
+    tok = types.SimpleNamespace(encode=lambda text, add_special_tokens=True, parse_special=True: [])
     engine = types.SimpleNamespace(max_context=16)       # no prefill/decode: touching it would fail
     api_error(FuselmError, "^the prompt encodes to no tokens$", generate, engine, tok, "\u200b", 4)
 

@@ -43,8 +43,11 @@ class ByteTokenizer:
     bos_id = None
     has_chat_template = True
 
-    def encode(self, text, add_special_tokens=True):
+    def encode(self, text, add_special_tokens=True, parse_special=True):
         return list(text.encode("utf-8"))
+
+    def encode_chat(self, messages, add_generation_prompt=True):
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
 
     def decode(self, ids):
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -169,7 +172,8 @@ def test_stop_id_ends_generation_and_is_not_printed():
     stats = GenerationStats()
     text = "".join(generate(engine, ByteTokenizer(), "prompt", 10, stats=stats))
     assert text == "hi"
-    assert stats.generated_tokens == 3 and stats.decode_steps == 2 and stats.prompt_tokens == 6
+    assert stats.generated_tokens == 2 and stats.decode_steps == 2 and stats.prompt_tokens == 6
+    assert stats.stopped and stats.summary().startswith("answer: 2 tokens (stop token) | prefill: 6 tokens")
     assert engine.fed == list(b"prompt") + [ord("h"), ord("i")]   # the stop id is never fed
 
 
@@ -250,3 +254,15 @@ def test_cpu_engine_with_the_generation_loop(model):
     assert stats.generated_tokens <= 8 and engine.position == 2 + stats.decode_steps
     assert engine.tokens[:2] == [ord("a"), ord("b")]
     assert all(isinstance(p, str) for p in pieces)
+
+
+def test_summary_counts_the_answer_apart_from_the_decode_steps():
+    """One token from the prefill and a stop: "answer: 1 token", and no decode rate over no steps
+    (it used to say "decode: 2 tokens ... 0.0 tok/s" here, counting the first and the stop token)."""
+    stats = GenerationStats()
+    assert "".join(generate(ScriptedEngine([ord("a"), STOP]), ByteTokenizer(), "xy", 10, stats=stats)) == "a"
+    assert (stats.generated_tokens, stats.decode_steps, stats.stopped) == (1, 1, True)
+    stats = GenerationStats()
+    list(generate(ScriptedEngine([ord("a"), ord("b")]), ByteTokenizer(), "xy", 1, stats=stats))
+    line = stats.summary()
+    assert line.startswith("answer: 1 token (token limit) | prefill: 2 tokens, ") and "decode" not in line, line
