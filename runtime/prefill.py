@@ -106,7 +106,7 @@ class _Step:
         self.ids = cp.zeros(tokens, cp.int32)         # [tokens] token ids of the step
         self.pos = cp.zeros(tokens, cp.int32)         # [tokens] their positions
         self.calls = [bind_launch(self.module, l, self.buffer, engine.pdl, tokens=tokens)
-                      for k in kernels for l in k.launches]
+                      for k in step.kernels for l in k.launches]
         self._graph = None
 
     def buffer(self, value: str):
