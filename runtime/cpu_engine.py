@@ -40,8 +40,9 @@ class CpuEngine:
         from ..loading.checkpoint import load_weights   # deferred: written in parallel, heavy imports
         need, have = memory_needed(graph, ctx), physical_memory()
         if have is not None and need > have:
-            raise FuselmError(f"the CPU engine needs {need / 2**30:.1f} GiB (float32 weights and a KV cache "
-                              f"of {ctx} tokens) but this machine has {have / 2**30:.1f} GiB; lower --ctx")
+            unit, size = ("GiB", 2**30) if need >= 2**30 else ("MiB", 2**20)
+            raise FuselmError(f"the CPU engine needs {need / size:.1f} {unit} (float32 weights and a KV cache "
+                              f"of {ctx} tokens) but this machine has {have / size:.1f} {unit}; lower --ctx")
         return cls(graph, load_weights(ckpt, graph, dtype=np.float32, progress=progress), ctx)
 
     def reset(self) -> None:
