@@ -20,7 +20,7 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> dict:
     """The config.json keys DecoderConfig.from_hf reads, from `<arch>.*` metadata."""
     arch = metadata(reader, "general.architecture")
     if not isinstance(arch, str) or arch not in ARCHITECTURES:
-        raise FuselmError(f"{path}: GGUF architecture '{arch}' is not supported "
+        raise FuselmError(f"{path}: GGUF architecture {arch!r} is not supported "
                           f"(supported: {', '.join(ARCHITECTURES)})")
 
     def key(name, default=None):

@@ -40,9 +40,8 @@ class CpuEngine:
         from ..loading.checkpoint import load_weights   # deferred: written in parallel, heavy imports
         need, have = memory_needed(graph, ctx), physical_memory()
         if have is not None and need > have:
-            unit, size = ("GiB", 2**30) if need >= 2**30 else ("MiB", 2**20)
-            raise FuselmError(f"the CPU engine needs {need / size:.1f} {unit} (float32 weights and a KV cache "
-                              f"of {ctx} tokens) but this machine has {have / size:.1f} {unit}; lower --ctx")
+            raise FuselmError(f"the CPU engine needs {_size(need)} (float32 weights and a KV cache of {ctx} "
+                              f"tokens) but this machine has {_size(have)}; lower --ctx")
         return cls(graph, load_weights(ckpt, graph, dtype=np.float32, progress=progress), ctx)
 
     def reset(self) -> None:
@@ -95,3 +94,7 @@ def physical_memory() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

@@ -152,7 +152,14 @@ def test_harness_reports_other_exceptions_and_hangs():
         assert_clean(Target("t", None, lambda v: 1 + "a"), None)
     with pytest.raises(AssertionError, match="hangs on this input"):
         assert_clean(Target("t", None, lambda v: [None for _ in iter(int, 1)]), None, seconds=0.2)
+    class TwoLines(FuselmError):
+        def __str__(self):
+            return "a\nb"
+
+    def refuse_in_two_lines(value):
+        raise TwoLines(value)
+
     with pytest.raises(AssertionError, match="not one line"):
-        assert_clean(Target("t", None, refuse), "a\nb")
+        assert_clean(Target("t", None, refuse_in_two_lines), "a")
     assert assert_clean(Target("t", None, refuse), "bad") == "bad"
     assert assert_clean(Target("t", None, lambda v: None), None) is None

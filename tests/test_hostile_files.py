@@ -292,3 +292,13 @@ def test_ordinary_templates_render_unchanged():
     template = chat_template.compile_template(source)
     out = chat_template.render(template, [{"role": "user", "content": " hi "}], True, {})
     assert out == "<|im_start|>user\nhi<|im_end|>\na-3   7xxx"
+
+
+def test_a_value_with_line_breaks_keeps_the_error_on_one_line(tmp_path):
+    """Model files may put line breaks in any string an error quotes (found by the fuzzer)."""
+    path = write_tiny_gguf(tmp_path / "a.gguf", weights=False,
+                           edit=lambda w: (w.kv_data[0].pop("general.architecture"),
+                                           w.add_string("general.architecture", "llama\nfake: ok")))
+    assert one_line(open_checkpoint, path) == (f"{path}: GGUF architecture 'llama\\nfake: ok' is not supported "
+                                               "(supported: llama, qwen2, qwen3, gemma2)")
+    assert str(FuselmError("x\ny\rz")) == "x\\ny\\rz"
