@@ -6,7 +6,7 @@ from .kernel import KernelSource, Launch
 from .render import render
 from .tuning import Tuning
 
-ARGS = ["logits", "seen", "sampling_args", "ids", "pos", "sampler_scratch"]   # runtime buffers
+ARGS = ["logits", "seen", "sampling_args", "sampled", "pos", "sampler_scratch"]   # runtime buffers
 
 
 def generate(vocab: int, tuning: Tuning) -> KernelSource:

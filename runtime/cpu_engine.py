@@ -5,7 +5,6 @@ A prompt is fed as one step of T tokens (prefill); every later token is one step
 """
 from __future__ import annotations
 
-import math
 import os
 from typing import Mapping, Sequence
 
@@ -13,8 +12,8 @@ import numpy as np
 
 from ..dsl import Graph
 from ..errors import FuselmError
-from .engine import SamplingParams, check_logits
-from .reference import bind_shape, new_state, run_graph
+from .engine import SamplingParams, check_logits, size_text, value_counts
+from .reference import new_state, run_graph
 from .sampling import Sampler
 
 
@@ -40,8 +39,8 @@ class CpuEngine:
         from ..loading.checkpoint import load_weights   # deferred: written in parallel, heavy imports
         need, have = memory_needed(graph, ctx), physical_memory()
         if have is not None and need > have:
-            raise FuselmError(f"the CPU engine needs {_size(need)} (float32 weights and a KV cache of {ctx} "
-                              f"tokens) but this machine has {_size(have)}; lower --ctx")
+            raise FuselmError(f"the CPU engine needs {size_text(need)} (float32 weights and a KV cache of {ctx} "
+                              f"tokens) but this machine has {size_text(have)}; lower --ctx")
         return cls(graph, load_weights(ckpt, graph, dtype=np.float32, progress=progress), ctx)
 
     def reset(self) -> None:
@@ -83,9 +82,7 @@ class CpuEngine:
 
 def memory_needed(graph: Graph, ctx: int) -> int:
     """Bytes of the CPU engine's float32 weights and state (KV cache rows = ctx) for `graph`."""
-    weights = sum(math.prod(n.shape) for n in graph.sources("weight"))
-    state = sum(math.prod(bind_shape(n.shape, {"S": ctx})) for n in graph.sources("state"))
-    return 4 * (weights + state)
+    return 4 * sum(value_counts(graph, ctx))
 
 
 def physical_memory() -> int | None:
@@ -95,6 +92,3 @@ def physical_memory() -> int | None:
     except (ValueError, OSError, AttributeError):
         return None
 
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

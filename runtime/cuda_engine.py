@@ -18,7 +18,7 @@ from ..codegen.params import storage_of
 from ..codegen.sample import scratch_words
 from ..dsl import Graph
 from ..errors import FuselmError
-from .engine import SamplingParams
+from .engine import NonFiniteLogits, SamplingParams, size_text, value_counts
 from .launch import arena_view, bind_launch, load_cubin, pdl_wanted
 from .prefill import Prefill
 
@@ -28,7 +28,7 @@ SAMPLING_ARGS = np.dtype([("temperature", "f4"), ("top_p", "f4"), ("min_p", "f4"
 
 
 # Launch arguments that are the engine's own buffers (attributes of the same name), not graph values.
-RUNTIME_BUFFERS = ("workspace", "seen", "ids", "pos", "sampling_args", "sampler_scratch")
+RUNTIME_BUFFERS = ("workspace", "seen", "sampled", "pos", "sampling_args", "sampler_scratch")
 
 
 def check_variant(kernels, variant: str | None) -> None:
@@ -47,6 +47,24 @@ def check_weights(graph: Graph, weights: Mapping[str, object]) -> None:
             raise FuselmError(f"missing weight '{node.name}'")
         if tuple(w.shape) != node.shape:
             raise FuselmError(f"weight '{node.name}' has shape {tuple(w.shape)}, expected {node.shape}")
+
+
+def check_device_memory(cp, graph: Graph, ctx: int, resident: int = 0, extra: int = 0) -> None:
+    """A one-line error, before anything is uploaded, when `graph`'s bf16 weights and a KV cache of
+    `ctx` rows (plus `extra` bytes: the arena) do not fit the GPU's free memory; `resident` bytes
+    of weights are on the GPU already. It says which --ctx would fit, when any would."""
+    weights, state = value_counts(graph, ctx)
+    weight_bytes, kv_bytes = 2 * weights - resident, 2 * state
+    free = cp.cuda.runtime.memGetInfo()[0] + cp.get_default_memory_pool().free_bytes()
+    if weight_bytes + kv_bytes + extra <= free:
+        return
+    per_token = kv_bytes // ctx if ctx else 0
+    room = free - weight_bytes - extra
+    advice = (f"lower --ctx to at most {room // per_token}" if per_token and room >= per_token
+              else "the weights alone do not fit")
+    raise FuselmError(f"the model needs {size_text(weight_bytes + kv_bytes + extra)} of GPU memory (bf16 weights "
+                      f"{size_text(weight_bytes)}, a KV cache of {ctx} tokens {size_text(kv_bytes)}) but "
+                      f"{gpu_name()} has {size_text(free)} free; {advice}")
 
 
 def gpu_available() -> bool:
@@ -102,6 +120,9 @@ class CudaEngine:
         self.traced = trace     # kernels that record the block timeline (tools/trace.py)
         self.compile_seconds, self.compile_cached = self.program.compile_seconds, self.program.cached
         self.module = load_cubin(cupy, self.program.decode.cubin)
+        resident = sum(w.nbytes for w in (weights[n.name] for n in graph.sources("weight"))
+                       if isinstance(w, cupy.ndarray) and w.dtype == cupy.uint16)
+        check_device_memory(cupy, graph, ctx, resident, extra=self.G.graph["arena_bytes"])
         self._allocate(weights, vocab)
         self._bind()
         self.stream = cupy.cuda.Stream(non_blocking=True)
@@ -114,10 +135,13 @@ class CudaEngine:
 
     @classmethod
     def from_checkpoint(cls, ckpt, graph: Graph, ctx: int = 4096, fuse: bool = True) -> "CudaEngine":
-        """Load `ckpt`'s weights as bf16 and compile `graph` for this GPU."""
+        """Load `ckpt`'s weights as bf16 and compile `graph` for this GPU; refused before any
+        weight is read when they and the KV cache would not fit in the GPU's free memory."""
+        import cupy
         import ml_dtypes
 
         from ..loading.checkpoint import load_weights
+        check_device_memory(cupy, graph, ctx)
         weights = load_weights(ckpt, graph, dtype=ml_dtypes.bfloat16)
         return cls(graph, weights, ctx=ctx, fuse=fuse)
 
@@ -132,7 +156,12 @@ class CudaEngine:
         self.inputs = {n.name: cp.zeros([1 if d == "T" else d for d in n.shape],
                                         cp.int32 if n.dtype == "i32" else cp.float32)
                        for n in self.graph.sources("input")}            # one token per step
-        self.ids = self.inputs.get("ids", cp.zeros(1, cp.int32))
+        # [2] the sampler's output: the id, which is also the next step's input, and a flag set
+        # when the logits it came from held NaN or inf (one device-to-host copy reads both)
+        self.sampled = cp.zeros(2, cp.int32)
+        self.ids = self.sampled[:1]
+        if "ids" in self.inputs:
+            self.inputs["ids"] = self.ids
         self.pos = self.inputs.get("pos", cp.zeros(1, cp.int32))
         self.seen = cp.zeros(vocab, cp.uint8)
         self.sampling_args = cp.zeros(SAMPLING_ARGS.itemsize, cp.uint8)
@@ -259,11 +288,14 @@ class CudaEngine:
         self.position += 1
 
     def next_token(self) -> int:
-        """The id the last step's sampler picked (waits for the step)."""
-        out = np.empty(1, np.int32)
-        self.ids.get(stream=self.stream, out=out)
+        """The id the last step's sampler picked (waits for the step); NonFiniteLogits when the
+        sampler found NaN or inf among the logits it picked from."""
+        out = np.empty(2, np.int32)
+        self.sampled.get(stream=self.stream, out=out)
         self.stream.synchronize()
         if self.logits_value:             # the sampler also advanced `pos` to self.position
+            if out[1]:
+                raise NonFiniteLogits(self.position - 1)
             self._on_device = (int(out[0]), self.position)
         return int(out[0])
 

@@ -62,6 +62,23 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
+def value_counts(graph, ctx: int) -> tuple[int, int]:
+    """Numbers of values in `graph`'s weights and in its state (KV caches of `ctx` rows): what an
+    engine's memory check multiplies by its bytes per value, before any weight is read."""
+    from .reference import bind_shape
+    weights = sum(math.prod(n.shape) for n in graph.sources("weight"))
+    state = sum(math.prod(bind_shape(n.shape, {"S": ctx})) for n in graph.sources("state"))
+    return weights, state
+
+
+def size_text(n: int) -> str:
+    """Bytes in GiB, MiB or KiB, whichever is the largest at least 1."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
+
+
 class NonFiniteLogits(FuselmError):
     """The logits a token was to be sampled from hold NaN or inf (corrupt weights or config, or an
     overflow): `position` is the 0-based position of the token whose output they are."""

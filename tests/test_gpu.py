@@ -584,6 +584,36 @@ def test_gpu_sampling_filters_and_penalty_match_the_cpu_sampler():
         tok = eng.decode(tok, params)
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=3)])
+def test_gpu_non_finite_logits_stop_generation(bad, sampling):
+    """One NaN or inf logit (an lm_head row poisoned) makes prefill and decode raise
+    NonFiniteLogits naming the position, greedy or sampled; with finite weights the same engine
+    generates again after a reset."""
+    from fuselm.runtime.engine import NonFiniteLogits
+    rng = np.random.default_rng()
+    cfg = DecoderConfig.from_hf(TINY)
+    graph = build_graph(cfg)
+    weights = random_weights(graph, rng)
+    row = int(rng.integers(cfg.vocab_size))
+    weights["lm_head.weight"][row] = bad
+    eng = engine_for(graph, weights, ctx=64)
+    prompt = rng.integers(0, cfg.vocab_size, 9).tolist()
+    with pytest.raises(NonFiniteLogits) as err:
+        eng.prefill(prompt, sampling)
+    assert err.value.position == len(prompt) - 1
+    eng.reset()
+    eng.weights["lm_head.weight"][row] = 0          # finite again: generation goes on
+    tok = eng.prefill(prompt, sampling)
+    for _ in range(3):
+        tok = eng.decode(tok, sampling)
+    assert 0 <= tok < cfg.vocab_size and eng.position == len(prompt) + 3
+    eng.weights["lm_head.weight"][row] = 0x7FC0      # a bf16 NaN, mid-generation
+    with pytest.raises(NonFiniteLogits) as err:
+        eng.decode(tok, sampling)
+    assert err.value.position == len(prompt) + 3
+
+
 @pytest.mark.parametrize("name", list(REAL_SHAPES))
 def test_real_shapes_match_transformers(name):
     """Random weights of real shapes, shared with transformers on the GPU through DLPack.

@@ -108,9 +108,33 @@ def test_weights_and_cache_beyond_the_machines_memory(monkeypatch, tiny):
     assert cpu_engine.memory_needed(graph, 20) - cpu_engine.memory_needed(graph, 10) == 10 * per_token
     monkeypatch.setattr(cpu_engine, "physical_memory", lambda: 1 << 12)
     monkeypatch.setattr(checkpoint, "load_weights", lambda *a, **k: pytest.fail("weights were loaded"))
-    with pytest.raises(FuselmError, match=r"^the CPU engine needs 0\.\d MiB \(float32 weights and a KV cache "
-                                          r"of 64 tokens\) but this machine has 0\.0 MiB; lower --ctx$"):
+    with pytest.raises(FuselmError, match=r"^the CPU engine needs \d+\.\d KiB \(float32 weights and a KV cache "
+                                          r"of 64 tokens\) but this machine has 4\.0 KiB; lower --ctx$"):
         fuselm.load(tiny, device="cpu", ctx=64, progress=False)
+
+
+def test_weights_and_cache_beyond_the_gpus_memory(monkeypatch):
+    """The CUDA engine's check adds up bf16 weights and KV cache against the GPU's free memory
+    (a stand-in for CuPy here) and says which --ctx would fit."""
+    from types import SimpleNamespace
+
+    from fuselm.runtime import cuda_engine
+    graph = build_graph(DecoderConfig.from_hf(TINY))
+    weights, state = cuda_engine.value_counts(graph, 64)
+    per_token = 2 * state // 64
+    free = 2 * weights + 40 * per_token + per_token // 2     # room for 40 tokens, not 64
+
+    def fake_cupy(free_bytes):
+        pool = SimpleNamespace(free_bytes=lambda: 0)
+        runtime = SimpleNamespace(memGetInfo=lambda: (free_bytes, 1 << 40))
+        return SimpleNamespace(cuda=SimpleNamespace(runtime=runtime), get_default_memory_pool=lambda: pool)
+    monkeypatch.setattr(cuda_engine, "gpu_name", lambda: "Test GPU")
+    cuda_engine.check_device_memory(fake_cupy(free), graph, 40)       # fits: no error
+    with pytest.raises(FuselmError, match=r"^the model needs .* of GPU memory \(bf16 weights .*, a KV cache of 64 "
+                                          r"tokens .*\) but Test GPU has .* free; lower --ctx to at most 40$"):
+        cuda_engine.check_device_memory(fake_cupy(free), graph, 64)
+    with pytest.raises(FuselmError, match="the weights alone do not fit$"):
+        cuda_engine.check_device_memory(fake_cupy(weights), graph, 64)
 
 
 def test_version(capsys):

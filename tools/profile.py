@@ -31,7 +31,7 @@ def kernel_profile(engine, reps: int = 20) -> dict[str, dict]:
     per = defaultdict(lambda: {"us": 0.0, "bytes": 0, "launches": 0})
     counted = set()
     with engine.stream:     # the sampler, timed too, advances the position: put its state back after
-        saved = [(buf, buf.copy()) for buf in (engine.ids, engine.pos, engine.seen, engine.sampler_scratch)]
+        saved = [(buf, buf.copy()) for buf in (engine.sampled, engine.pos, engine.seen, engine.sampler_scratch)]
     for k, _, call in engine.schedule_at(engine.position):
         per[k.family]["us"] += _elapsed_us(cp, engine.stream, lambda: call(engine.stream), reps)
         per[k.family]["launches"] += 1

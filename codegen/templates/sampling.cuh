@@ -110,17 +110,23 @@ __device__ int sample_token(const float* logits, const unsigned char* seen, cons
     return chosen >= 0 ? chosen : block_argmax(logits, V);
 }
 
+constexpr unsigned NONFINITE_BIT = 0x80000000u;   // beside a block's argmax index: its slice held NaN or inf
+
 // Grid-wide argmax of the penalized logits, step one: this block's best of [begin, end) goes to
-// scratch (values as float bits at [0, G), indices at [G, 2G), a finished-block counter at 2G);
-// returns true in the one block that finishes last, which then sees every block's result.
+// scratch (values as float bits at [0, G), indices at [G, 2G) with NONFINITE_BIT set when the
+// slice held a NaN or inf, a finished-block counter at 2G); returns true in the one block that
+// finishes last, which then sees every block's result.
 __device__ bool last_block_of_argmax(const float* logits, const unsigned char* seen, float rp,
                                      int begin, int end, unsigned* scratch) {
     float m = NEG_INF;
     int idx = begin;                              // all -inf (or an empty slice): its first index
+    bool nonfinite = false;
     for (int i = begin + threadIdx.x; i < end; i += blockDim.x) {
         const float l = penalized(logits, seen, i, rp);
+        nonfinite |= !isfinite(logits[i]);
         if (l > m) { m = l; idx = i; }
     }
+    nonfinite = __syncthreads_or(nonfinite);
     const float bm = block_max(m);
     __shared__ int first;
     __shared__ bool last;
@@ -131,7 +137,7 @@ __device__ bool last_block_of_argmax(const float* logits, const unsigned char* s
     const unsigned G = gridDim.x;
     if (threadIdx.x == 0) {
         scratch[blockIdx.x] = __float_as_uint(bm);
-        scratch[G + blockIdx.x] = (unsigned)first;
+        scratch[G + blockIdx.x] = (unsigned)first | (nonfinite ? NONFINITE_BIT : 0u);
         __threadfence();                          // results visible before the count says so
         last = atomicAdd(&scratch[2 * G], 1u) == G - 1;
     }
@@ -147,7 +153,7 @@ __device__ int reduce_block_argmaxes(unsigned* scratch, unsigned G) {
     int idx = 0x7fffffff;
     for (unsigned b = threadIdx.x; b < G; b += blockDim.x) {
         const float l = __uint_as_float(v[b]);
-        const int i = (int)v[G + b];
+        const int i = (int)(v[G + b] & ~NONFINITE_BIT);
         if (l > m || (l == m && i < idx)) { m = l; idx = i; }
     }
     const float bm = block_max(m);
@@ -157,4 +163,12 @@ __device__ int reduce_block_argmaxes(unsigned* scratch, unsigned G) {
     if (m == bm) atomicMin(&first, idx);
     __syncthreads();
     return first;
+}
+
+// In the last block: whether any block's slice held a NaN or inf.
+__device__ bool any_block_nonfinite(unsigned* scratch, unsigned G) {
+    const volatile unsigned* v = scratch;
+    bool any = false;
+    for (unsigned b = threadIdx.x; b < G; b += blockDim.x) any |= (v[G + b] & NONFINITE_BIT) != 0;
+    return __syncthreads_or(any);
 }
