@@ -23,9 +23,11 @@ DEVICES = ("auto", "cpu", "cuda")
 
 
 def load(path: str | Path | None = None, device: str = "auto", ctx: int | None = None,
-         fuse: bool = True, progress: bool = True, log=None) -> "Model":
+         fuse: bool = True, progress: bool = True, log=None, quant: str | None = None) -> "Model":
     """Open a checkpoint (HF folder or .gguf file; None means the embedded default model), build its
-    graph and an engine on `device` ("auto", "cpu" or "cuda") with a KV cache of `ctx` tokens."""
+    graph and an engine on `device` ("auto", "cpu" or "cuda") with a KV cache of `ctx` tokens.
+    On the GPU a GGUF's quantized matrices stay quantized; `quant` "bf16" takes them to bf16,
+    "q8" / "q4" quantize a checkpoint's other matrices on load (the CPU always runs float32)."""
     from .models import build_graph
     from .loading.checkpoint import open_checkpoint   # deferred: heavy imports (gguf, tokenizers)
     from .loading.default_model import default_model_path
@@ -46,7 +48,7 @@ def load(path: str | Path | None = None, device: str = "auto", ctx: int | None =
                           f"(max_position_embeddings of {cfg.source or path})")
     ctx = ctx or min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
     graph = build_graph(cfg)
-    engine = _make_engine(device, graph, ckpt, ctx, fuse, progress, log)
+    engine = _make_engine(device, graph, ckpt, ctx, fuse, progress, log, quant)
     return Model(ckpt, engine, Path(path))
 
 
@@ -63,7 +65,7 @@ def _gpu_name() -> str | None:
 
 
 def _make_engine(device: str, graph, ckpt, ctx: int, fuse: bool, progress: bool = True,
-                 log=None) -> Engine:
+                 log=None, quant: str | None = None) -> Engine:
     """The one place that picks a backend: CUDA when asked for (or on "auto" when a GPU and the
     CUDA engine are present), else the CPU reference executor."""
     log = log or sys.stderr
@@ -77,7 +79,7 @@ def _make_engine(device: str, graph, ckpt, ctx: int, fuse: bool, progress: bool 
                 why = f"GPU {gpu} found but the CUDA engine cannot be imported ({e})"
         if cuda_engine is not None:
             print(f"using GPU: {gpu}", file=log)
-            return cuda_engine.from_checkpoint(ckpt, graph, ctx=ctx, fuse=fuse)
+            return cuda_engine.from_checkpoint(ckpt, graph, ctx=ctx, fuse=fuse, quant=quant)
         if device == "cuda":
             raise FuselmError(f"--device cuda: {why}")
         print(f"{why}, running on the CPU", file=log)

@@ -1,6 +1,6 @@
 """The `fuselm` command line (also `python -m fuselm`).
 
-    fuselm run [MODEL] -p PROMPT -n N [--chat] [sampling options] [--device D] [--ctx N] [--no-fuse]
+    fuselm run [MODEL] -p PROMPT -n N [--chat] [sampling options] [--device D] [--ctx N] [--no-fuse] [--quant Q]
     fuselm run [MODEL] -i                   interactive chat (also with no -p on a terminal)
     fuselm pull                             fetch the embedded default model
     fuselm inspect MODEL [--out DIR] [--json] [--compile] [--no-fuse] [--dump DIR]
@@ -79,6 +79,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=int, metavar="N", help="context length (KV cache rows), at most the "
                    "model's maximum positions; default min(model's maximum, 4096)")
     p.add_argument("--no-fuse", action="store_true", help="CUDA: run the graph without fusion")
+    p.add_argument("--quant", choices=["bf16", "q8", "q4"], default=None,
+                   help="CUDA weights: a GGUF's quantized matrices stay quantized unless bf16; q8 (Q8_0) "
+                        "or q4 (Q4_1) quantize the other matrices on load")
 
 
 # the option of each SamplingParams field, for the messages of its range checks
@@ -131,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .api import load
     print(f"loading {args.model or 'the default model'}", file=sys.stderr)
-    model = load(args.model, device=args.device, ctx=args.ctx, fuse=not args.no_fuse)
+    model = load(args.model, device=args.device, ctx=args.ctx, fuse=not args.no_fuse, quant=args.quant)
     sampling = _sampling_kwargs(args)
     if interactive:
         return chat_loop(model, args.max_new_tokens, sampling)

@@ -81,17 +81,18 @@ class Program:
 
 def build_program(graph: Graph, ctx: int, target: Target | None = None, tuning: Tuning | None = None,
                   fuse: bool = True, prefill: bool = True, trace: bool = False, compile: bool = True,
-                  pass_list=None, dump: str | Path | None = None) -> Program:
+                  pass_list=None, dump: str | Path | None = None, formats=None) -> Program:
     """`graph` compiled, generated and (unless compile=False) built with NVRTC for a KV cache of
     `ctx` rows on `target` (default: the H200's sm_90, 132 SMs) with `tuning` (default: the
     defaults with $FUSELM_TUNE). A language model (inputs ids and pos, output logits) gets the
     sampler and, unless prefill=False, its batched prefill steps; pass_list replaces the
-    compiler's passes and dump writes the graph after each (the decode graph only)."""
+    compiler's passes and dump writes the graph after each (the decode graph only); `formats`
+    maps weight names to the formats they are held in (quant/formats.py; bf16 otherwise)."""
     if ctx <= 0:
         raise FuselmError(f"context must be a positive number of tokens, got {ctx}")
     target = target or Target()
     tuning = tuning or Tuning.from_env()
-    G = compile_graph(graph, fuse=fuse, tokens=1, pass_list=pass_list, dump=dump)
+    G = compile_graph(graph, fuse=fuse, tokens=1, pass_list=pass_list, dump=dump, formats=formats)
     kernels = generate(G, ctx=ctx, target=target, tuning=tuning)
     logits = G.graph["outputs"].get("logits")
     if logits:
@@ -103,7 +104,7 @@ def build_program(graph: Graph, ctx: int, target: Target | None = None, tuning: 
     elif not language_model or pass_list is not None:
         program.prefill_refused = "not a whole language model (a test graph or pass list)"
     else:
-        steps = prefill_steps(graph, ctx, target, tuning, fuse)
+        steps = prefill_steps(graph, ctx, target, tuning, fuse, formats=formats)
         if isinstance(steps, str):
             program.prefill_refused = steps
         else:
@@ -112,13 +113,14 @@ def build_program(graph: Graph, ctx: int, target: Target | None = None, tuning: 
 
 
 def prefill_steps(graph: Graph, ctx: int, target: Target, tuning: Tuning, fuse: bool = True,
-                  sizes: tuple[int, ...] | None = None) -> list[PrefillStep] | str:
+                  sizes: tuple[int, ...] | None = None, formats=None) -> list[PrefillStep] | str:
     """The prefill steps of `graph` for each of `sizes` tokens (default tuning.prefill_tokens)
     that it has kernels for (sizes whose tiles do not fit are left out), or why it has none."""
     if target.capability < 80:
         return "the gemm kernels need tensor cores with bf16 (sm_80 on)"
     steps, why = [], None
-    for tokens, G in compile_graphs(graph, list(sizes or tuning.prefill_tokens), fuse=fuse, state_only=True).items():
+    sizes = list(sizes or tuning.prefill_tokens)
+    for tokens, G in compile_graphs(graph, sizes, fuse=fuse, state_only=True, formats=formats).items():
         if not G.graph["schedule"]:
             return f"{graph.name}: nothing to prefill (no KV cache)"
         try:

@@ -8,6 +8,7 @@ import numpy as np
 
 from ..dsl import Kind, get
 from ..errors import FuselmError
+from ..quant.formats import format_of
 from . import attention, gemm, gemv, moe, rowwise
 from .kernel import KernelSource, KernelSpec
 from .params import storage_of
@@ -17,7 +18,7 @@ FAMILIES = {"gemv": gemv, "gemm": gemm, "rowwise": rowwise, "attention": attenti
 
 
 def generate(G: nx.DiGraph, ctx: int, target: Target | None = None, tuning: Tuning | None = None,
-             tokens: int = 1, weight_bytes: int = 2) -> list[KernelSource]:
+             tokens: int = 1) -> list[KernelSource]:
     """CUDA for every kernel of the compiled graph `G`, with a KV cache of `ctx` rows, for
     steps of `tokens` tokens: 1 (decode), or a chunk of a prompt (batched prefill: gemv kernels
     in their gemm form, attention one block per KV head and token; see prefill_unsupported), on
@@ -29,7 +30,7 @@ def generate(G: nx.DiGraph, ctx: int, target: Target | None = None, tuning: Tuni
     for launch in G.graph["schedule"]:
         family = "gemm" if launch.family == "gemv" and tokens > 1 else launch.family
         k = FAMILIES[family].generate(KernelSpec(G, launch, ctx, tokens, target, tuning))
-        k.bytes_read, k.bytes_written = _traffic(G, launch, ctx, weight_bytes, tokens)
+        k.bytes_read, k.bytes_written = _traffic(G, launch, ctx, tokens)
         out.append(k)
     return out
 
@@ -43,18 +44,21 @@ def prefill_unsupported(G: nx.DiGraph, tokens: int, tuning: Tuning | None = None
     return None
 
 
-def _traffic(G: nx.DiGraph, launch, ctx: int, weight_bytes: int, tokens: int = 1) -> tuple[int, int]:
-    """Bytes a launch reads and writes per step of `tokens` tokens (KV cache counted at `ctx`
-    rows; activations as one token's, for a prefill step)."""
+def _traffic(G: nx.DiGraph, launch, ctx: int, tokens: int = 1) -> tuple[int, int]:
+    """Bytes a launch reads and writes per step of `tokens` tokens (weights in their formats, KV
+    cache in bf16 counted at `ctx` rows; activations as one token's, for a prefill step)."""
     def nbytes(v):
         d = G.nodes[v]
         shape = [1 if s == "T" else ctx if s == "S" else s for s in d["shape"]]
+        rows = 1
         if any(G.nodes[n]["kind"] is Kind.EMBEDDING and G.nodes[n]["inputs"][0] == v for n in launch.nodes):
-            shape = shape[1:]                       # an embedding reads one row of its table
-        per = weight_bytes if d["op"] in ("weight", "state") else 4
-        if d["op"] not in ("weight", "constant", "input", "state") and get(d["op"]).inplace_of is not None:
-            per = weight_bytes
-        return int(np.prod(shape)) * per
+            rows = shape[0]                         # an embedding reads one row of its table
+        if d["op"] == "weight":
+            return format_of(d.get("format", "bf16")).nbytes(tuple(shape)) // rows
+        per = 2 if d["op"] == "state" else 4
+        if d["op"] not in ("constant", "input", "state") and get(d["op"]).inplace_of is not None:
+            per = 2                                 # a write into the bf16 KV cache
+        return int(np.prod(shape)) * per // rows
     read = sum(nbytes(v) for v in launch.reads if G.nodes[storage_of(G, v)]["op"] != "state"
                or launch.family == "attention")
     if launch.family == "moe" and tokens == 1:   # only the chosen experts' weights are streamed

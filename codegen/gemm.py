@@ -60,6 +60,9 @@ def unsupported(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, tuning: Tun
     prologue, linears, _ = gemv_parts(G, launch.nodes)
     x = G.nodes[prologue]["inputs"][0] if prologue else G.nodes[linears[0]]["inputs"][0]
     K = G.nodes[x]["shape"][-1]
+    quantized = sorted({f for l in linears if (f := G.nodes[G.nodes[l]["inputs"][1]].get("format", "bf16")) != "bf16"})
+    if quantized:
+        return f"its weights are {'/'.join(quantized)}: the gemm family reads bf16 tiles only"
     if K % 32:
         return f"its rows of {K} weights are not a multiple of 32"
     members = max(len(z.linears) for z in zip_sets(G, launch.nodes))

@@ -1,17 +1,49 @@
 """The gemv family: norm prologue -> GEMVs side by side -> epilogue on each block's tile of rows."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import networkx as nx
 
 from ..compiler.kernels import ScheduledKernel, ZipSet, gemv_parts, zip_sets
 from ..dsl import Kind, get
+from ..quant.formats import Format, format_of
 from . import cexpr
 from .kernel import KernelSource, KernelSpec, Launch
 from .params import Params
 from .render import render
 from .tuning import Target, Tuning
+
+
+@dataclass
+class FormatGroup:
+    """The members of a zip set whose weights share a format: the C++ struct that reads it
+    (templates/quant.cuh; None for bf16), a row handle's type and the weight pointer type."""
+    c_struct: str | None
+    members: list[int]        # indices into ZipTile.members
+
+    @property
+    def row_type(self) -> str:
+        return f"typename {self.c_struct}::Row" if self.c_struct else "const weight_t*"
+
+    @property
+    def pointer(self) -> str:
+        return "unsigned char*" if self.c_struct else "weight_t*"
+
+
+def weight_format(G: nx.DiGraph, weight: str) -> Format:
+    """The format a weight is held in (compiler/assign_formats.py; bf16 unless assigned)."""
+    return format_of(G.nodes[weight].get("format", "bf16"))
+
+
+def format_groups(G: nx.DiGraph, linears: list[str]) -> list[FormatGroup]:
+    """`linears` grouped by their weights' format, in order of first appearance."""
+    groups: dict[str, FormatGroup] = {}
+    for i, l in enumerate(linears):
+        f = weight_format(G, G.nodes[l]["inputs"][1])
+        groups.setdefault(f.name, FormatGroup(None if f.name == "bf16" else f.c_struct, [])).members.append(i)
+    return list(groups.values())
 
 
 @dataclass
@@ -27,6 +59,13 @@ class ZipTile:
     members: list[str]        # the C names of its weight matrices
     epilogue: str             # C statements of its epilogue (see _epilogue)
     preload: str              # declarations loading epilogue operands before the wait
+    groups: list[FormatGroup] # its members by weight format
+
+    @property
+    def formats(self) -> str:
+        """The formats of its weights in a kernel name: "" for bf16, else e.g. "q4_k" or "q4_k+q6_k"."""
+        names = [g.c_struct.lower() if g.c_struct else "bf16" for g in self.groups]
+        return "" if names == ["bf16"] else "+".join(names)
 
 
 def generate(spec: KernelSpec) -> KernelSource:
@@ -35,10 +74,13 @@ def generate(spec: KernelSpec) -> KernelSource:
     G, launch, tuning = spec.G, spec.launch, spec.tuning
     params = Params(G)
     vec = input_vector(G, launch, params)
-    ksplit = _ksplit(zip_sets(G, launch.nodes), vec["K"], spec.target, tuning)
-    zips, grid = zip_contexts(G, launch, params, lambda members, pairs: _slots(ksplit, members, pairs, tuning))
+    sets = zip_sets(G, launch.nodes)
+    block = max(weight_format(G, G.nodes[l]["inputs"][1]).block for z in sets for l in z.linears)
+    ksplit = _ksplit(sets, vec["K"], block, spec.target, tuning)
+    zips, grid = zip_contexts(G, launch, params, lambda members, pairs: _slots(ksplit, members, pairs, tuning),
+                              rows_per_warp=tuning.gemv_rows_per_warp)
     name, source = render("gemv.cu.j2", "gemv", shape_name(vec, zips), params=params.decls, **vec, zips=zips,
-                          threads=tuning.gemv_warps * 32, unroll=tuning.gemv_unroll, ksplit=ksplit,
+                          quantized=any(z.formats for z in zips), threads=tuning.gemv_warps * 32, unroll=tuning.gemv_unroll, ksplit=ksplit,
                           rows_per_warp=tuning.gemv_rows_per_warp,
                           max_tile=max(z.R * len(z.members) for z in zips), grid=grid)
     return KernelSource(name, "gemv", source, launch.nodes,
@@ -47,7 +89,7 @@ def generate(spec: KernelSpec) -> KernelSource:
 
 def shape_name(vec: dict, zips: list[ZipTile], tokens: int | None = None) -> str:
     """A gemv / gemm kernel's shape in its name: norm_k<K>_<members>x<N>..., _t<tokens> for a gemm."""
-    shape = f"k{vec['K']}_" + "_".join(f"{len(z.members)}x{z.N}" for z in zips)
+    shape = f"k{vec['K']}_" + "_".join(f"{len(z.members)}x{z.N}{z.formats}" for z in zips)
     return ("norm_" if vec["prologue"] else "") + shape + (f"_t{tokens}" if tokens else "")
 
 
@@ -61,16 +103,16 @@ def _tiles(width: int, R: int, pairs: bool) -> int:
     return -(-width // R) if not pairs else -(-(width // 2) // (R // 2))
 
 
-def _ksplit(sets: list[ZipSet], K: int, target: Target, tuning: Tuning) -> int:
+def _ksplit(sets: list[ZipSet], K: int, block: int, target: Target, tuning: Tuning) -> int:
     """Warps per output row (split-K inside the block). Short outputs with long rows (a 2048-row
     O or down projection) give too few rows for one warp each to fill the GPU with loads in
     flight, so several warps share a row, each streaming a slice of it, until the kernel has
-    gemv_warps_per_sm streaming warps per SM."""
+    gemv_warps_per_sm streaming warps per SM. Slices hold whole quantization blocks of `block`."""
     rows = sum(z.width * len(z.linears) for z in sets)
     min_warps = target.sms * tuning.gemv_warps_per_sm
     ksplit = 1
     while (rows // tuning.gemv_rows_per_warp * ksplit < min_warps and ksplit < min(4, tuning.gemv_warps)
-           and K % (2 * ksplit * 8) == 0 and K // (2 * ksplit) >= 256):
+           and K % (2 * ksplit * 8) == 0 and K // (2 * ksplit) >= 256 and K // (2 * ksplit) % block == 0):
         ksplit *= 2
     return ksplit
 
@@ -89,23 +131,28 @@ def input_vector(G: nx.DiGraph, launch: ScheduledKernel, params: Params) -> dict
     return {"x": x, "K": G.nodes[x_value]["shape"][-1], "prologue": pro}
 
 
-def zip_contexts(G: nx.DiGraph, launch: ScheduledKernel, params: Params, slots, batched: bool = False
-                 ) -> tuple[list[ZipTile], int]:
+def zip_contexts(G: nx.DiGraph, launch: ScheduledKernel, params: Params, slots, batched: bool = False,
+                 rows_per_warp: int = 1) -> tuple[list[ZipTile], int]:
     """Template variables of each zip set of a gemv kernel's nodes, whose tiles hold
-    `slots(members, pairs)` rows of each member, and the grid: one block per tile, zip after zip."""
+    `slots(members, pairs)` rows of each member (a multiple of `rows_per_warp` where the members
+    differ in format), and the grid: one block per tile, zip after zip."""
     nodes = launch.nodes
     _, _, epilogue = gemv_parts(G, nodes)
     zips, start = [], 0
     for z in zip_sets(G, nodes):
         hd, interleaved = z.pairs or (0, False)
+        groups = format_groups(G, z.linears)
         R = slots(len(z.linears), bool(hd))
+        if len(groups) > 1:         # a warp's NR rows must be one member's: R a multiple of NR
+            step = math.lcm(rows_per_warp, 2 if hd else 1)
+            R = max(step, R // step * step)
         tiles = _tiles(z.width, R, bool(hd))
         z_epi = [n for n in epilogue if _zip_of(G, n, z.linears, set(nodes))]
         preload: list[str] = []
         members = [params.ref(G.nodes[l]["inputs"][1]) for l in z.linears]
         body = _epilogue(G, launch, z.linears, z_epi, R, params, batched, preload)
         zips.append(ZipTile(z.width, R, hd, str(interleaved).lower(), start, start + tiles, members, body,
-                            "\n".join(preload)))
+                            "\n".join(preload), groups))
         start += tiles
     return zips, start
 

@@ -18,8 +18,8 @@ def storage_of(G: nx.DiGraph, value: str) -> str:
 def c_type(G: nx.DiGraph, value: str, written: bool) -> str:
     """The C pointer type of a kernel argument holding `value`."""
     d = G.nodes[storage_of(G, value)]
-    if d["op"] == "weight":
-        return "const weight_t*"
+    if d["op"] == "weight":   # bf16, or the bytes of a quantized format (quant/formats.py)
+        return "const weight_t*" if d.get("format", "bf16") == "bf16" else "const unsigned char*"
     if d["op"] == "state":
         return "bf16_t*" if written else "const bf16_t*"
     base = "int" if d["dtype"] == "i32" else "float"

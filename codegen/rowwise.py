@@ -10,6 +10,7 @@ import networkx as nx
 
 from ..compiler.kernels import materialized
 from ..dsl import Kind
+from ..quant.formats import format_of
 from . import cexpr
 from .kernel import KernelSource, KernelSpec, Launch
 from .params import Params
@@ -57,8 +58,9 @@ def generate(spec: KernelSpec) -> KernelSource:
     # One block per token row: at decode time a single block, so its latency is the kernel's;
     # more threads mean shorter chains of dependent loads per thread.
     threads = min(1024, max(256, width // 4 // 32 * 32))
+    quantized = any(G.nodes[i].get("format", "bf16") != "bf16" for n in nodes for i in G.nodes[n]["inputs"])
     name, source = render("rowwise.cu.j2", "rowwise", f"{len(phases)}ops", params=params.decls, phases=phases,
-                          threads=threads)
+                          threads=threads, quantized=quantized)
     return KernelSource(name, "rowwise", source, nodes, [Launch(name, ("T", 1), threads, params.values)], launch.layer)
 
 
@@ -74,9 +76,12 @@ def _elementwise(G, n, params, at, row):
 
 def _embedding(G, n, params, at, row):
     table, ids = G.nodes[n]["inputs"]
-    D = G.nodes[n]["shape"][-1]
-    return _loop(D, f"{params.ref(n, written=True)}[t * {D} + i] = "
-                    f"w2f({params.ref(table)}[(size_t){params.ref(ids)}[t] * {D} + i]);")
+    V, D = G.nodes[table]["shape"]
+    fmt = format_of(G.nodes[table].get("format", "bf16"))
+    out = params.ref(n, written=True)
+    value = (f"w2f({params.ref(table)}[(size_t){params.ref(ids)}[t] * {D} + i])" if fmt.name == "bf16" else
+             f"{fmt.c_struct}::at({params.ref(table)}, {V}, {D}, {params.ref(ids)}[t], i)")
+    return _loop(D, f"{out}[t * {D} + i] = {value};")
 
 
 def _rmsnorm(G, n, params, at, row):

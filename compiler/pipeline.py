@@ -12,6 +12,7 @@ from typing import Callable
 import networkx as nx
 
 from ..dsl import Graph
+from .assign_formats import assign_formats
 from .dump import dump as dump_graph
 from .fuse_elementwise import fuse_elementwise
 from .fuse_epilogue import fuse_epilogue
@@ -30,20 +31,22 @@ Pass = Callable[[nx.DiGraph], nx.DiGraph]
 FUSION_PASSES: list[Pass] = [fuse_horizontal, fuse_prologue, fuse_epilogue, fuse_elementwise]
 
 
-def passes(fuse: bool = True, tokens: int = 1, state_only: bool = False) -> list[Pass]:
-    """The pass list, in order: what the state needs (state_only: a prompt's prefill), shapes,
-    the fusion passes (unless fuse=False), schedule, early reads, buffers (the only one that
-    `tokens` changes)."""
-    return [*([keep_state] if state_only else []), infer_shapes, *(FUSION_PASSES if fuse else []), schedule,
-            plan_early_reads, partial(plan_buffers, tokens=tokens)]
+def passes(fuse: bool = True, tokens: int = 1, state_only: bool = False, formats=None) -> list[Pass]:
+    """The pass list, in order: the weights' formats (where `formats` names any), what the state
+    needs (state_only: a prompt's prefill), shapes, the fusion passes (unless fuse=False),
+    schedule, early reads, buffers (the only one that `tokens` changes)."""
+    return [*([partial(assign_formats, formats=formats)] if formats else []), *([keep_state] if state_only else []),
+            infer_shapes, *(FUSION_PASSES if fuse else []), schedule, plan_early_reads,
+            partial(plan_buffers, tokens=tokens)]
 
 
-def compile_graphs(graph: Graph, sizes: list[int], fuse: bool = True, state_only: bool = False) -> dict[int, nx.DiGraph]:
+def compile_graphs(graph: Graph, sizes: list[int], fuse: bool = True, state_only: bool = False,
+                   formats=None) -> dict[int, nx.DiGraph]:
     """compile_graph for each of `sizes` tokens per step. Only the buffer plan depends on the step
     size, so the passes before it run once (a model's prefill graphs: start-up time). The graphs
     share their schedule and node attributes: read-only, as every compiled graph is to codegen and
     the runtime."""
-    *before, last = passes(fuse, 1, state_only)
+    *before, last = passes(fuse, 1, state_only, formats)
     assert last.func is plan_buffers, "the buffer plan is the last pass"
     G = compile_graph(graph, pass_list=before)
     out = {}
@@ -54,14 +57,15 @@ def compile_graphs(graph: Graph, sizes: list[int], fuse: bool = True, state_only
 
 
 def compile_graph(graph: Graph, fuse: bool = True, tokens: int = 1, dump: str | Path | None = None,
-                  pass_list: list[Pass] | None = None, state_only: bool = False) -> nx.DiGraph:
+                  pass_list: list[Pass] | None = None, state_only: bool = False, formats=None) -> nx.DiGraph:
     """Run the pipeline on `graph` for `tokens` tokens per step (state_only: only what the KV
-    caches need, see keep_state); the result carries G.graph["schedule"] and ["buffers"]."""
+    caches need, see keep_state; formats: weight name -> format, see assign_formats); the
+    result carries G.graph["schedule"] and ["buffers"]."""
     G = to_networkx(graph)
     validate(G)
     if dump:
         dump_graph(G, dump, 0, "lower")
-    for i, p in enumerate(pass_list if pass_list is not None else passes(fuse, tokens, state_only), start=1):
+    for i, p in enumerate(pass_list if pass_list is not None else passes(fuse, tokens, state_only, formats), start=1):
         G = p(G)
         validate(G)
         if dump:

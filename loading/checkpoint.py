@@ -88,12 +88,24 @@ def _checked(ckpt: Checkpoint) -> Checkpoint:
     return ckpt
 
 
-def load_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, progress: bool = True) -> dict[str, np.ndarray]:
-    """Every weight node of `graph`, read from the checkpoint as `dtype` and shape-checked."""
+def load_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, progress: bool = True,
+                 keep_quantized: bool = False) -> dict[str, np.ndarray]:
+    """Every weight node of `graph`, read from the checkpoint as `dtype` and shape-checked. With
+    `keep_quantized`, the GEMV matrices and embedding tables that the file holds in a format the
+    GPU kernels read stay in it (quant.QuantizedWeight)."""
     nodes = graph.sources("weight")
     available = set(ckpt.tensors.names())
     weights = {}
+    if keep_quantized:
+        from ..compiler.assign_formats import quantizable_weights
+        from ..compiler.lower import to_networkx
+        quantizable = quantizable_weights(to_networkx(graph))
     for node in tqdm(nodes, desc="loading weights", unit="tensor", disable=not progress, leave=False):
+        if keep_quantized and node.name in quantizable:
+            _load_one(ckpt, node.name, node.shape, available, None)           # present, right shape
+            if (q := ckpt.tensors.quantized(node.name)) is not None:
+                weights[node.name] = q
+                continue
         if "*" in node.name:   # a stack over experts: "*" runs over 0 .. E-1 (see models/mixtral.py)
             weights[node.name] = np.stack([_load_one(ckpt, node.name.replace("*", str(e)), node.shape[1:],
                                                      available, dtype) for e in range(node.shape[0])])
@@ -103,7 +115,7 @@ def load_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, progress: boo
 
 
 def _load_one(ckpt: Checkpoint, name: str, expected: tuple, available: set, dtype) -> np.ndarray:
-    """One tensor, checked for presence and shape."""
+    """One tensor, checked for presence and shape (dtype None: only checked)."""
     if name not in available:
         raise FuselmError(f"{ckpt.path}: missing tensor '{name}' (the model needs it; "
                           f"the checkpoint has {len(available)} tensors)")
@@ -111,4 +123,4 @@ def _load_one(ckpt: Checkpoint, name: str, expected: tuple, available: set, dtyp
     if shape != tuple(expected):
         raise FuselmError(f"{ckpt.path}: tensor '{name}' has shape {shape} in the checkpoint "
                           f"but the model expects {tuple(expected)}")
-    return ckpt.tensors.get(name, dtype)
+    return None if dtype is None else ckpt.tensors.get(name, dtype)

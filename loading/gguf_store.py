@@ -165,6 +165,32 @@ class GGUFStore(TensorStore):
             w = w - np.float32(self._norm_offset)
         return w.astype(dtype, copy=False)
 
+    def gpu_format(self, name: str) -> str | None:
+        """The GPU format (quant/formats.py) that tensor `name` keeps, from its header, or None."""
+        from ..quant.formats import GGUF_FORMATS
+        t, expert = self._tensor(name)
+        fmt = GGUF_FORMATS.get(Q(t.tensor_type).name)
+        ok = fmt is not None and expert is None and fmt.fits(self.shape(name))
+        return fmt.name if ok else None
+
+    def quantized(self, name: str):
+        """Tensor `name` kept in its GGUF blocks, repacked for the GPU (quant/layout.py), or None
+        when its type has no GPU format (it is then read dequantized, by get)."""
+        from ..quant.layout import from_gguf
+        fmt = self.gpu_format(name)
+        if fmt is None:
+            return None
+        t, _ = self._tensor(name)
+        shape = self.shape(name)
+        raw = np.asarray(t.data).reshape(shape[0], -1)
+        proj = name.split(".")[-2]
+        if proj in self._heads and name.startswith("model.layers."):
+            raw = unpermute_rope_rows(raw, self._heads[proj])     # whole rows of blocks move
+        try:
+            return from_gguf(fmt, raw, shape)
+        except ValueError as e:
+            raise FuselmError(f"{self._path}: tensor '{t.name}': {e}") from None
+
     def _tensor(self, name: str):
         try:
             return self._tensors[name]

@@ -21,5 +21,14 @@ class TensorStore:
         """Tensor `name` converted to `dtype` (may be a read-only view of a mapped file)."""
         raise NotImplementedError
 
+    def gpu_format(self, name: str) -> str | None:
+        """The quantized GPU format `quantized(name)` would give, from the header, or None."""
+        return None
+
+    def quantized(self, name: str):
+        """Tensor `name` as a quant.QuantizedWeight in its file's own quantized format, or None
+        where the file holds it otherwise (then `get` reads it)."""
+        return None
+
     def __contains__(self, name: str) -> bool:
         return name in set(self.names())

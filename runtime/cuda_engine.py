@@ -18,6 +18,7 @@ from ..codegen.params import storage_of
 from ..codegen.sample import scratch_words
 from ..dsl import Graph
 from ..errors import FuselmError
+from ..quant.formats import QuantizedWeight, format_of
 from .engine import NonFiniteLogits, SamplingParams, size_text, value_counts
 from .launch import arena_view, bind_launch, load_cubin, pdl_wanted
 from .prefill import Prefill
@@ -49,22 +50,43 @@ def check_weights(graph: Graph, weights: Mapping[str, object]) -> None:
             raise FuselmError(f"weight '{node.name}' has shape {tuple(w.shape)}, expected {node.shape}")
 
 
-def check_device_memory(cp, graph: Graph, ctx: int, resident: int = 0, extra: int = 0) -> None:
-    """A one-line error, before anything is uploaded, when `graph`'s bf16 weights and a KV cache of
-    `ctx` rows (plus `extra` bytes: the arena) do not fit the GPU's free memory; `resident` bytes
-    of weights are on the GPU already. It says which --ctx would fit, when any would."""
-    weights, state = value_counts(graph, ctx)
-    weight_bytes, kv_bytes = 2 * weights - resident, 2 * state
+def weight_bytes(graph: Graph, formats: Mapping[str, str] | None = None) -> int:
+    """Bytes of `graph`'s weights on the GPU, each in its format (bf16 where `formats` names none)."""
+    formats = formats or {}
+    return sum(format_of(formats.get(n.name, "bf16")).nbytes(n.shape) for n in graph.sources("weight"))
+
+
+def check_device_memory(cp, graph: Graph, ctx: int, resident: int = 0, extra: int = 0,
+                        formats: Mapping[str, str] | None = None) -> None:
+    """A one-line error, before anything is uploaded, when `graph`'s weights (in `formats`, bf16
+    otherwise) and a KV cache of `ctx` rows (plus `extra` bytes: the arena) do not fit the GPU's
+    free memory; `resident` bytes of weights are on the GPU already. It says which --ctx would
+    fit, when any would."""
+    _, state = value_counts(graph, ctx)
+    weight_bytes_, kv_bytes = weight_bytes(graph, formats) - resident, 2 * state
     free = cp.cuda.runtime.memGetInfo()[0] + cp.get_default_memory_pool().free_bytes()
-    if weight_bytes + kv_bytes + extra <= free:
+    if weight_bytes_ + kv_bytes + extra <= free:
         return
     per_token = kv_bytes // ctx if ctx else 0
-    room = free - weight_bytes - extra
+    room = free - weight_bytes_ - extra
     advice = (f"lower --ctx to at most {room // per_token}" if per_token and room >= per_token
               else "the weights alone do not fit")
-    raise FuselmError(f"the model needs {size_text(weight_bytes + kv_bytes + extra)} of GPU memory (bf16 weights "
-                      f"{size_text(weight_bytes)}, a KV cache of {ctx} tokens {size_text(kv_bytes)}) but "
+    raise FuselmError(f"the model needs {size_text(weight_bytes_ + kv_bytes + extra)} of GPU memory (weights "
+                      f"{size_text(weight_bytes_)}, a KV cache of {ctx} tokens {size_text(kv_bytes)}) but "
                       f"{gpu_name()} has {size_text(free)} free; {advice}")
+
+
+def quantizable_shapes(graph: Graph) -> dict[str, tuple[int, ...]]:
+    """The weights of `graph` that kernels could read quantized, with their shapes."""
+    from ..compiler.assign_formats import quantizable_weights
+    from ..compiler.lower import to_networkx
+    G = to_networkx(graph)
+    return {n: G.nodes[n]["shape"] for n in quantizable_weights(G)}
+
+
+def quantized_formats(ckpt, graph: Graph) -> dict[str, str]:
+    """The formats `ckpt`'s tensors would keep on the GPU (from headers only), by weight name."""
+    return {n: f for n in quantizable_shapes(graph) if (f := ckpt.tensors.gpu_format(n))}
 
 
 def gpu_available() -> bool:
@@ -110,9 +132,12 @@ class CudaEngine:
         self.position = 0
         target = Target.of_device()
         self.pdl = pdl_wanted(target.capability)
+        # quantized weights are read in their format (quant/formats.py), the rest as bf16
+        self.formats = {n.name: weights[n.name].format for n in graph.sources("weight")
+                        if isinstance(weights[n.name], QuantizedWeight)}
         # A forced variant runs only the decode graphs: prompts then go one token at a time.
         self.program = build_program(graph, ctx, target, tuning, fuse=fuse, trace=trace, pass_list=pass_list,
-                                     prefill=batched_prefill and variant is None)
+                                     prefill=batched_prefill and variant is None, formats=self.formats)
         self.G, self.kernels = self.program.decode.G, self.program.decode.kernels
         check_variant(self.kernels, variant)
         self.logits_value = self.program.decode.logits   # None: a graph without a sampler (tests, tools)
@@ -121,8 +146,8 @@ class CudaEngine:
         self.compile_seconds, self.compile_cached = self.program.compile_seconds, self.program.cached
         self.module = load_cubin(cupy, self.program.decode.cubin)
         resident = sum(w.nbytes for w in (weights[n.name] for n in graph.sources("weight"))
-                       if isinstance(w, cupy.ndarray) and w.dtype == cupy.uint16)
-        check_device_memory(cupy, graph, ctx, resident, extra=self.G.graph["arena_bytes"])
+                       if isinstance(w, cupy.ndarray) or isinstance(w, QuantizedWeight) and isinstance(w.data, cupy.ndarray))
+        check_device_memory(cupy, graph, ctx, resident, extra=self.G.graph["arena_bytes"], formats=self.formats)
         self._allocate(weights, vocab)
         self._bind()
         self.stream = cupy.cuda.Stream(non_blocking=True)
@@ -134,21 +159,36 @@ class CudaEngine:
         self._on_device: tuple[int, int] | None = None   # (id, position) the sampler left in ids, pos
 
     @classmethod
-    def from_checkpoint(cls, ckpt, graph: Graph, ctx: int = 4096, fuse: bool = True) -> "CudaEngine":
-        """Load `ckpt`'s weights as bf16 and compile `graph` for this GPU; refused before any
-        weight is read when they and the KV cache would not fit in the GPU's free memory."""
+    def from_checkpoint(cls, ckpt, graph: Graph, ctx: int = 4096, fuse: bool = True,
+                        quant: str | None = None) -> "CudaEngine":
+        """Load `ckpt`'s weights and compile `graph` for this GPU. Quantized matrices of a GGUF stay
+        in their format where the kernels read it, the rest goes to bf16; `quant` "bf16" takes
+        everything to bf16, "q8" / "q4" quantize the rest on load (quant/quantize.py). Refused
+        before any weight is read when weights and KV cache would not fit the GPU's free memory."""
         import cupy
         import ml_dtypes
 
         from ..loading.checkpoint import load_weights
-        check_device_memory(cupy, graph, ctx)
-        weights = load_weights(ckpt, graph, dtype=ml_dtypes.bfloat16)
+        from ..quant.quantize import QUANT_OPTIONS, quantize
+        if quant not in (None, "bf16", *QUANT_OPTIONS):
+            raise FuselmError(f"--quant must be bf16 or one of {', '.join(QUANT_OPTIONS)}, got '{quant}'")
+        keep = quant != "bf16"
+        formats = quantized_formats(ckpt, graph) if keep else {}
+        target = QUANT_OPTIONS.get(quant)
+        if target:
+            formats = {**{n: target for n, shape in quantizable_shapes(graph).items()
+                          if format_of(target).fits(shape)}, **formats}
+        check_device_memory(cupy, graph, ctx, formats=formats)
+        weights = load_weights(ckpt, graph, dtype=ml_dtypes.bfloat16, keep_quantized=keep)
+        for name, fmt in formats.items():
+            if not isinstance(weights[name], QuantizedWeight):
+                weights[name] = quantize(np.asarray(weights[name], np.float32), fmt)
         return cls(graph, weights, ctx=ctx, fuse=fuse)
 
     # ---- memory ----
     def _allocate(self, weights: Mapping[str, object], vocab: int) -> None:
         cp, G = self.cp, self.G
-        self.weights = {node.name: as_device_bf16(cp, weights[node.name]) for node in self.graph.sources("weight")}
+        self.weights = {node.name: as_device(cp, weights[node.name]) for node in self.graph.sources("weight")}
         self.constants = {k: cp.asarray(v, cp.float32) for k, v in G.graph["constants"].items()}
         self.states = {n.name: cp.zeros((self.max_context, n.shape[-1]), cp.uint16)
                        for n in self.graph.sources("state")}
@@ -359,8 +399,11 @@ class CudaEngine:
         return self.cp.asnumpy(self.buffer(value)).reshape(shape)
 
 
-def as_device_bf16(cp, w):
-    """A weight (numpy float32 / bfloat16 / cupy array) as device uint16 bf16 bits."""
+def as_device(cp, w):
+    """A weight on the device: a QuantizedWeight's bytes as they are (uint8), anything else (numpy
+    float32 / bfloat16 / cupy array) as uint16 bf16 bits."""
+    if isinstance(w, QuantizedWeight):
+        return cp.asarray(w.data)
     if isinstance(w, cp.ndarray):
         return w if w.dtype == cp.uint16 else to_bf16_bits(w)
     w = np.asarray(w)

@@ -65,10 +65,12 @@ def bf16_kv_cache():
         ops.REGISTRY["kv_write"] = plain
 
 
-def compare_steps(graph, weights, tokens, ctx=64, fuse=True, tol=5e-3, variant=None, logits=None):
+def compare_steps(graph, weights, tokens, ctx=64, fuse=True, tol=5e-3, variant=None, logits=None,
+                  reference_weights=None):
     """Feed `tokens` one by one to the GPU and to the reference (bf16 KV cache on both sides);
     worst relative logit error. variant: the attention variant at every position (CudaEngine).
-    logits: a list that receives the GPU's logits of every step."""
+    logits: a list that receives the GPU's logits of every step. reference_weights: what the
+    reference runs with, where the GPU's differ in form (quantized weights, dequantized)."""
     import cupy as cp
     eng = engine_for(graph, weights, ctx=ctx, fuse=fuse, variant=variant)
     state = new_state(graph, ctx)
@@ -80,7 +82,8 @@ def compare_steps(graph, weights, tokens, ctx=64, fuse=True, tol=5e-3, variant=N
         eng.feed(int(t))
         got = eng.output(next(iter(graph.outputs)))[0]
         with bf16_kv_cache():
-            ref = run_graph(graph, weights, {"ids": np.array([t], np.int32), "pos": np.array([p], np.int32)},
+            ref = run_graph(graph, reference_weights or weights,
+                            {"ids": np.array([t], np.int32), "pos": np.array([p], np.int32)},
                             state)[next(iter(graph.outputs))][0]
         assert np.isfinite(got).all(), f"step {p}: unwritten or non-finite logits"
         worst = max(worst, rel(got, ref))

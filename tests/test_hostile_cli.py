@@ -130,7 +130,7 @@ def test_weights_and_cache_beyond_the_gpus_memory(monkeypatch):
         return SimpleNamespace(cuda=SimpleNamespace(runtime=runtime), get_default_memory_pool=lambda: pool)
     monkeypatch.setattr(cuda_engine, "gpu_name", lambda: "Test GPU")
     cuda_engine.check_device_memory(fake_cupy(free), graph, 40)       # fits: no error
-    with pytest.raises(FuselmError, match=r"^the model needs .* of GPU memory \(bf16 weights .*, a KV cache of 64 "
+    with pytest.raises(FuselmError, match=r"^the model needs .* of GPU memory \(weights .*, a KV cache of 64 "
                                           r"tokens .*\) but Test GPU has .* free; lower --ctx to at most 40$"):
         cuda_engine.check_device_memory(fake_cupy(free), graph, 64)
     with pytest.raises(FuselmError, match="the weights alone do not fit$"):

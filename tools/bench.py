@@ -25,6 +25,8 @@ import numpy as np
 from ..errors import FuselmError
 from ..models import build_graph
 from ..models.presets import PRESETS, preset
+from ..quant.formats import QuantizedWeight
+from ..quant.schemes import SCHEMES
 from ..runtime.engine import SamplingParams
 from .profile import kernel_profile, prefill_profile, step_ablation
 
@@ -108,16 +110,20 @@ def step_bytes(kernels, states, context: float) -> float:
 
 def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do_profile: bool = False,
                 peers: tuple[str, ...] = (), copy_Bps: float | None = None, fuse: bool = True,
-                decode_only: bool = False, positions: tuple[int, ...] = (), tuning=None) -> dict:
+                decode_only: bool = False, positions: tuple[int, ...] = (), tuning=None,
+                quant: str | None = None) -> dict:
     """Measure one preset or checkpoint (see the module docstring); `decode_only` skips the compile
     and long-prompt measurements and the profile at 4k (for quick A/B runs); `positions`: decode
-    tok/s also from each of these start positions (the cache grows to hold the last one's run)."""
+    tok/s also from each of these start positions (the cache grows to hold the last one's run);
+    `quant`: a preset's weights made in that scheme's formats (quant/schemes.py)."""
     import cupy as cp
 
     from ..runtime.cuda_engine import CudaEngine
     from ..runtime.random_weights import random_gpu_weights
     ckpt = None
-    if Path(name).exists():              # a checkpoint: its own weights, loaded as bf16
+    if "@" in name and not Path(name).exists():     # "preset@scheme": the preset quantized
+        name, _, quant = name.partition("@")
+    if Path(name).exists():              # a checkpoint: its own weights
         from ..loading.checkpoint import open_checkpoint
         ckpt = open_checkpoint(name)
         cfg = ckpt.config
@@ -130,11 +136,17 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
         import ml_dtypes
 
         from ..loading.checkpoint import load_weights
-        from ..runtime.cuda_engine import as_device_bf16
-        # on the GPU once: the start-up engines below then share them, as presets' do
-        weights = {k: as_device_bf16(cp, w) for k, w in load_weights(ckpt, graph, dtype=ml_dtypes.bfloat16).items()}
+        from ..runtime.cuda_engine import as_device
+        # on the GPU once: the start-up engines below then share them, as presets' do; a GGUF's
+        # quantized matrices stay in their formats, as fuselm.load keeps them
+        loaded = load_weights(ckpt, graph, dtype=ml_dtypes.bfloat16, keep_quantized=True)
+        weights = {k: QuantizedWeight(w.format, w.shape, cp.asarray(w.data)) if isinstance(w, QuantizedWeight)
+                   else as_device(cp, w) for k, w in loaded.items()}
+        dtype = "+".join(sorted({w.format for w in weights.values() if isinstance(w, QuantizedWeight)})) or "bf16"
     else:
-        weights = random_gpu_weights(graph)
+        formats = quant_formats(graph, quant) if quant else None
+        weights = random_gpu_weights(graph, formats=formats)
+        dtype = quant or "bf16"
     cp.cuda.Device().synchronize()
     load = time.perf_counter() - t0
     cold, warm, warm_start = (start_times(graph, weights, cfg.vocab_size, ctx, fuse, tuning) if not decode_only
@@ -161,7 +173,7 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
     if do_profile and not decode_only:
         ablation_4k = step_ablation(engine)
     bytes_per_token = step_bytes(engine.kernels, engine.states, context=32 + tokens / 2)
-    res = {"model": name, "dtype": "bf16", "weights": "checkpoint" if ckpt is not None else "random", "fused": fuse, "decode_tok_s": round(tok_s, 1),
+    res = {"model": name, "dtype": dtype, "weights": "checkpoint" if ckpt is not None else "random", "fused": fuse, "decode_tok_s": round(tok_s, 1),
            "ms_per_token": round(1e3 / tok_s, 3), "bytes_per_token": int(bytes_per_token),
            "achieved_GBps": round(bytes_per_token * tok_s / 1e9, 1),
            "ttft_32_ms": round(ttft32 * 1e3, 1), "ttft_512_ms": _round(ttft512, 1e3, 1),
@@ -189,6 +201,15 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
         res["hf_eager_tok_s"] = hf_decode_rate(cfg, tokens)
         res["vs_hf"] = round(tok_s / res["hf_eager_tok_s"], 2)
     return res
+
+
+def quant_formats(graph, scheme: str) -> dict[str, str]:
+    """The formats of `graph`'s quantizable weights under `scheme` (quant/schemes.py)."""
+    from ..quant.schemes import graph_formats
+    try:
+        return graph_formats(graph, scheme)
+    except ValueError as e:
+        raise FuselmError(f"--quant: {e}") from None
 
 
 def context_for(cfg, name: str, ctx: int, positions: tuple[int, ...], tokens: int) -> int:
@@ -274,7 +295,7 @@ def run(models: list[str], out: str | None = None, tuning=None, **kw) -> dict:
 
 def _row(r: dict) -> str:
     """One model's line of the printed table; what a run did not measure (--decode-only) is left out."""
-    s = (f"{r['model']:14s} {r['decode_tok_s']:8.1f} tok/s {r['ms_per_token']:7.3f} ms/tok "
+    s = (f"{r['model']:14s} {r['dtype']:7s} {r['decode_tok_s']:8.1f} tok/s {r['ms_per_token']:7.3f} ms/tok "
          f"{r.get('bandwidth_fraction', 0) * 100:5.1f}% of copy bw | ttft32 {r['ttft_32_ms']} ms")
     if r["ttft_512_ms"] is not None:
         s += f" ttft512 {r['ttft_512_ms']} ms"
@@ -294,7 +315,8 @@ def _row(r: dict) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`fuselm bench`'s options."""
     p.add_argument("models", nargs="*", default=["llama-3.2-1b", "llama-3.1-8b"],
-                   help=f"presets (random weights of real shapes): {', '.join(PRESETS)}; "
+                   help=f"presets (random weights of real shapes): {', '.join(PRESETS)}, each also as "
+                        f"PRESET@SCHEME with its weights in a quantization scheme ({', '.join(SCHEMES)}); "
                         "or checkpoint paths (HF folder or .gguf)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--tokens", type=int, default=128)
@@ -307,6 +329,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--positions", type=_positions, default=(), metavar="P[,P...]",
                    help="decode tok/s also from these start positions (context lengths), e.g. 1024,2048,8000")
     p.add_argument("--json", dest="out", help="write the JSON record here")
+    p.add_argument("--quant", choices=SCHEMES, default=None,
+                   help="presets: weights made in this quantization scheme's formats (q4_k_m as llama.cpp's)")
     from .inspect import add_tune_argument
     add_tune_argument(p)
 
@@ -324,7 +348,7 @@ def main(args: argparse.Namespace) -> int:
     from .inspect import tuning_of
     run(args.models, out=args.out, tuning=tuning_of(args), runs=args.runs, tokens=args.tokens, do_profile=args.profile,
         peers=tuple(p for p in args.peers.split(",") if p), fuse=not args.no_fuse,
-        decode_only=args.decode_only, positions=args.positions)
+        decode_only=args.decode_only, positions=args.positions, quant=args.quant)
     return 0
 
 

@@ -8,7 +8,8 @@ which kernels it altered.
 The manifest (tests/replay_manifest.json) holds, per preset and step (decode; prefill_T for a
 prefill step of T tokens), the sha256 of each distinct kernel's source and of the launch schedule
 (functions, grids, blocks, arguments), and the sha256 of every .cuh header the kernels include.
-Generated at the default tuning (codegen's Tuning) for sm_90, with each preset's default context.
+Generated at the default tuning (codegen's Tuning) for sm_90, with each preset's default context;
+QUANTIZED adds presets with weights in a quantization scheme's formats ("preset@scheme").
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import sys
 from pathlib import Path
 
 MANIFEST = Path(__file__).resolve().parent.parent / "tests" / "replay_manifest.json"
+QUANTIZED = ["llama-3.1-8b@q4_k_m", "llama-3.2-1b@q4_0", "llama-3.2-1b@q4_1", "llama-3.2-1b@q6_k",
+             "llama-3.2-1b@q8_0", "smollm2-135m@q4_1"]
 
 
 def _sha(text: str) -> str:
@@ -34,14 +37,18 @@ def _step_record(kernels) -> dict:
 
 
 def steps_of(name: str) -> dict[str, list]:
-    """Step label -> the kernels generated for preset `name` at its default context."""
+    """Step label -> the kernels generated for preset `name` ("preset" or "preset@scheme") at its
+    default context."""
     from ..codegen import Target, Tuning, build_program
     from ..models import build_graph
     from ..models.presets import preset
+    from ..quant.schemes import graph_formats
 
-    cfg = preset(name)
-    program = build_program(build_graph(cfg), min(cfg.max_position_embeddings, 4096), Target(), Tuning(),
-                            compile=False)
+    base, _, scheme = name.partition("@")
+    cfg = preset(base)
+    graph = build_graph(cfg)
+    program = build_program(graph, min(cfg.max_position_embeddings, 4096), Target(), Tuning(), compile=False,
+                            formats=graph_formats(graph, scheme) if scheme else None)
     return {"decode": program.decode.kernels, **{f"prefill_{s.tokens}": s.kernels for s in program.prefill}}
 
 
@@ -51,7 +58,7 @@ def manifest() -> dict:
     from ..models import ARCHITECTURES
     from ..models.presets import PRESETS
 
-    presets = sorted(n for n, d in PRESETS.items() if d["architectures"][0] in ARCHITECTURES)
+    presets = sorted(n for n, d in PRESETS.items() if d["architectures"][0] in ARCHITECTURES) + QUANTIZED
     return {"headers": {n: _sha(t) for n, t in sorted(headers().items())},
             "presets": {n: {step: _step_record(ks) for step, ks in steps_of(n).items()} for n in presets}}
 

@@ -1,0 +1,276 @@
+// Quantized weights, read in the layout of quant/formats.py: one struct per format, each with
+//   Row        where one weight row's sections start,
+//   Group      what one lane loads for one group of 32 weights (codes and scales, raw),
+//   load()     that load (streamed past L1 with __ldcs, like bf16 weights),
+//   dot()      the group's dot product with 32 values of the input vector,
+//   at()       one weight, for the embedding's row gather.
+// The codes become floats without a conversion instruction: PRMT puts a code byte under the
+// exponent byte 0x4B, making the float 2^23 + code, and one subtraction, exact, removes 2^23 and
+// the format's zero point (code_minus). 4-bit codes reach byte lanes with one AND per 4 codes.
+#pragma once
+#include "common.cuh"
+
+// Byte k (0..3, a constant once unrolled) of `codes`, as a float, minus ZERO.
+template <int ZERO>
+__device__ __forceinline__ float code_minus(unsigned codes, int k) {
+    return __uint_as_float(__byte_perm(codes, 0x4Bu, 0x4550u | k)) - (8388608.0f + ZERO);
+}
+
+// acc + dot((each byte of `codes`) - ZERO, x[0 .. 4)).
+template <int ZERO>
+__device__ __forceinline__ float dot4(unsigned codes, const float* x, float acc) {
+#pragma unroll
+    for (int k = 0; k < 4; k++) acc = fmaf(code_minus<ZERO>(codes, k), x[k], acc);
+    return acc;
+}
+
+// A group's 4-bit codes (byte i: weight i low, weight i + 16 high) against x[0 .. 32): the low
+// half's sum in lo, the high half's in hi, each code minus ZERO. high_bits(w) returns, for
+// nibble word w, two words of extra bits already in place above the nibbles (Q6_K) or zeros.
+template <int ZERO, class HighBits>
+__device__ __forceinline__ void dot_nibbles(const uint4& q, const float (&x)[32], float& lo, float& hi,
+                                            HighBits high_bits) {
+    lo = 0.0f;
+    hi = 0.0f;
+#pragma unroll
+    for (int w = 0; w < 4; w++) {
+        const unsigned word = word_of(q, w);
+        uint2 extra = high_bits(w);
+        lo = dot4<ZERO>((word & 0x0F0F0F0Fu) | extra.x, &x[4 * w], lo);
+        hi = dot4<ZERO>(((word >> 4) & 0x0F0F0F0Fu) | extra.y, &x[16 + 4 * w], hi);
+    }
+}
+struct NoHighBits {
+    __device__ __forceinline__ uint2 operator()(int) const { return {0u, 0u}; }
+};
+
+__device__ __forceinline__ float sum32(const float (&x)[32]) {
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 32; i++) s += x[i];
+    return s;
+}
+
+// The nibble of weight k in a row of 4-bit groups.
+__device__ __forceinline__ int nibble_at(const unsigned char* q, int k) {
+    const unsigned char b = q[(k >> 5) * 16 + (k & 15)];
+    return (k & 16) ? b >> 4 : b & 15;
+}
+
+struct Q8_0 {          // codes int8 [N][K], d f16 [N][K/32]
+    static constexpr bool XSUM = false;
+    struct Row { const unsigned char* q; const f16_t* d; };
+    struct Group { uint4 a, b; f16_t d; };
+    static __device__ __forceinline__ Row row(const unsigned char* w, int N, int K, int r) {
+        return {w + (size_t)r * K, reinterpret_cast<const f16_t*>(w + (size_t)N * K) + (size_t)r * (K / 32)};
+    }
+    static __device__ __forceinline__ Group load(const Row& r, int g) {
+        const uint4* q = reinterpret_cast<const uint4*>(r.q) + 2 * g;
+        return {__ldcs(q), __ldcs(q + 1), __ldcs(r.d + g)};
+    }
+    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[32], float) {
+        float s = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 8; w++)   // signed codes + 128 are unsigned bytes: flip each sign bit
+            s = dot4<128>((w < 4 ? word_of(g.a, w) : word_of(g.b, w - 4)) ^ 0x80808080u, &x[4 * w], s);
+        return f16_to_f32(g.d) * s;
+    }
+    static __device__ __forceinline__ float at(const unsigned char* w, int N, int K, int r, int k) {
+        const Row row_ = row(w, N, K, r);
+        return f16_to_f32(row_.d[k / 32]) * (float)(signed char)row_.q[k];
+    }
+};
+
+struct Q4_0 {          // nibbles [N][K/2], d f16 [N][K/32]
+    static constexpr bool XSUM = false;
+    struct Row { const unsigned char* q; const f16_t* d; };
+    struct Group { uint4 q; f16_t d; };
+    static __device__ __forceinline__ Row row(const unsigned char* w, int N, int K, int r) {
+        return {w + (size_t)r * (K / 2), reinterpret_cast<const f16_t*>(w + (size_t)N * (K / 2)) + (size_t)r * (K / 32)};
+    }
+    static __device__ __forceinline__ Group load(const Row& r, int g) {
+        return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.d + g)};
+    }
+    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[32], float) {
+        float lo, hi;
+        dot_nibbles<8>(g.q, x, lo, hi, NoHighBits{});
+        return f16_to_f32(g.d) * (lo + hi);
+    }
+    static __device__ __forceinline__ float at(const unsigned char* w, int N, int K, int r, int k) {
+        const Row row_ = row(w, N, K, r);
+        return f16_to_f32(row_.d[k / 32]) * (float)(nibble_at(row_.q, k) - 8);
+    }
+};
+
+struct Q4_1 {          // nibbles [N][K/2], (d, m) f16 pairs [N][K/32]
+    static constexpr bool XSUM = true;
+    struct Row { const unsigned char* q; const unsigned* dm; };
+    struct Group { uint4 q; unsigned dm; };
+    static __device__ __forceinline__ Row row(const unsigned char* w, int N, int K, int r) {
+        return {w + (size_t)r * (K / 2), reinterpret_cast<const unsigned*>(w + (size_t)N * (K / 2)) + (size_t)r * (K / 32)};
+    }
+    static __device__ __forceinline__ Group load(const Row& r, int g) {
+        return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.dm + g)};
+    }
+    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[32], float xsum) {
+        float lo, hi;
+        dot_nibbles<0>(g.q, x, lo, hi, NoHighBits{});
+        return fmaf(f16_to_f32(g.dm & 0xffff), lo + hi, f16_to_f32(g.dm >> 16) * xsum);
+    }
+    static __device__ __forceinline__ float at(const unsigned char* w, int N, int K, int r, int k) {
+        const Row row_ = row(w, N, K, r);
+        const unsigned dm = row_.dm[k / 32];
+        return fmaf(f16_to_f32(dm & 0xffff), (float)nibble_at(row_.q, k), f16_to_f32(dm >> 16));
+    }
+};
+
+// Q4_K's scale and min of group j (0..7) from its super-block header: d and dmin (f16) in word
+// 0, then 12 bytes: groups 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins), groups
+// 4-7 in the nibbles of bytes 8-11 with their top 2 bits in the top of bytes 0-3 and 4-7.
+// Byte i (0..11) of a Q4_K header's scales (words y, z, w), i at run time: shifts and selects,
+// not an indexed array, which would live in local memory.
+__device__ __forceinline__ int header_byte(const uint4& h, int i) {
+    const unsigned word = i < 4 ? h.y : i < 8 ? h.z : h.w;
+    return (word >> (8 * (i & 3))) & 0xff;
+}
+__device__ __forceinline__ void q4_k_scale_min(const uint4& h, int j, float& scale, float& min) {
+    const int lo = j & 3;
+    const int sc = j < 4 ? header_byte(h, j) & 63 : (header_byte(h, j + 4) & 0xF) | ((header_byte(h, lo) >> 6) << 4);
+    const int mn = j < 4 ? header_byte(h, j + 4) & 63 : (header_byte(h, j + 4) >> 4) | ((header_byte(h, lo + 4) >> 6) << 4);
+    scale = f16_to_f32(h.x & 0xffff) * (float)sc;
+    min = f16_to_f32(h.x >> 16) * (float)mn;
+}
+
+struct Q4_K {          // nibbles [N][K/2], 16-byte headers [N][K/256]
+    static constexpr bool XSUM = true;
+    struct Row { const unsigned char* q; const uint4* h; };
+    struct Group { uint4 q, h; int j; };
+    static __device__ __forceinline__ Row row(const unsigned char* w, int N, int K, int r) {
+        return {w + (size_t)r * (K / 2), reinterpret_cast<const uint4*>(w + (size_t)N * (K / 2)) + (size_t)r * (K / 256)};
+    }
+    static __device__ __forceinline__ Group load(const Row& r, int g) {
+        return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.h + g / 8), g % 8};
+    }
+    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[32], float xsum) {
+        float lo, hi, scale, min;
+        dot_nibbles<0>(g.q, x, lo, hi, NoHighBits{});
+        q4_k_scale_min(g.h, g.j, scale, min);
+        return fmaf(scale, lo + hi, -min * xsum);
+    }
+    static __device__ __forceinline__ float at(const unsigned char* w, int N, int K, int r, int k) {
+        const Row row_ = row(w, N, K, r);
+        float scale, min;
+        q4_k_scale_min(row_.h[k / 256], (k / 32) % 8, scale, min);
+        return fmaf(scale, (float)nibble_at(row_.q, k), -min);
+    }
+};
+
+struct Q6_K {          // low nibbles [N][K/2], high pairs [N][K/4], int8 scales [N][K/16], d f16 [N][K/256]
+    static constexpr bool XSUM = false;
+    struct Row { const unsigned char* q; const uint2* h; const unsigned short* s; const f16_t* d; };
+    struct Group { uint4 q; uint2 h; unsigned short s; f16_t d; };
+    static __device__ __forceinline__ Row row(const unsigned char* w, int N, int K, int r) {
+        const unsigned char* h = w + (size_t)N * (K / 2);
+        const unsigned char* s = h + (size_t)N * (K / 4);
+        const unsigned char* d = s + (size_t)N * (K / 16);
+        return {w + (size_t)r * (K / 2), reinterpret_cast<const uint2*>(h) + (size_t)r * (K / 32),
+                reinterpret_cast<const unsigned short*>(s) + (size_t)r * (K / 32),
+                reinterpret_cast<const f16_t*>(d) + (size_t)r * (K / 256)};
+    }
+    static __device__ __forceinline__ Group load(const Row& r, int g) {
+        return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.h + g), __ldcs(r.s + g), __ldcs(r.d + g / 8)};
+    }
+    // Word h of the pairs serves nibble words 2h and 2h + 1: per byte, from bit 0, the pairs of
+    // the low half's weight, the high half's, then the next word's two (quant/layout.pack_pairs).
+    struct HighBits {
+        uint2 h;
+        __device__ __forceinline__ uint2 operator()(int w) const {
+            const unsigned word = (w < 2 ? h.x : h.y) >> (4 * (w & 1));
+            return {(word & 0x03030303u) << 4, ((word >> 2) & 0x03030303u) << 4};
+        }
+    };
+    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[32], float) {
+        float lo, hi;
+        dot_nibbles<32>(g.q, x, lo, hi, HighBits{g.h});
+        const float sc_lo = (float)(signed char)(g.s & 0xff), sc_hi = (float)(signed char)(g.s >> 8);
+        return f16_to_f32(g.d) * fmaf(sc_lo, lo, sc_hi * hi);
+    }
+    static __device__ __forceinline__ float at(const unsigned char* w, int N, int K, int r, int k) {
+        const Row row_ = row(w, N, K, r);
+        const unsigned char* h = reinterpret_cast<const unsigned char*>(row_.h + k / 32);
+        const int wi = (k & 15) >> 2, b = k & 3;                  // nibble word wi, byte b
+        const int pair = (h[4 * (wi >> 1) + b] >> (4 * (wi & 1) + ((k & 16) ? 2 : 0))) & 3;
+        const int code = nibble_at(row_.q, k) | (pair << 4);
+        const float sc = (float)reinterpret_cast<const signed char*>(row_.s)[k / 16];
+        return f16_to_f32(row_.d[k / 256]) * sc * (float)(code - 32);
+    }
+};
+
+// 32 values of the input vector from x[k ..], through the vector's own load (a norm prologue
+// applies its gain and gathers x^2 into ss).
+template <class Vector>
+__device__ __forceinline__ void load32(const Vector& v, int k, float (&x)[32], float& ss) {
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        float part[8];
+        v.load8(k + 8 * j, part, ss);
+#pragma unroll
+        for (int i = 0; i < 8; i++) x[8 * j + i] = part[i];
+    }
+}
+
+// acc[r] = dot(row r's weights [k0, k0 + K), v) for NR rows of format F, by the calling warp: as
+// warp_dot_rows (gemv.cuh) with groups of 32 weights for 16-byte chunks. Lane l takes groups
+// l, l + 32, ...; UNROLL x NR groups' loads are in flight before the first dot product.
+template <class F, int K, int UNROLL, int NR, class Vector>
+__device__ __forceinline__ void warp_dot_rows_q(const typename F::Row (&rows)[NR], int k0, const Vector& v,
+                                                float (&acc)[NR], bool& pending, float& sumsq) {
+    static_assert(K % 32 == 0, "rows of quantized groups");
+    constexpr int GROUPS = K / 32, STEP = 32 * UNROLL;
+    constexpr int FULL = GROUPS / STEP * STEP, REM = (GROUPS - FULL + 31) / 32;
+    const int lane = threadIdx.x & 31, g0 = k0 / 32;
+    float ss = 0.0f;
+#pragma unroll
+    for (int r = 0; r < NR; r++) acc[r] = 0.0f;
+    for (int base = 0; base < FULL; base += STEP) {
+        typename F::Group q[UNROLL][NR];
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++)
+#pragma unroll
+            for (int r = 0; r < NR; r++) q[u][r] = F::load(rows[r], g0 + base + 32 * u + lane);
+        if (pending) { grid_wait_then_release(); pending = false; }   // weights in flight meanwhile
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            float x[32];
+            load32(v, 32 * (base + 32 * u + lane), x, ss);
+            const float xsum = F::XSUM ? sum32(x) : 0.0f;
+#pragma unroll
+            for (int r = 0; r < NR; r++) acc[r] += F::dot(q[u][r], x, xsum);
+        }
+    }
+    if constexpr (REM > 0) {
+        typename F::Group q[REM][NR];
+#pragma unroll
+        for (int j = 0; j < REM; j++) {
+            const int g = FULL + 32 * j + lane;
+#pragma unroll
+            for (int r = 0; r < NR; r++)
+                if (g < GROUPS) q[j][r] = F::load(rows[r], g0 + g);
+        }
+        if (pending) { grid_wait_then_release(); pending = false; }
+#pragma unroll
+        for (int j = 0; j < REM; j++) {
+            const int g = FULL + 32 * j + lane;
+            if (g < GROUPS) {
+                float x[32];
+                load32(v, 32 * g, x, ss);
+                const float xsum = F::XSUM ? sum32(x) : 0.0f;
+#pragma unroll
+                for (int r = 0; r < NR; r++) acc[r] += F::dot(q[j][r], x, xsum);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < NR; r++) acc[r] = warp_sum(acc[r]);
+    sumsq = Vector::NORMED ? warp_sum(ss) : 0.0f;
+}

@@ -1,0 +1,56 @@
+"""Pass: the format each weight is held in on the GPU (quant/formats.py), as node attribute "format".
+
+The checkpoint decides it (a GGUF's block types, or --quant), the graph does not; the kernels
+read it (codegen/gemv.py, rowwise.py) and the fusion passes never look at it. Only weights that
+GEMVs and embeddings read may be quantized: their kernels have a reader per format.
+
+Before: a lowered graph. After: the same graph, weights named in `formats` carrying their format.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import networkx as nx
+
+from ..dsl import Kind
+from ..errors import FuselmError
+from ..quant.formats import format_of
+
+QUANTIZABLE = (Kind.LINEAR, Kind.EMBEDDING)   # kinds of op that read a quantized weight
+
+
+def assign_formats(G: nx.DiGraph, formats: Mapping[str, str]) -> nx.DiGraph:
+    """`G` with G.nodes[w]["format"] = formats[w] for each weight named (bf16 for the rest). A
+    weight of an op that cannot read its format, or whose rows do not hold whole blocks, is an
+    error naming it."""
+    H = G.copy()
+    for name, fmt in formats.items():
+        if name not in H or H.nodes[name]["op"] != "weight":
+            raise FuselmError(f"weight format for '{name}': the graph has no such weight")
+        f = format_of(fmt)
+        if f.name == "bf16":
+            continue
+        shape = H.nodes[name]["shape"]
+        if not f.fits(shape):
+            raise FuselmError(f"weight '{name}' of shape {shape} cannot be held as {f.name} "
+                              f"(rows of a multiple of {f.block} weights)")
+        for reader in H.successors(name):
+            d = H.nodes[reader]
+            if d["kind"] not in QUANTIZABLE or d["inputs"].index(name) != (0 if d["kind"] is Kind.EMBEDDING else 1):
+                raise FuselmError(f"weight '{name}' is read by '{reader}' ({d['op']}), which has no {f.name} reader")
+        H.nodes[name]["format"] = f.name
+    return H
+
+
+def quantizable_weights(G: nx.DiGraph) -> set[str]:
+    """The weights of a lowered graph that every reader could read quantized: the matrices of
+    GEMVs (input 1 of a linear) and embedding tables (input 0)."""
+    out = set()
+    for name, d in G.nodes(data=True):
+        if d["op"] != "weight" or len(d["shape"]) != 2:
+            continue
+        readers = [G.nodes[r] for r in G.successors(name)]
+        if readers and all(r["kind"] in QUANTIZABLE and r["inputs"].index(name) == (0 if r["kind"] is Kind.EMBEDDING else 1)
+                           for r in readers):
+            out.add(name)
+    return out

