@@ -27,7 +27,8 @@ def load(path: str | Path | None = None, device: str = "auto", ctx: int | None =
     """Open a checkpoint (HF folder or .gguf file; None means the embedded default model), build its
     graph and an engine on `device` ("auto", "cpu" or "cuda") with a KV cache of `ctx` tokens.
     On the GPU a GGUF's quantized matrices stay quantized; `quant` "bf16" takes them to bf16,
-    "q8" / "q4" quantize a checkpoint's other matrices on load (the CPU always runs float32)."""
+    "q8" / "q4" quantize a checkpoint's other matrices on load. The CPU runs float32 holding the
+    same values (bf16-rounded, or quantized and dequantized), so quality is measured there too."""
     from .models import build_graph
     from .loading.checkpoint import open_checkpoint   # deferred: heavy imports (gguf, tokenizers)
     from .loading.default_model import default_model_path
@@ -84,7 +85,7 @@ def _make_engine(device: str, graph, ckpt, ctx: int, fuse: bool, progress: bool 
             raise FuselmError(f"--device cuda: {why}")
         print(f"{why}, running on the CPU", file=log)
     from .runtime.cpu_engine import CpuEngine
-    return CpuEngine.from_checkpoint(ckpt, graph, ctx, progress=progress)
+    return CpuEngine.from_checkpoint(ckpt, graph, ctx, progress=progress, quant=quant)
 
 
 def default_sampling(generation: dict | None) -> SamplingParams:

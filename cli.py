@@ -7,6 +7,7 @@
                                             generated kernels and launch schedule (no GPU)
     fuselm bench [PRESET ...] [--no-fuse]   decode speed vs. the GPU's copy bandwidth
     fuselm trace PRESET [--positions P ...] where a step's time goes between kernels (block timeline)
+    fuselm perplexity MODEL TEXT [--ctx N]  llama.cpp's perplexity measure
 
 Adding a subcommand: write `add_arguments(parser)` and `handler(args) -> int` in your own module,
 then add one line to COMMANDS below, importing your module inside a small wrapper so that
@@ -279,6 +280,17 @@ def _trace(args: argparse.Namespace) -> int:
     return trace.main(args)
 
 
+def _perplexity_arguments(p: argparse.ArgumentParser) -> None:
+    from .tools import perplexity
+    perplexity.add_arguments(p)
+
+
+def _perplexity(args: argparse.Namespace) -> int:
+    """`fuselm perplexity`: llama.cpp's perplexity measure on a text file."""
+    from .tools import perplexity
+    return perplexity.main(args)
+
+
 COMMANDS: dict[str, Command] = {
     "run": Command("generate text from a prompt, or chat", add_run_arguments, run),
     "pull": Command("download the embedded default model (SmolLM2-135M-Instruct)",
@@ -289,6 +301,8 @@ COMMANDS: dict[str, Command] = {
                      _bench_arguments, _bench),
     "trace": Command("show when each kernel's blocks start, wait and end inside a decode step (needs a GPU)",
                      _trace_arguments, _trace),
+    "perplexity": Command("perplexity of a text file, measured as llama.cpp's llama-perplexity does",
+                          _perplexity_arguments, _perplexity),
 }
 
 

@@ -54,3 +54,10 @@ def quantizable_weights(G: nx.DiGraph) -> set[str]:
                            for r in readers):
             out.add(name)
     return out
+
+
+def quantizable_shapes(graph) -> dict[str, tuple[int, ...]]:
+    """The weights of a DSL graph that kernels could read quantized, with their shapes."""
+    from .lower import to_networkx
+    G = to_networkx(graph)
+    return {n: G.nodes[n]["shape"] for n in quantizable_weights(G)}

@@ -97,9 +97,8 @@ def load_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, progress: boo
     available = set(ckpt.tensors.names())
     weights = {}
     if keep_quantized:
-        from ..compiler.assign_formats import quantizable_weights
-        from ..compiler.lower import to_networkx
-        quantizable = quantizable_weights(to_networkx(graph))
+        from ..compiler.assign_formats import quantizable_shapes
+        quantizable = quantizable_shapes(graph)
     for node in tqdm(nodes, desc="loading weights", unit="tensor", disable=not progress, leave=False):
         if keep_quantized and node.name in quantizable:
             _load_one(ckpt, node.name, node.shape, available, None)           # present, right shape

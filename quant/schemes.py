@@ -36,7 +36,5 @@ def scheme_formats(scheme: str, weights: dict[str, tuple[int, ...]]) -> dict[str
 
 def graph_formats(graph, scheme: str) -> dict[str, str]:
     """The formats of a DSL graph's quantizable weights under `scheme`."""
-    from ..compiler.assign_formats import quantizable_weights
-    from ..compiler.lower import to_networkx
-    G = to_networkx(graph)
-    return scheme_formats(scheme, {n: G.nodes[n]["shape"] for n in quantizable_weights(G)})
+    from ..compiler.assign_formats import quantizable_shapes
+    return scheme_formats(scheme, quantizable_shapes(graph))

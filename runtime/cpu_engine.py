@@ -33,15 +33,21 @@ class CpuEngine:
         self._sampler: Sampler | None = None
 
     @classmethod
-    def from_checkpoint(cls, ckpt, graph: Graph, ctx: int, progress: bool = True) -> "CpuEngine":
+    def from_checkpoint(cls, ckpt, graph: Graph, ctx: int, progress: bool = True,
+                        quant: str | None = None) -> "CpuEngine":
         """Load `ckpt`'s weights as float32 arrays and build the engine; refused before any weight
-        is read when they and the KV cache would not fit in the machine's memory."""
+        is read when they and the KV cache would not fit in the machine's memory. `quant` gives
+        the matrices the values the GPU would hold: "bf16" rounded to bf16, "q8" / "q4"
+        quantized on load and dequantized (quant/quantize.py), so quality can be measured here."""
         from ..loading.checkpoint import load_weights   # deferred: written in parallel, heavy imports
         need, have = memory_needed(graph, ctx), physical_memory()
         if have is not None and need > have:
             raise FuselmError(f"the CPU engine needs {size_text(need)} (float32 weights and a KV cache of {ctx} "
                               f"tokens) but this machine has {size_text(have)}; lower --ctx")
-        return cls(graph, load_weights(ckpt, graph, dtype=np.float32, progress=progress), ctx)
+        weights = load_weights(ckpt, graph, dtype=np.float32, progress=progress)
+        if quant is not None:
+            weights = {**weights, **as_the_gpu_holds(graph, weights, quant)}
+        return cls(graph, weights, ctx)
 
     def reset(self) -> None:
         """Forget the conversation. The cache is not cleared: attention reads only rows at or
@@ -69,15 +75,42 @@ class CpuEngine:
             self._sampler = Sampler(sampling)
         return self._step([token])
 
-    def _step(self, ids: Sequence[int]) -> int:
+    def logits_of(self, ids: Sequence[int]) -> np.ndarray:
+        """Feed `ids` at the current position in one step; every position's logits [len, vocab]."""
+        if self.position + len(ids) > self.max_context:
+            raise FuselmError(f"{len(ids)} tokens at position {self.position} do not fit the context of {self.max_context}")
         ids_arr = np.asarray(ids, np.int32)
         pos = np.arange(self.position, self.position + len(ids_arr), dtype=np.int32)
         out = run_graph(self.graph, self.weights, {"ids": ids_arr, "pos": pos}, self.state)
         self.position += len(ids_arr)
         self.tokens.extend(int(i) for i in ids_arr)
-        self.last_logits = out["logits"][-1]
+        return out["logits"]
+
+    def _step(self, ids: Sequence[int]) -> int:
+        self.last_logits = self.logits_of(ids)[-1]
         check_logits(self.last_logits, self.position - 1)
         return self._sampler(self.last_logits, self.tokens)
+
+
+def as_the_gpu_holds(graph: Graph, weights: Mapping[str, np.ndarray], quant: str) -> dict[str, np.ndarray]:
+    """The quantizable matrices of `weights` as float32 holding what the GPU would hold under
+    `quant` ("bf16", "q8" or "q4"; those whose rows hold no whole blocks stay as they are)."""
+    import ml_dtypes
+
+    from ..quant.formats import format_of
+    from ..quant.layout import dequantize
+    from ..quant.quantize import QUANT_OPTIONS, quantize
+    from ..compiler.assign_formats import quantizable_shapes
+    if quant != "bf16" and quant not in QUANT_OPTIONS:
+        raise FuselmError(f"--quant must be bf16 or one of {', '.join(QUANT_OPTIONS)}, got '{quant}'")
+    out = {}
+    for name, shape in quantizable_shapes(graph).items():
+        w = weights[name]
+        if quant == "bf16":
+            out[name] = w.astype(ml_dtypes.bfloat16).astype(np.float32)
+        elif format_of(QUANT_OPTIONS[quant]).fits(shape):
+            out[name] = dequantize(quantize(w, QUANT_OPTIONS[quant]))
+    return out
 
 
 def memory_needed(graph: Graph, ctx: int) -> int:

@@ -16,6 +16,7 @@ import numpy as np
 from ..codegen import Target, Tuning, build_program
 from ..codegen.params import storage_of
 from ..codegen.sample import scratch_words
+from ..compiler.assign_formats import quantizable_shapes
 from ..dsl import Graph
 from ..errors import FuselmError
 from ..quant.formats import QuantizedWeight, format_of
@@ -74,14 +75,6 @@ def check_device_memory(cp, graph: Graph, ctx: int, resident: int = 0, extra: in
     raise FuselmError(f"the model needs {size_text(weight_bytes_ + kv_bytes + extra)} of GPU memory (weights "
                       f"{size_text(weight_bytes_)}, a KV cache of {ctx} tokens {size_text(kv_bytes)}) but "
                       f"{gpu_name()} has {size_text(free)} free; {advice}")
-
-
-def quantizable_shapes(graph: Graph) -> dict[str, tuple[int, ...]]:
-    """The weights of `graph` that kernels could read quantized, with their shapes."""
-    from ..compiler.assign_formats import quantizable_weights
-    from ..compiler.lower import to_networkx
-    G = to_networkx(graph)
-    return {n: G.nodes[n]["shape"] for n in quantizable_weights(G)}
 
 
 def quantized_formats(ckpt, graph: Graph) -> dict[str, str]:
@@ -371,6 +364,18 @@ class CudaEngine:
         self._set_sampling(sampling)
         self.feed(token)
         return self.next_token()
+
+    def logits_of(self, ids: Sequence[int]) -> np.ndarray:
+        """Feed `ids` one step each from the current position; every position's logits [len,
+        vocab] (perplexity: the prefill graphs keep no logits)."""
+        if self.position + len(ids) > self.max_context:
+            raise FuselmError(f"{len(ids)} tokens at position {self.position} do not fit the context of {self.max_context}")
+        self._set_sampling(SamplingParams())
+        out = []
+        for t in ids:
+            self.feed(int(t))
+            out.append(self.logits())
+        return np.stack(out)
 
     def logits(self) -> np.ndarray:
         """The last step's logits [vocab] (for tests and tools)."""

@@ -4,7 +4,7 @@
 # Bench models are presets, PRESET@SCHEME (quantized, e.g. llama-3.1-8b@q4_k_m) or checkpoint paths;
 # the real-file GPU test reads .gpu_fixtures/ (carry it: scripts/trim_gguf.py makes its GGUF).
 # SKIP_TESTS=1 / SKIP_BENCH=1 leave a part out; PEERS= (empty) skips the transformers comparison;
-# BENCH_ARGS adds options to the bench (e.g. --decode-only).
+# BENCH_ARGS adds options to the bench (e.g. --decode-only); TESTS picks the GPU test files.
 # AB="FUSELM_TUNE=gemv_unroll=8;FUSELM_TUNE=attn_wide_warps=0" adds decode-only runs of $AB_MODELS, one
 # per setting (A/B), printed to $OUT/ab.log and recorded as abN.json in $OUT/ab.tgz (whose "tuning"
 # lists the values each ran under; one archive because the device tool brings back only a few files).
@@ -18,7 +18,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 tests_rc=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python3 -m pytest tests/test_gpu.py tests/test_gpu_quant.py -m gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+  python3 -m pytest ${TESTS:-tests/test_gpu.py tests/test_gpu_quant.py} -m gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
   tests_rc=${PIPESTATUS[0]}
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then

@@ -17,7 +17,7 @@ from fuselm.quant.schemes import scheme_formats
 from fuselm.runtime.cuda_engine import gpu_available
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_gpu import compare_steps, random_weights  # noqa: E402
+from test_gpu import bf16_round, compare_steps, engine_for, random_weights  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU on this machine")]
@@ -45,15 +45,63 @@ def quantized_model(formats_of, cfg=QCFG, seed=None):
     return graph, weights, reference
 
 
+# (rows, K) per format's block: a partial last warp step (17 or 3 groups per lane stride), and
+# real sizes where the GEMV splits K across warps (4096 outputs of 14336, Llama's down projection)
+GEMV_SHAPES = {32: [(1001, 544), (4096, 14336)], 256: [(1001, 768), (4096, 14336)]}
+ZIPPED_WITH = {"q8_0": "q4_0", "q4_0": "q8_0", "q4_1": "q8_0", "q4_k": "q6_k", "q6_k": "q4_k"}   # same block
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("size", [0, 1], ids=["odd", "real"])
+def test_quantized_gemv_against_float64(fmt, size):
+    """The GEMV kernels of one format against float64 on the dequantized weights, fresh inputs,
+    outputs poisoned: SiLU(gate) * up behind a norm prologue (gate in `fmt`, up in another format:
+    one zip set of mixed formats, fused) and a plain vector into a third matrix."""
+    import cupy as cp
+
+    from fuselm.dsl import Graph
+    from fuselm.quant.formats import FORMATS as ALL
+    N, K = GEMV_SHAPES[ALL[fmt].block][size]
+    other = ZIPPED_WITH[fmt]
+    g = Graph("gemv")
+    x = g.input("x", ("T", K))
+    normed = g.op("rmsnorm", x, g.weight("gain", (K,)), eps=1e-5)
+    gate, up = g.op("linear", normed, g.weight("wa", (N, K))), g.op("linear", normed, g.weight("wb", (N, K)))
+    g.output(m=g.op("silu", gate) * up, c=g.op("linear", x, g.weight("wc", (N, K))))
+    rng = np.random.default_rng()
+    weights = {"gain": bf16_round((1 + 0.1 * rng.standard_normal(K)).astype(np.float32))}
+    for name, f in (("wa", fmt), ("wb", other), ("wc", fmt)):
+        weights[name] = random_weight(f, (N, K), 0.05, seed=int(rng.integers(1 << 30)))
+    eng = engine_for(g, weights, ctx=8)
+    assert eng.formats == {"wa": fmt, "wb": other, "wc": fmt}
+    W = {k: dequantize(weights[k]).astype(np.float64) for k in ("wa", "wb", "wc")}
+    for t in range(3):
+        xs = rng.standard_normal((1, K)).astype(np.float32)
+        x64 = xs[0].astype(np.float64)
+        n64 = x64 / np.sqrt(np.mean(x64 ** 2) + 1e-5) * weights["gain"]
+        a, b = W["wa"] @ n64, W["wb"] @ n64
+        want = {"m": a / (1 + np.exp(-a)) * b, "c": W["wc"] @ x64}
+        with eng.stream:
+            eng.arena.view(cp.float32).fill(cp.nan)
+        eng.set_input("x", xs)
+        eng.step()
+        for k, ref in want.items():
+            got = eng.output(k)[0]
+            err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+            assert np.isfinite(got).all() and err < 1e-5, f"{fmt}/{other} {N}x{K} {k}: rel error {err:.2e}"
+    print(f"gemv {fmt} (zipped with {other}) {N}x{K}: rel error vs float64 < 1e-5")
+
+
 @pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantized_model_matches_reference(fmt, fuse):
     """A model whose matrices and embedding are all `fmt`: fused and unfused steps give the
-    reference's logits on the dequantized weights (bf16 KV cache on both sides)."""
+    reference's logits on the dequantized weights (bf16 KV cache on both sides: the bf16 models'
+    tolerance, for a KV element whose rounding flips moves a logit by ~1e-3 of the largest)."""
     graph, weights, reference = quantized_model(lambda name, shape: fmt)
     assert sum(isinstance(w, QuantizedWeight) for w in weights.values()) == 2 * 7 + 2
     rng = np.random.default_rng()
-    worst = compare_steps(graph, weights, rng.integers(0, QCFG["vocab_size"], 24), fuse=fuse, tol=1e-4,
+    worst = compare_steps(graph, weights, rng.integers(0, QCFG["vocab_size"], 24), fuse=fuse, tol=5e-3,
                           reference_weights=reference)
     print(f"{fmt} model fuse={fuse}: worst rel logit error {worst:.2e}")
 
@@ -76,7 +124,7 @@ def test_q4_k_m_mix_matches_reference(tied):
     assert "q6_k" in mix.values() and "q4_k" in mix.values()
     graph, weights, reference = quantized_model(lambda name, shape: mix.get(name), cfg)
     rng = np.random.default_rng()
-    worst = compare_steps(graph, weights, rng.integers(0, cfg["vocab_size"], 20), tol=1e-4,
+    worst = compare_steps(graph, weights, rng.integers(0, cfg["vocab_size"], 20), tol=5e-3,
                           reference_weights=reference)
     print(f"q4_k_m mix tied={tied}: worst rel logit error {worst:.2e}")
 
@@ -88,7 +136,7 @@ def test_smollm2_shapes_quantized_decode():
     graph, weights, reference = quantized_model(
         lambda name, shape: "q8_0" if "embed" in name else "q4_1", {**PRESETS["smollm2-135m"], "num_hidden_layers": 4})
     rng = np.random.default_rng()
-    worst = compare_steps(graph, weights, rng.integers(0, 49152, 12), tol=1e-4, ctx=64, reference_weights=reference)
+    worst = compare_steps(graph, weights, rng.integers(0, 49152, 12), tol=5e-3, ctx=64, reference_weights=reference)
     print(f"smollm2 shapes q4_1/q8_0: worst rel logit error {worst:.2e}")
 
 
