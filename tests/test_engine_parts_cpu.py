@@ -97,10 +97,10 @@ def test_an_unknown_attention_variant_is_a_one_line_error():
 
 def test_bench_rows_leave_out_what_a_decode_only_run_did_not_measure():
     from fuselm.tools.bench import _row
-    r = {"model": "llama-3.2-1b", "decode_tok_s": 1322.1, "ms_per_token": 0.756, "bandwidth_fraction": 0.777,
+    r = {"model": "llama-3.2-1b", "dtype": "bf16", "decode_tok_s": 1322.1, "ms_per_token": 0.756, "bandwidth_fraction": 0.777,
          "ttft_32_ms": 23.5, "ttft_512_ms": None, "decode_tok_s_at_4k": 1152.3, "ratio_4k": 0.872,
          "compile_cold_s": None, "compile_warm_s": None, "peak_gpu_GiB": 3.93}
-    assert _row(r) == ("llama-3.2-1b     1322.1 tok/s   0.756 ms/tok  77.7% of copy bw | ttft32 23.5 ms "
+    assert _row(r) == ("llama-3.2-1b   bf16      1322.1 tok/s   0.756 ms/tok  77.7% of copy bw | ttft32 23.5 ms "
                        "| 4k ctx 1152.3 tok/s (87.2%) | 3.93 GiB")
     full = _row({**r, "ttft_512_ms": 401.5, "compile_cold_s": 2.66, "compile_warm_s": 0.16, "warm_start_s": 0.61})
     assert "ttft512 401.5 ms" in full and "compile 2.66s cold 0.16s warm | warm start 0.61s" in full
@@ -126,7 +126,7 @@ def test_bench_positions_size_the_cache_or_say_why_they_cannot():
     assert _positions("1024,2048") == (1024, 2048)
     with pytest.raises(argparse.ArgumentTypeError, match="comma-separated integers, got '1k'"):
         _positions("1k")
-    r = {"model": "m", "decode_tok_s": 100.0, "ms_per_token": 10.0, "ttft_32_ms": 1.0, "ttft_512_ms": None,
+    r = {"model": "m", "dtype": "q4_k_m", "decode_tok_s": 100.0, "ms_per_token": 10.0, "ttft_32_ms": 1.0, "ttft_512_ms": None,
          "decode_tok_s_at_4k": None, "compile_cold_s": None, "peak_gpu_GiB": 1.0,
          "decode_tok_s_from": {"1024": 95.5, "6000": 80.1}}
     assert "| from 1024: 95.5, 6000: 80.1 tok/s |" in _row(r)
