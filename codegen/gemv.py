@@ -75,13 +75,17 @@ def generate(spec: KernelSpec) -> KernelSource:
     params = Params(G)
     vec = input_vector(G, launch, params)
     sets = zip_sets(G, launch.nodes)
-    block = max(weight_format(G, G.nodes[l]["inputs"][1]).block for z in sets for l in z.linears)
-    ksplit = _ksplit(sets, vec["K"], block, spec.target, tuning)
-    zips, grid = zip_contexts(G, launch, params, lambda members, pairs: _slots(ksplit, members, pairs, tuning),
-                              rows_per_warp=tuning.gemv_rows_per_warp)
+    formats = [weight_format(G, G.nodes[l]["inputs"][1]) for z in sets for l in z.linears]
+    quantized = any(f.name != "bf16" for f in formats)
+    rows_per_warp = tuning.gemv_quant_rows_per_warp if quantized else tuning.gemv_rows_per_warp
+    unroll = tuning.gemv_quant_unroll if quantized else tuning.gemv_unroll
+    ksplit = _ksplit(sets, vec["K"], max(f.block for f in formats), rows_per_warp, spec.target, tuning)
+    zips, grid = zip_contexts(G, launch, params,
+                              lambda members, pairs: _slots(ksplit, members, pairs, rows_per_warp, tuning),
+                              rows_per_warp=rows_per_warp)
     name, source = render("gemv.cu.j2", "gemv", shape_name(vec, zips), params=params.decls, **vec, zips=zips,
-                          quantized=any(z.formats for z in zips), threads=tuning.gemv_warps * 32, unroll=tuning.gemv_unroll, ksplit=ksplit,
-                          rows_per_warp=tuning.gemv_rows_per_warp,
+                          quantized=quantized, threads=tuning.gemv_warps * 32, unroll=unroll, ksplit=ksplit,
+                          rows_per_warp=rows_per_warp,
                           max_tile=max(z.R * len(z.members) for z in zips), grid=grid)
     return KernelSource(name, "gemv", source, launch.nodes,
                         [Launch(name, (grid, 1), tuning.gemv_warps * 32, params.values)], launch.layer)
@@ -93,9 +97,9 @@ def shape_name(vec: dict, zips: list[ZipTile], tokens: int | None = None) -> str
     return ("norm_" if vec["prologue"] else "") + shape + (f"_t{tokens}" if tokens else "")
 
 
-def _slots(ksplit: int, members: int, pairs: bool, tuning: Tuning) -> int:
-    """Rows per member in one block's tile: each group of `ksplit` warps takes gemv_rows_per_warp rows."""
-    r = max(1, tuning.gemv_warps // ksplit * tuning.gemv_rows_per_warp // members)
+def _slots(ksplit: int, members: int, pairs: bool, rows_per_warp: int, tuning: Tuning) -> int:
+    """Rows per member in one block's tile: each group of `ksplit` warps takes `rows_per_warp` rows."""
+    r = max(1, tuning.gemv_warps // ksplit * rows_per_warp // members)
     return max(2, r + (r & 1)) if pairs else r
 
 
@@ -103,7 +107,7 @@ def _tiles(width: int, R: int, pairs: bool) -> int:
     return -(-width // R) if not pairs else -(-(width // 2) // (R // 2))
 
 
-def _ksplit(sets: list[ZipSet], K: int, block: int, target: Target, tuning: Tuning) -> int:
+def _ksplit(sets: list[ZipSet], K: int, block: int, rows_per_warp: int, target: Target, tuning: Tuning) -> int:
     """Warps per output row (split-K inside the block). Short outputs with long rows (a 2048-row
     O or down projection) give too few rows for one warp each to fill the GPU with loads in
     flight, so several warps share a row, each streaming a slice of it, until the kernel has
@@ -111,7 +115,7 @@ def _ksplit(sets: list[ZipSet], K: int, block: int, target: Target, tuning: Tuni
     rows = sum(z.width * len(z.linears) for z in sets)
     min_warps = target.sms * tuning.gemv_warps_per_sm
     ksplit = 1
-    while (rows // tuning.gemv_rows_per_warp * ksplit < min_warps and ksplit < min(4, tuning.gemv_warps)
+    while (rows // rows_per_warp * ksplit < min_warps and ksplit < min(4, tuning.gemv_warps)
            and K % (2 * ksplit * 8) == 0 and K // (2 * ksplit) >= 256 and K // (2 * ksplit) % block == 0):
         ksplit *= 2
     return ksplit

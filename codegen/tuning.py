@@ -52,6 +52,8 @@ _RANGES = {
     "gemv_rows_per_warp": (1, 8, "rows a GEMV warp streams at once, sharing each load of the vector"),
     "gemv_warps_per_sm": (1, 1024, "streaming GEMV warps per SM before split-K stops"),
     "gemv_unroll": (1, 16, "16-byte loads in flight per GEMV lane and row"),
+    "gemv_quant_rows_per_warp": (1, 8, "gemv_rows_per_warp where the weights are quantized"),
+    "gemv_quant_unroll": (1, 16, "groups of 32 quantized weights in flight per GEMV lane and row"),
     "gemm_warps": (1, 8, "warps per gemm block, 16 rows of the tile each"),
     "gemm_blocks": (1, 1 << 16, "blocks a gemm splits its k to reach"),
     "gemm_min_chunks": (1, 1 << 10, "chunks of k a gemm's split slice keeps at least"),
@@ -77,6 +79,8 @@ class Tuning:
     gemv_rows_per_warp: int = 2
     gemv_warps_per_sm: int = 16     # 16 keep HBM busy; 32 split more than needed
     gemv_unroll: int = 4
+    gemv_quant_rows_per_warp: int = 2
+    gemv_quant_unroll: int = 4
     gemm_warps: int = 4
     gemm_blocks: int = 512
     gemm_min_chunks: int = 4

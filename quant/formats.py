@@ -10,11 +10,15 @@ row-major over the N rows (layout.py writes and reads them):
 | q4_1   | nibbles (K/2), (d, m) f16 pairs (K/8)           | d[g] * code + m[g]              |
 | q4_k   | nibbles (K/2), GGUF's 16-byte super-block       | d*sc[g] * code - dmin*mn[g]     |
 |        | header per 256 weights (K/16)                   |   (6-bit sc, mn per group)      |
+| q5_0   | nibbles (K/2), high bits (K/8), d f16 (K/16)    | d[g] * (code - 16)              |
+| q5_1   | nibbles, high bits, (d, m) f16 pairs (K/8)      | d[g] * code + m[g]              |
+| q5_k   | nibbles, high bits, Q4_K's headers (K/16)       | d*sc[g] * code - dmin*mn[g]     |
 | q6_k   | low nibbles (K/2), high 2-bit pairs (K/4),      | d * sc[16-run] * (code - 32)    |
 |        | int8 scale per 16 (K/16), d f16 per 256 (K/128) |                                 |
 
 Nibbles of a group of 32 take 16 bytes: byte i holds weight i (low nibble) and weight i + 16
-(high nibble), GGUF's Q4_0 order, so one lane's 16-byte load is one group. Every section keeps
+(high nibble), GGUF's Q4_0 order, so one lane's 16-byte load is one group. A fifth or sixth bit
+is laid out to line up with the nibbles' bytes (layout.pack_bits, pack_pairs). Every section keeps
 GGUF's bytes (scales and codes are never rounded again): dequantizing ours equals dequantizing
 the file's.
 """
@@ -56,6 +60,9 @@ FORMATS = {f.name: f for f in [
     Format("q4_0", "Q4_0", "Q4_0", 32, 18),
     Format("q4_1", "Q4_1", "Q4_1", 32, 20),
     Format("q4_k", "Q4_K", "Q4_K", 256, 144),
+    Format("q5_0", "Q5_0", "Q5_0", 32, 22),
+    Format("q5_1", "Q5_1", "Q5_1", 32, 24),
+    Format("q5_k", "Q5_K", "Q5_K", 256, 176),
     Format("q6_k", "Q6_K", "Q6_K", 256, 210),
 ]}
 GGUF_FORMATS = {f.gguf_type: f for f in FORMATS.values() if f.gguf_type}

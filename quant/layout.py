@@ -15,7 +15,8 @@ def from_gguf(fmt: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantizedWei
     K / block blocks), in our layout. ValueError when the bytes do not make N * K / block blocks."""
     f = FORMATS[fmt]
     N, K = shape
-    per_block = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q6_k": 210}[fmt]
+    per_block = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q5_0": 22, "q5_1": 24, "q5_k": 176,
+                 "q6_k": 210}[fmt]
     raw = np.ascontiguousarray(raw, np.uint8).reshape(-1)
     if K % f.block or raw.size != N * K // f.block * per_block:
         raise ValueError(f"{raw.size} bytes are not {N} x {K} weights in {fmt} blocks of {f.block}")
@@ -44,12 +45,36 @@ def _q4_k(b, N, K):
     return [pack_nibbles(codes.reshape(N, K)), b[..., :16]]
 
 
+def _q5_0(b, N, K):
+    high = _bits_le(b[..., 2:6])                          # bit j of the group's 32-bit word: weight j
+    return [b[..., 6:], pack_bits(high.reshape(N, K)), b[..., :2]]
+
+
+def _q5_1(b, N, K):
+    high = _bits_le(b[..., 4:8])
+    return [b[..., 8:], pack_bits(high.reshape(N, K)), b[..., :4]]
+
+
+def _q5_k(b, N, K):
+    qs = b[..., 48:].reshape(N, K // 256, 4, 32)          # nibbles as Q4_K's
+    codes = np.stack([qs & 0xF, qs >> 4], axis=3).reshape(N, K)
+    qh = b[..., 16:48]                                    # byte l, bit s: weight l of group s
+    high = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+    return [pack_nibbles(codes), pack_bits(high.reshape(N, K)), b[..., :16]]
+
+
+def _bits_le(words: np.ndarray) -> np.ndarray:
+    """The 32 bits of little-endian 4-byte words [..., 4], bit j at index j [..., 32]."""
+    return np.unpackbits(words, axis=-1, bitorder="little")
+
+
 def _q6_k(b, N, K):
     codes = q6_k_codes(b).reshape(N, K)
     return [pack_nibbles(codes & 0xF), pack_pairs(codes >> 4), b[..., 192:208], b[..., 208:210]]
 
 
-_REPACK = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1, "q4_k": _q4_k, "q6_k": _q6_k}
+_REPACK = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1, "q4_k": _q4_k, "q5_0": _q5_0, "q5_1": _q5_1,
+           "q5_k": _q5_k, "q6_k": _q6_k}
 
 
 def q6_k_codes(b: np.ndarray) -> np.ndarray:
@@ -84,6 +109,26 @@ def pack_pairs(hi: np.ndarray) -> np.ndarray:
     return out.reshape(*hi.shape[:-1], -1)
 
 
+def pack_bits(hi: np.ndarray) -> np.ndarray:
+    """1-bit values [N, K] as bytes [N, K/8]: per group of 32, one 32-bit word; byte b holds, from
+    bit 0, the bits of weights b, b+16, b+4, b+20, b+8, b+24, b+12, b+28 (nibble word w's low
+    and high halves at bits 2w and 2w+1, lining up with its bytes: templates/quant.cuh, Q5)."""
+    g = hi.reshape(*hi.shape[:-1], -1, 32).astype(np.uint8)
+    out = np.zeros((*g.shape[:-1], 4), np.uint8)
+    for w in range(4):
+        out |= (g[..., 4 * w: 4 * w + 4] << (2 * w)) | (g[..., 16 + 4 * w: 20 + 4 * w] << (2 * w + 1))
+    return out.reshape(*hi.shape[:-1], -1)
+
+
+def unpack_bits(packed: np.ndarray) -> np.ndarray:
+    g = packed.reshape(*packed.shape[:-1], -1, 4)
+    out = np.zeros((*g.shape[:-1], 32), np.uint8)
+    for w in range(4):
+        out[..., 4 * w: 4 * w + 4] = (g >> (2 * w)) & 1
+        out[..., 16 + 4 * w: 20 + 4 * w] = (g >> (2 * w + 1)) & 1
+    return out.reshape(*packed.shape[:-1], -1)
+
+
 def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
     g = packed.reshape(*packed.shape[:-1], -1, 16)
     return np.concatenate([g & 0xF, g >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
@@ -105,6 +150,9 @@ SECTIONS = {
     "q4_0": [("nibbles", lambda K: K // 2), ("d", lambda K: K // 16)],
     "q4_1": [("nibbles", lambda K: K // 2), ("dm", lambda K: K // 8)],
     "q4_k": [("nibbles", lambda K: K // 2), ("header", lambda K: K // 16)],
+    "q5_0": [("nibbles", lambda K: K // 2), ("bits", lambda K: K // 8), ("d", lambda K: K // 16)],
+    "q5_1": [("nibbles", lambda K: K // 2), ("bits", lambda K: K // 8), ("dm", lambda K: K // 8)],
+    "q5_k": [("nibbles", lambda K: K // 2), ("bits", lambda K: K // 8), ("header", lambda K: K // 16)],
     "q6_k": [("nibbles", lambda K: K // 2), ("pairs", lambda K: K // 4), ("scales", lambda K: K // 16),
              ("d", lambda K: K // 128)],
 }
@@ -141,10 +189,17 @@ def random_weight(fmt: str, shape: tuple[int, int], std: float, xp=np, seed: int
         dm = sec["dm"].reshape(N, -1, 4)
         f16(dm[..., :2], std / 4.6)
         f16(dm[..., 2:], -7.5 * std / 4.6)
-    elif fmt == "q4_k":            # scale d * sc and min dmin * mn, sc and mn the random 6-bit values
+    elif fmt == "q5_0":
+        f16(sec["d"], std / 9.2)
+    elif fmt == "q5_1":
+        dm = sec["dm"].reshape(N, -1, 4)
+        f16(dm[..., :2], std / 9.2)
+        f16(dm[..., 2:], -15.5 * std / 9.2)
+    elif fmt in ("q4_k", "q5_k"):  # scale d * sc and min dmin * mn, sc and mn the random 6-bit values
+        spread, mid = (4.6, 7.5) if fmt == "q4_k" else (9.2, 15.5)
         hdr = sec["header"].reshape(N, -1, 16)
-        f16(hdr[..., 0:2], std / (4.6 * 32))
-        f16(hdr[..., 2:4], 7.5 * std / (4.6 * 32))
+        f16(hdr[..., 0:2], std / (spread * 32))
+        f16(hdr[..., 2:4], mid * std / (spread * 32))
     elif fmt == "q6_k":            # int8 scales of about 64 in size
         f16(sec["d"], std / (18.5 * 64))
     return w
@@ -158,9 +213,15 @@ def dequantize(w: QuantizedWeight) -> np.ndarray:
     if f == "q8_0":
         codes, d = s[0].view(np.int8).astype(np.float32), s[1].view(F16).astype(np.float32)
         return (codes.reshape(N, -1, 32) * d[..., None]).reshape(N, K)
-    codes = unpack_nibbles(s[0]).astype(np.float32).reshape(N, -1, 32)
+    if f in ("q5_0", "q5_1", "q5_k"):
+        codes = (unpack_nibbles(s[0]) | (unpack_bits(s[1]) << 4)).astype(np.float32).reshape(N, -1, 32)
+        f, s = {"q5_0": ("q4_0", s[::2]), "q5_1": ("q4_1", s[::2]), "q5_k": ("q4_k", s[::2])}[f]
+        zero = 16
+    else:
+        codes = unpack_nibbles(s[0]).astype(np.float32).reshape(N, -1, 32)
+        zero = 8
     if f == "q4_0":
-        return ((codes - 8) * s[1].view(F16).astype(np.float32)[..., None]).reshape(N, K)
+        return ((codes - zero) * s[1].view(F16).astype(np.float32)[..., None]).reshape(N, K)
     if f == "q4_1":
         dm = s[1].view(F16).astype(np.float32).reshape(N, -1, 2)
         return (codes * dm[..., :1] + dm[..., 1:]).reshape(N, K)

@@ -24,7 +24,8 @@ from fuselm.quant.quantize import quantize
 from fuselm.quant.schemes import scheme_formats
 
 QUANTIZED = [f for f in FORMATS if f != "bf16"]
-SCALE_FIELDS = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q4_k": [0, 2], "q6_k": [208]}   # f16 bytes
+SCALE_FIELDS = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q4_k": [0, 2], "q5_0": [0], "q5_1": [0, 2],
+                "q5_k": [0, 2], "q6_k": [208]}   # where each block's f16 scales sit
 
 
 def random_blocks(fmt: str, n: int, k: int, rng) -> np.ndarray:
@@ -63,7 +64,7 @@ def test_wrong_block_count_is_a_one_line_error():
         from_gguf("q4_k", raw, (2, 768))
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
 def test_quantize_on_load_is_gguf_quantization(fmt):
     """--quant: our quantized weight dequantizes to what gguf's quantize + dequantize give, and
     stays close to the float weights (q8 within 1%, q4 within 15% relative error)."""
@@ -74,7 +75,7 @@ def test_quantize_on_load_is_gguf_quantization(fmt):
     got = dequantize(quantize(w, fmt))
     np.testing.assert_array_equal(got, want)
     err = np.linalg.norm(got - w) / np.linalg.norm(w)
-    assert err < (0.01 if fmt == "q8_0" else 0.15), err
+    assert err < {"q8_0": 0.01, "q5_0": 0.08, "q5_1": 0.08}.get(fmt, 0.15), err
 
 
 @pytest.mark.parametrize("fmt", QUANTIZED)
@@ -122,7 +123,8 @@ def test_quantized_kernels_are_named_by_format_and_count_their_bytes():
 
 QUANTIZED_MODELS = [("llama-3.1-8b", "q4_k_m"), ("llama-3.2-1b", "q8_0"), ("llama-3.2-1b", "q4_0"),
                     ("llama-3.2-1b", "q4_1"), ("llama-3.2-1b", "q6_k"), ("smollm2-135m", "q4_1"),
-                    ("gemma-2-9b", "q4_k_m"), ("mixtral-8x7b", "q4_k_m"), ("qwen2.5-7b", "q4_k_m")]
+                    ("gemma-2-9b", "q4_k_m"), ("mixtral-8x7b", "q4_k_m"), ("qwen2.5-7b", "q4_k_m"),
+                    ("llama-3.2-1b", "q5_0"), ("llama-3.2-1b", "q5_1"), ("llama-3.1-8b", "q5_k_m")]
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])

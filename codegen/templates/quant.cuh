@@ -165,6 +165,94 @@ struct Q4_K {          // nibbles [N][K/2], 16-byte headers [N][K/256]
     }
 };
 
+// A fifth bit per code: word h of a group holds, per byte b, the bits of nibble word w's low-half
+// weight at bit 2w and high-half weight at bit 2w + 1 (quant/layout.pack_bits).
+struct FifthBits {
+    unsigned h;
+    __device__ __forceinline__ uint2 operator()(int w) const {
+        return {((h >> (2 * w)) & 0x01010101u) << 4, ((h >> (2 * w + 1)) & 0x01010101u) << 4};
+    }
+};
+// The fifth bit of weight k of a row whose bit words are `bits`.
+__device__ __forceinline__ int fifth_bit_at(const unsigned* bits, int k) {
+    const int i = k & 31;
+    return (bits[k / 32] >> (8 * (i & 3) + 2 * ((i & 15) >> 2) + ((i & 16) ? 1 : 0))) & 1;
+}
+
+struct Q5_0 {          // nibbles [N][K/2], fifth bits [N][K/32] words, d f16 [N][K/32]
+    static constexpr bool XSUM = false;
+    struct Row { const unsigned char* q; const unsigned* h; const f16_t* d; };
+    struct Group { uint4 q; unsigned h; f16_t d; };
+    static __device__ __forceinline__ Row row(const unsigned char* w, int N, int K, int r) {
+        const unsigned char* h = w + (size_t)N * (K / 2);
+        return {w + (size_t)r * (K / 2), reinterpret_cast<const unsigned*>(h) + (size_t)r * (K / 32),
+                reinterpret_cast<const f16_t*>(h + (size_t)N * (K / 8)) + (size_t)r * (K / 32)};
+    }
+    static __device__ __forceinline__ Group load(const Row& r, int g) {
+        return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.h + g), __ldcs(r.d + g)};
+    }
+    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[32], float) {
+        float lo, hi;
+        dot_nibbles<16>(g.q, x, lo, hi, FifthBits{g.h});
+        return f16_to_f32(g.d) * (lo + hi);
+    }
+    static __device__ __forceinline__ float at(const unsigned char* w, int N, int K, int r, int k) {
+        const Row row_ = row(w, N, K, r);
+        return f16_to_f32(row_.d[k / 32]) * (float)((nibble_at(row_.q, k) | (fifth_bit_at(row_.h, k) << 4)) - 16);
+    }
+};
+
+struct Q5_1 {          // nibbles [N][K/2], fifth bits [N][K/32] words, (d, m) f16 pairs [N][K/32]
+    static constexpr bool XSUM = true;
+    struct Row { const unsigned char* q; const unsigned* h; const unsigned* dm; };
+    struct Group { uint4 q; unsigned h, dm; };
+    static __device__ __forceinline__ Row row(const unsigned char* w, int N, int K, int r) {
+        const unsigned char* h = w + (size_t)N * (K / 2);
+        return {w + (size_t)r * (K / 2), reinterpret_cast<const unsigned*>(h) + (size_t)r * (K / 32),
+                reinterpret_cast<const unsigned*>(h + (size_t)N * (K / 8)) + (size_t)r * (K / 32)};
+    }
+    static __device__ __forceinline__ Group load(const Row& r, int g) {
+        return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.h + g), __ldcs(r.dm + g)};
+    }
+    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[32], float xsum) {
+        float lo, hi;
+        dot_nibbles<0>(g.q, x, lo, hi, FifthBits{g.h});
+        return fmaf(f16_to_f32(g.dm & 0xffff), lo + hi, f16_to_f32(g.dm >> 16) * xsum);
+    }
+    static __device__ __forceinline__ float at(const unsigned char* w, int N, int K, int r, int k) {
+        const Row row_ = row(w, N, K, r);
+        const unsigned dm = row_.dm[k / 32];
+        const int code = nibble_at(row_.q, k) | (fifth_bit_at(row_.h, k) << 4);
+        return fmaf(f16_to_f32(dm & 0xffff), (float)code, f16_to_f32(dm >> 16));
+    }
+};
+
+struct Q5_K {          // nibbles [N][K/2], fifth bits [N][K/32] words, Q4_K's headers [N][K/256]
+    static constexpr bool XSUM = true;
+    struct Row { const unsigned char* q; const unsigned* h; const uint4* hdr; };
+    struct Group { uint4 q, hdr; unsigned h; int j; };
+    static __device__ __forceinline__ Row row(const unsigned char* w, int N, int K, int r) {
+        const unsigned char* h = w + (size_t)N * (K / 2);
+        return {w + (size_t)r * (K / 2), reinterpret_cast<const unsigned*>(h) + (size_t)r * (K / 32),
+                reinterpret_cast<const uint4*>(h + (size_t)N * (K / 8)) + (size_t)r * (K / 256)};
+    }
+    static __device__ __forceinline__ Group load(const Row& r, int g) {
+        return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.hdr + g / 8), __ldcs(r.h + g), g % 8};
+    }
+    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[32], float xsum) {
+        float lo, hi, scale, min;
+        dot_nibbles<0>(g.q, x, lo, hi, FifthBits{g.h});
+        q4_k_scale_min(g.hdr, g.j, scale, min);
+        return fmaf(scale, lo + hi, -min * xsum);
+    }
+    static __device__ __forceinline__ float at(const unsigned char* w, int N, int K, int r, int k) {
+        const Row row_ = row(w, N, K, r);
+        float scale, min;
+        q4_k_scale_min(row_.hdr[k / 256], (k / 32) % 8, scale, min);
+        return fmaf(scale, (float)(nibble_at(row_.q, k) | (fifth_bit_at(row_.h, k) << 4)), -min);
+    }
+};
+
 struct Q6_K {          // low nibbles [N][K/2], high pairs [N][K/4], int8 scales [N][K/16], d f16 [N][K/256]
     static constexpr bool XSUM = false;
     struct Row { const unsigned char* q; const uint2* h; const unsigned short* s; const f16_t* d; };
