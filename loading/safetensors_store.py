@@ -19,7 +19,8 @@ from ..errors import FuselmError
 from .tensor_store import TensorStore
 
 DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-          "BF16": np.dtype(ml_dtypes.bfloat16), "F64": np.dtype(np.float64)}
+          "BF16": np.dtype(ml_dtypes.bfloat16), "F64": np.dtype(np.float64),
+          "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}
 # Bytes per element of every dtype the safetensors format defines (those we read, and the rest,
 # whose tensors are refused only when a model asks for them).
 ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
@@ -111,6 +112,15 @@ class SafetensorsStore(TensorStore):
         return tuple(self._entry(name)[1]["shape"])
 
     def get(self, name: str, dtype=np.float32) -> np.ndarray:
+        """Tensor `name` as `dtype`; an fp8 (e4m3) weight times its `weight_scale` (see fp8_scale)."""
+        stored = self._stored(name)
+        if self._entry(name)[1]["dtype"] == "F8_E4M3" and len(stored.shape) == 2:
+            scale = self.fp8_scale(name)
+            return (stored.astype(np.float32) * scale[:, None]).astype(dtype, copy=False)
+        return stored.astype(dtype, copy=False)
+
+    def _stored(self, name: str) -> np.ndarray:
+        """Tensor `name` as stored: a read-only view of the mapped file."""
         path, entry, start = self._entry(name)
         stored = DTYPES.get(entry["dtype"])
         if stored is None:
@@ -120,7 +130,34 @@ class SafetensorsStore(TensorStore):
             self._maps[path] = np.memmap(path, np.uint8, mode="r")
         lo, hi = entry["data_offsets"]
         raw = self._maps[path][start + lo:start + hi]
-        return raw.view(stored).reshape(entry["shape"]).astype(dtype, copy=False)
+        return raw.view(stored).reshape(entry["shape"])
+
+    def fp8_scale(self, name: str) -> np.ndarray:
+        """The float32 scale per row [N] of fp8 matrix `name`: its `<name>_scale` tensor (the fp8
+        checkpoints' `weight_scale`), one value for the tensor or one per row; 1 where absent."""
+        rows = self.shape(name)[0]
+        scale_name = name + "_scale"
+        if scale_name not in self._entries:
+            return np.ones(rows, np.float32)
+        scale = self._stored(scale_name).astype(np.float32)
+        if scale.size == 1:
+            return np.full(rows, scale.reshape(-1)[0], np.float32)
+        if scale.size == rows and scale.shape in ((rows,), (rows, 1)):
+            return scale.reshape(rows)
+        raise FuselmError(f"{self.source}: tensor '{scale_name}' has shape {scale.shape}: fp8 weights need one "
+                          f"scale for the tensor or one per row ({rows}); block scales are not supported")
+
+    def gpu_format(self, name: str) -> str | None:
+        shape = self.shape(name)
+        fp8 = self._entry(name)[1]["dtype"] == "F8_E4M3" and len(shape) == 2 and shape[1] % 32 == 0
+        return "fp8" if fp8 else None
+
+    def quantized(self, name: str):
+        """An fp8 matrix kept in its bytes with its scale per row (quant/layout.from_fp8)."""
+        from ..quant.layout import from_fp8
+        if self.gpu_format(name) is None:
+            return None
+        return from_fp8(self._stored(name), self.fp8_scale(name))
 
     def _entry(self, name: str):
         try:

@@ -15,6 +15,7 @@ row-major over the N rows (layout.py writes and reads them):
 | q5_k   | nibbles, high bits, Q4_K's headers (K/16)       | d*sc[g] * code - dmin*mn[g]     |
 | q6_k   | low nibbles (K/2), high 2-bit pairs (K/4),      | d * sc[16-run] * (code - 32)    |
 |        | int8 scale per 16 (K/16), d f16 per 256 (K/128) |                                 |
+| fp8    | e4m3 codes (K), a float32 scale per row (4)     | scale * e4m3(code)              |
 
 Nibbles of a group of 32 take 16 bytes: byte i holds weight i (low nibble) and weight i + 16
 (high nibble), GGUF's Q4_0 order, so one lane's 16-byte load is one group. A fifth or sixth bit
@@ -39,10 +40,11 @@ class Format:
     gguf_type: str | None
     block: int                 # K must be a multiple of it
     bytes_per_block: int       # on the GPU, all sections together
+    bytes_per_row: int = 0     # besides the blocks (fp8's row scale)
 
     def nbytes(self, shape: tuple[int, ...]) -> int:
         """Bytes of a weight of `shape` ([..., N, K]) in this format."""
-        return math.prod(shape[:-1]) * shape[-1] // self.block * self.bytes_per_block
+        return math.prod(shape[:-1]) * (shape[-1] // self.block * self.bytes_per_block + self.bytes_per_row)
 
     @property
     def bits_per_weight(self) -> float:
@@ -64,6 +66,7 @@ FORMATS = {f.name: f for f in [
     Format("q5_1", "Q5_1", "Q5_1", 32, 24),
     Format("q5_k", "Q5_K", "Q5_K", 256, 176),
     Format("q6_k", "Q6_K", "Q6_K", 256, 210),
+    Format("fp8", "FP8", None, 32, 32, 4),        # Hugging Face fp8 checkpoints, --quant fp8
 ]}
 GGUF_FORMATS = {f.gguf_type: f for f in FORMATS.values() if f.gguf_type}
 

@@ -3,11 +3,14 @@ blocks once at load, `dequantize` reads our layout back to float32 (the CPU refe
 check that repacking loses nothing: it must equal the `gguf` library's own dequantization)."""
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from .formats import FORMATS, QuantizedWeight
 
 F16 = np.dtype("<f2")
+_E4M3 = np.arange(256, dtype=np.uint8)
+E4M3_STD = float(_E4M3[(_E4M3 & 0x7F) != 0x7F].view(ml_dtypes.float8_e4m3fn).astype(np.float64).std())
 
 
 def from_gguf(fmt: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
@@ -155,7 +158,18 @@ SECTIONS = {
     "q5_k": [("nibbles", lambda K: K // 2), ("bits", lambda K: K // 8), ("header", lambda K: K // 16)],
     "q6_k": [("nibbles", lambda K: K // 2), ("pairs", lambda K: K // 4), ("scales", lambda K: K // 16),
              ("d", lambda K: K // 128)],
+    "fp8": [("codes", lambda K: K), ("scale", lambda K: 4)],
 }
+
+
+def from_fp8(codes: np.ndarray, scale: np.ndarray) -> QuantizedWeight:
+    """e4m3 codes [N, K] (uint8 or float8_e4m3fn) with a float32 scale per row [N] (a per-tensor
+    scale repeated), in our fp8 layout."""
+    codes = np.ascontiguousarray(codes).view(np.uint8)
+    N, K = codes.shape
+    scale = np.broadcast_to(np.asarray(scale, np.float32).reshape(-1), (N,))
+    data = np.concatenate([codes.reshape(-1), np.ascontiguousarray(scale).view(np.uint8)])
+    return QuantizedWeight("fp8", (N, K), data)
 
 
 def sections(w: QuantizedWeight) -> list:
@@ -181,7 +195,11 @@ def random_weight(fmt: str, shape: tuple[int, int], std: float, xp=np, seed: int
     def f16(section, values):
         section.view(F16 if xp is np else xp.float16)[...] = values
     sec = dict(zip((n for n, _ in SECTIONS[fmt]), sections(w)))
-    if fmt == "q8_0":
+    if fmt == "fp8":             # random bytes but NaN (0x7f, 0xff); their spread is E4M3_STD
+        codes = sec["codes"]
+        codes[(codes & 0x7F) == 0x7F] = 0x7E
+        sec["scale"].view(np.float32 if xp is np else xp.float32)[...] = std / E4M3_STD
+    elif fmt == "q8_0":
         f16(sec["d"], std / 74)
     elif fmt == "q4_0":
         f16(sec["d"], std / 4.6)
@@ -210,6 +228,8 @@ def dequantize(w: QuantizedWeight) -> np.ndarray:
     N, K = w.shape
     s = sections(w)
     f = w.format
+    if f == "fp8":
+        return s[0].view(ml_dtypes.float8_e4m3fn).astype(np.float32) * s[1].view(np.float32)
     if f == "q8_0":
         codes, d = s[0].view(np.int8).astype(np.float32), s[1].view(F16).astype(np.float32)
         return (codes.reshape(N, -1, 32) * d[..., None]).reshape(N, K)

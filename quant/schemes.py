@@ -9,7 +9,7 @@ from .formats import FORMATS
 # llama.cpp's Q4_K_M (Q5_K_M): Q4_K (Q5_K) everywhere, Q6_K for the LM head, and for V and the
 # MLP's down projection in the layers it gives more bits (the first and last eighth, every third
 # between).
-SCHEMES = ("q4_k_m", "q5_k_m", "q4_k", "q5_k", "q6_k", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+SCHEMES = ("q4_k_m", "q5_k_m", "q4_k", "q5_k", "q6_k", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "fp8")
 
 
 def _more_bits(layer: int, layers: int) -> bool:

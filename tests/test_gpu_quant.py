@@ -22,7 +22,7 @@ from test_gpu import bf16_round, compare_steps, engine_for, random_weights  # no
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU on this machine")]
 
-FORMATS = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"]
+FORMATS = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "fp8"]
 # rows of 512 and 768 weights (2 and 3 super-blocks), a vocabulary that is no multiple of anything
 QCFG = dict(architectures=["LlamaForCausalLM"], vocab_size=1001, hidden_size=512, intermediate_size=768,
             num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-5,
@@ -49,7 +49,7 @@ def quantized_model(formats_of, cfg=QCFG, seed=None):
 # real sizes where the GEMV splits K across warps (4096 outputs of 14336, Llama's down projection)
 GEMV_SHAPES = {32: [(1001, 544), (4096, 14336)], 256: [(1001, 768), (4096, 14336)]}
 ZIPPED_WITH = {"q8_0": "q4_0", "q4_0": "q8_0", "q4_1": "q8_0", "q5_0": "q4_1", "q5_1": "q5_0",
-               "q4_k": "q6_k", "q5_k": "q4_k", "q6_k": "q5_k"}   # same block size
+               "q4_k": "q6_k", "q5_k": "q4_k", "q6_k": "q5_k", "fp8": "q8_0"}   # same block size
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

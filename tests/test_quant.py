@@ -23,7 +23,7 @@ from fuselm.quant.layout import dequantize, from_gguf, random_weight
 from fuselm.quant.quantize import quantize
 from fuselm.quant.schemes import scheme_formats
 
-QUANTIZED = [f for f in FORMATS if f != "bf16"]
+QUANTIZED = [f for f in FORMATS if FORMATS[f].gguf_type]        # the GGUF block formats
 SCALE_FIELDS = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q4_k": [0, 2], "q5_0": [0], "q5_1": [0, 2],
                 "q5_k": [0, 2], "q6_k": [208]}   # where each block's f16 scales sit
 
@@ -64,6 +64,16 @@ def test_wrong_block_count_is_a_one_line_error():
         from_gguf("q4_k", raw, (2, 768))
 
 
+def test_quantize_fp8_scales_each_row_to_e4m3s_range():
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((40, 96)).astype(np.float32) * np.linspace(0.01, 10, 40, dtype=np.float32)[:, None]
+    q = quantize(w, "fp8")
+    assert q.data.size == 40 * 96 + 4 * 40
+    got = dequantize(q)
+    assert np.allclose(np.abs(got).max(axis=1), np.abs(w).max(axis=1), rtol=1e-6)
+    assert np.linalg.norm(got - w) / np.linalg.norm(w) < 0.04
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
 def test_quantize_on_load_is_gguf_quantization(fmt):
     """--quant: our quantized weight dequantizes to what gguf's quantize + dequantize give, and
@@ -78,7 +88,7 @@ def test_quantize_on_load_is_gguf_quantization(fmt):
     assert err < {"q8_0": 0.01, "q5_0": 0.08, "q5_1": 0.08}.get(fmt, 0.15), err
 
 
-@pytest.mark.parametrize("fmt", QUANTIZED)
+@pytest.mark.parametrize("fmt", QUANTIZED + ["fp8"])
 def test_random_weights_have_the_spread_asked_for(fmt):
     w = dequantize(random_weight(fmt, (64, 512), 0.1, seed=3))
     assert np.isfinite(w).all() and 0.05 < w.std() < 0.2 and abs(w.mean()) < 0.03
@@ -124,7 +134,8 @@ def test_quantized_kernels_are_named_by_format_and_count_their_bytes():
 QUANTIZED_MODELS = [("llama-3.1-8b", "q4_k_m"), ("llama-3.2-1b", "q8_0"), ("llama-3.2-1b", "q4_0"),
                     ("llama-3.2-1b", "q4_1"), ("llama-3.2-1b", "q6_k"), ("smollm2-135m", "q4_1"),
                     ("gemma-2-9b", "q4_k_m"), ("mixtral-8x7b", "q4_k_m"), ("qwen2.5-7b", "q4_k_m"),
-                    ("llama-3.2-1b", "q5_0"), ("llama-3.2-1b", "q5_1"), ("llama-3.1-8b", "q5_k_m")]
+                    ("llama-3.2-1b", "q5_0"), ("llama-3.2-1b", "q5_1"), ("llama-3.1-8b", "q5_k_m"),
+                    ("llama-3.2-1b", "fp8")]
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
@@ -136,10 +147,76 @@ def test_quantized_module_compiles_without_gemv_spills(name, scheme, fuse):
     formats = scheme_formats(scheme, {n: G.nodes[n]["shape"] for n in quantizable_weights(G)})
     program = build_program(graph, 4096, compile=False, fuse=fuse, formats=formats, prefill=False)
     ks = program.decode.kernels
-    assert any(f"{scheme.split('_')[0]}" in k.name for k in ks if k.family == "gemv")
+    assert any(scheme.split("_")[0] in k.name for k in ks if k.family == "gemv")
     cubin, log, _ = compile_cubin(module_source(ks), headers(), options("sm_90", verbose=True), use_cache=False)
     functions = {launch.function for k in ks for launch in k.all_launches()}
     assert all(f.encode() in cubin for f in functions)
     report = spills(log)
     spilling = {f: report[f] for f in functions if report[f] and f.startswith(("gemv", "rowwise"))}
     assert not spilling, f"{name} {scheme}: quantized kernels spill: {spilling}"
+
+
+def write_fp8_folder(folder, per_row: bool = True):
+    """The tiny HF folder (tests/tiny_files.py) with its matrices stored as fp8 checkpoints store
+    them: F8_E4M3 weights and a `weight_scale` per row [N, 1] (or one for the tensor)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tiny_files import write_tiny_folder
+    folder.mkdir()
+    write_tiny_folder(folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    out = {}
+    for name, w in tensors.items():
+        if w.ndim == 2 and not name.startswith("model.embed"):
+            top = w.abs().amax(dim=1, keepdim=True) if per_row else w.abs().amax().reshape(1)
+            scale = (top / 448.0).float()
+            out[name] = (w / scale).to(torch.float8_e4m3fn)
+            out[name + "_scale"] = scale
+        else:
+            out[name] = w
+    save_file(out, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("per_row", [True, False], ids=["per-row", "per-tensor"])
+def test_fp8_checkpoints_load_with_their_scales(tmp_path, per_row):
+    """An fp8 checkpoint's matrices read as codes x scale on the CPU, kept as fp8 (same values)
+    for the GPU, and the model runs on them: the CPU engine's logits equal those of the same
+    weights written as float32."""
+    import fuselm
+    from fuselm.loading.checkpoint import load_weights, open_checkpoint
+    from fuselm.quant.formats import QuantizedWeight
+    from safetensors.numpy import save_file
+    folder = write_fp8_folder(tmp_path / "fp8", per_row)
+    ck = open_checkpoint(folder)
+    graph = build_graph(ck.config)
+    floats = load_weights(ck, graph, progress=False)
+    kept = load_weights(ck, graph, progress=False, keep_quantized=True)
+    q = kept["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(q, QuantizedWeight) and q.format == "fp8"
+    np.testing.assert_array_equal(dequantize(q), floats["model.layers.0.mlp.down_proj.weight"])
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    save_file(floats, str(plain / "model.safetensors"))
+    for f in ("config.json", "tokenizer.json"):
+        (plain / f).write_text((folder / f).read_text())
+    a = fuselm.load(folder, device="cpu", progress=False).engine
+    b = fuselm.load(plain, device="cpu", progress=False).engine
+    ids = [3, 5, 7, 9]
+    np.testing.assert_array_equal(a.logits_of(ids), b.logits_of(ids))
+
+
+def test_fp8_block_scales_are_refused_naming_the_tensor(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from fuselm.loading.checkpoint import open_checkpoint
+    folder = write_fp8_folder(tmp_path / "fp8")
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.0.mlp.up_proj.weight_scale"] = torch.ones(2, 2)
+    save_file(tensors, str(folder / "model.safetensors"))
+    ck = open_checkpoint(folder)
+    with pytest.raises(FuselmError, match=r"tensor 'model.layers.0.mlp.up_proj.weight_scale' has shape \(2, 2\): "
+                                          r"fp8 weights need one scale for the tensor or one per row \(64\)"):
+        ck.tensors.get("model.layers.0.mlp.up_proj.weight")

@@ -10,6 +10,13 @@
 #define FUSELM_SM80 1
 #endif
 
+// sm_89 on: cvt from e4m3 pairs.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define FUSELM_SM89 1
+#else
+#define FUSELM_SM89 0
+#endif
+
 // sm_90 on: griddepcontrol (programmatic dependent launch).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define FUSELM_SM90 1

@@ -1,5 +1,6 @@
 // 16-bit floats as raw bits (bfloat16: the KV cache, the mma operands, bf16 weights; IEEE half:
-// f16 weights) and their conversions to and from float32, one value or packed pairs.
+// f16 weights and quantization scales) and their conversions to and from float32, one value or
+// packed pairs; and fp8 (e4m3) weights to float32.
 #pragma once
 #include "arch.cuh"
 
@@ -14,6 +15,27 @@ __device__ __forceinline__ float f16_to_f32(f16_t h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
+}
+
+// The 4 e4m3 values of a word (byte 0 first) as float32, exactly. sm_89 on: cvt of e4m3 pairs to
+// f16 pairs. Before: the e4m3 bits moved into f16's fields (sign to bit 15, exponent and mantissa
+// to bits 7-14) make the value times 2^-8, subnormals included; NaN (0x7f) is not kept.
+__device__ __forceinline__ void e4m3x4_to_f32(unsigned w, float (&out)[4]) {
+#if FUSELM_SM89
+    unsigned lo, hi;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(lo) : "h"((unsigned short)(w & 0xffffu)));
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(hi) : "h"((unsigned short)(w >> 16)));
+    out[0] = f16_to_f32(lo & 0xffffu);
+    out[1] = f16_to_f32(lo >> 16);
+    out[2] = f16_to_f32(hi & 0xffffu);
+    out[3] = f16_to_f32(hi >> 16);
+#else
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const unsigned b = (w >> (8 * k)) & 0xffu;
+        out[k] = f16_to_f32((f16_t)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7))) * 256.0f;
+    }
+#endif
 }
 
 // Round to nearest even, in integer arithmetic (any arch); the KV cache is stored in bf16.

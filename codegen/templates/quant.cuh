@@ -294,6 +294,36 @@ struct Q6_K {          // low nibbles [N][K/2], high pairs [N][K/4], int8 scales
     }
 };
 
+struct FP8 {           // e4m3 codes [N][K], float32 scale [N]
+    static constexpr bool XSUM = false;
+    struct Row { const unsigned char* q; float scale; };
+    struct Group { uint4 a, b; float scale; };
+    static __device__ __forceinline__ Row row(const unsigned char* w, int N, int K, int r) {
+        // the scale is a weight, written by no kernel: __ldg before the grid wait is safe
+        return {w + (size_t)r * K, __ldg(reinterpret_cast<const float*>(w + (size_t)N * K) + r)};
+    }
+    static __device__ __forceinline__ Group load(const Row& r, int g) {
+        const uint4* q = reinterpret_cast<const uint4*>(r.q) + 2 * g;
+        return {__ldcs(q), __ldcs(q + 1), r.scale};
+    }
+    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[32], float) {
+        float s = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 8; w++) {
+            float v[4];
+            e4m3x4_to_f32(w < 4 ? word_of(g.a, w) : word_of(g.b, w - 4), v);
+#pragma unroll
+            for (int k = 0; k < 4; k++) s = fmaf(v[k], x[4 * w + k], s);
+        }
+        return g.scale * s;
+    }
+    static __device__ __forceinline__ float at(const unsigned char* w, int N, int K, int r, int k) {
+        float v[4];
+        e4m3x4_to_f32(w[(size_t)r * K + k], v);
+        return reinterpret_cast<const float*>(w + (size_t)N * K)[r] * v[0];
+    }
+};
+
 // 32 values of the input vector from x[k ..], through the vector's own load (a norm prologue
 // applies its gain and gathers x^2 into ss).
 template <class Vector>
