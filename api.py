@@ -80,7 +80,7 @@ def _make_engine(device: str, graph, ckpt, ctx: int, fuse: bool, progress: bool 
                 why = f"GPU {gpu} found but the CUDA engine cannot be imported ({e})"
         if cuda_engine is not None:
             print(f"using GPU: {gpu}", file=log)
-            return cuda_engine.from_checkpoint(ckpt, graph, ctx=ctx, fuse=fuse, quant=quant)
+            return cuda_engine.from_checkpoint(ckpt, graph, ctx=ctx, fuse=fuse, quant=quant, progress=progress)
         if device == "cuda":
             raise FuselmError(f"--device cuda: {why}")
         print(f"{why}, running on the CPU", file=log)

@@ -19,7 +19,7 @@ from .safetensors_store import open_safetensors_folder
 from .tensor_store import TensorStore
 from .tokenizer import TextTokenizer
 
-__all__ = ["Checkpoint", "TensorStore", "open_checkpoint", "load_weights"]
+__all__ = ["Checkpoint", "TensorStore", "open_checkpoint", "load_weights", "iter_weights"]
 
 
 @dataclass
@@ -94,23 +94,30 @@ def load_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, progress: boo
     `keep_quantized`, the GEMV matrices and embedding tables that the file holds in a format the
     GPU kernels read stay in it (quant.QuantizedWeight)."""
     nodes = graph.sources("weight")
+    weights = iter_weights(ckpt, graph, dtype, keep_quantized)
+    return dict(tqdm(weights, total=len(nodes), desc="loading weights", unit="tensor", disable=not progress,
+                     leave=False))
+
+
+def iter_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, keep_quantized: bool = False):
+    """(name, weight) for every weight node of `graph`, one at a time, as load_weights reads them:
+    a caller that moves each to the GPU before the next holds one tensor in host memory."""
     available = set(ckpt.tensors.names())
-    weights = {}
+    quantizable = set()
     if keep_quantized:
         from ..compiler.assign_formats import quantizable_shapes
-        quantizable = quantizable_shapes(graph)
-    for node in tqdm(nodes, desc="loading weights", unit="tensor", disable=not progress, leave=False):
-        if keep_quantized and node.name in quantizable:
+        quantizable = set(quantizable_shapes(graph))
+    for node in graph.sources("weight"):
+        if node.name in quantizable:
             _load_one(ckpt, node.name, node.shape, available, None)           # present, right shape
             if (q := ckpt.tensors.quantized(node.name)) is not None:
-                weights[node.name] = q
+                yield node.name, q
                 continue
         if "*" in node.name:   # a stack over experts: "*" runs over 0 .. E-1 (see models/mixtral.py)
-            weights[node.name] = np.stack([_load_one(ckpt, node.name.replace("*", str(e)), node.shape[1:],
-                                                     available, dtype) for e in range(node.shape[0])])
+            yield node.name, np.stack([_load_one(ckpt, node.name.replace("*", str(e)), node.shape[1:],
+                                                 available, dtype) for e in range(node.shape[0])])
             continue
-        weights[node.name] = _load_one(ckpt, node.name, node.shape, available, dtype)
-    return weights
+        yield node.name, _load_one(ckpt, node.name, node.shape, available, dtype)
 
 
 def _load_one(ckpt: Checkpoint, name: str, expected: tuple, available: set, dtype) -> np.ndarray:

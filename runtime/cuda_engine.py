@@ -153,15 +153,19 @@ class CudaEngine:
 
     @classmethod
     def from_checkpoint(cls, ckpt, graph: Graph, ctx: int = 4096, fuse: bool = True,
-                        quant: str | None = None) -> "CudaEngine":
-        """Load `ckpt`'s weights and compile `graph` for this GPU. Quantized matrices of a GGUF stay
-        in their format where the kernels read it, the rest goes to bf16; `quant` "bf16" takes
-        everything to bf16, "q8" / "q4" quantize the rest on load (quant/quantize.py). Refused
-        before any weight is read when weights and KV cache would not fit the GPU's free memory."""
+                        quant: str | None = None, progress: bool = True) -> "CudaEngine":
+        """Load `ckpt`'s weights and compile `graph` for this GPU. Quantized matrices of a GGUF or
+        an fp8 checkpoint stay in their format where the kernels read it, the rest goes to bf16;
+        `quant` "bf16" takes everything to bf16, "fp8" / "q8" / "q5" / "q4" quantize the rest on
+        load (quant/quantize.py). Tensors go to the GPU one at a time (host memory holds one).
+        Refused before any weight is read when weights and KV cache would not fit the GPU's
+        free memory."""
         import cupy
         import ml_dtypes
 
-        from ..loading.checkpoint import load_weights
+        from tqdm import tqdm
+
+        from ..loading.checkpoint import iter_weights
         from ..quant.quantize import QUANT_OPTIONS, quantize
         if quant not in (None, "bf16", *QUANT_OPTIONS):
             raise FuselmError(f"--quant must be bf16 or one of {', '.join(QUANT_OPTIONS)}, got '{quant}'")
@@ -172,10 +176,17 @@ class CudaEngine:
             formats = {**{n: target for n, shape in quantizable_shapes(graph).items()
                           if format_of(target).fits(shape)}, **formats}
         check_device_memory(cupy, graph, ctx, formats=formats)
-        weights = load_weights(ckpt, graph, dtype=ml_dtypes.bfloat16, keep_quantized=keep)
-        for name, fmt in formats.items():
-            if not isinstance(weights[name], QuantizedWeight):
-                weights[name] = quantize(np.asarray(weights[name], np.float32), fmt)
+        # one tensor at a time from the (mapped) file to the GPU: host memory holds one, not all
+        weights = {}
+        total = weight_bytes(graph, formats)
+        with tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, disable=not progress,
+                  leave=False) as bar:
+            for name, w in iter_weights(ckpt, graph, dtype=ml_dtypes.bfloat16, keep_quantized=keep):
+                if name in formats and not isinstance(w, QuantizedWeight):
+                    w = quantize(np.asarray(w, np.float32), formats[name])
+                weights[name] = (QuantizedWeight(w.format, w.shape, cupy.asarray(w.data))
+                                 if isinstance(w, QuantizedWeight) else as_device(cupy, w))
+                bar.update(weights[name].nbytes)
         return cls(graph, weights, ctx=ctx, fuse=fuse)
 
     # ---- memory ----
