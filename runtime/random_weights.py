@@ -17,7 +17,8 @@ def random_gpu_weights(graph: Graph, seed: int = 0, std: float = 0.02, formats=N
     for i, node in enumerate(graph.sources("weight")):
         if formats and node.name in formats:
             out[node.name] = random_weight(formats[node.name], node.shape, std, xp=cp, seed=seed + i)
-        elif len(node.shape) == 1:
+            continue
+        if len(node.shape) == 1:
             w = 1.0 + 0.1 * rng.standard_normal(node.shape, dtype=cp.float32)
         else:
             w = std * rng.standard_normal(node.shape, dtype=cp.float32)
