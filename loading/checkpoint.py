@@ -19,7 +19,7 @@ from .safetensors_store import open_safetensors_folder
 from .tensor_store import TensorStore
 from .tokenizer import TextTokenizer
 
-__all__ = ["Checkpoint", "TensorStore", "open_checkpoint", "load_weights", "iter_weights"]
+__all__ = ["Checkpoint", "TensorStore", "open_checkpoint", "load_weights", "iter_weights", "gpu_formats"]
 
 
 @dataclass
@@ -86,6 +86,12 @@ def _checked(ckpt: Checkpoint) -> Checkpoint:
         raise FuselmError(f"{where}: the tensors hold {max(layers) + 1} layers but num_hidden_layers "
                           f"is {cfg.num_layers}")
     return ckpt
+
+
+def gpu_formats(ckpt: Checkpoint, graph: Graph) -> dict[str, str]:
+    """The quantized formats `ckpt`'s tensors keep on the GPU (from headers only), by weight name."""
+    from ..compiler.assign_formats import quantizable_shapes
+    return {n: f for n in quantizable_shapes(graph) if (f := ckpt.tensors.gpu_format(n))}
 
 
 def load_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, progress: bool = True,

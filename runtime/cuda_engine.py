@@ -77,11 +77,6 @@ def check_device_memory(cp, graph: Graph, ctx: int, resident: int = 0, extra: in
                       f"{gpu_name()} has {size_text(free)} free; {advice}")
 
 
-def quantized_formats(ckpt, graph: Graph) -> dict[str, str]:
-    """The formats `ckpt`'s tensors would keep on the GPU (from headers only), by weight name."""
-    return {n: f for n in quantizable_shapes(graph) if (f := ckpt.tensors.gpu_format(n))}
-
-
 def gpu_available() -> bool:
     """Whether CuPy imports and sees at least one CUDA device."""
     try:
@@ -165,12 +160,12 @@ class CudaEngine:
 
         from tqdm import tqdm
 
-        from ..loading.checkpoint import iter_weights
+        from ..loading.checkpoint import gpu_formats, iter_weights
         from ..quant.quantize import QUANT_OPTIONS, quantize
         if quant not in (None, "bf16", *QUANT_OPTIONS):
             raise FuselmError(f"--quant must be bf16 or one of {', '.join(QUANT_OPTIONS)}, got '{quant}'")
         keep = quant != "bf16"
-        formats = quantized_formats(ckpt, graph) if keep else {}
+        formats = gpu_formats(ckpt, graph) if keep else {}
         target = QUANT_OPTIONS.get(quant)
         if target:
             formats = {**{n: target for n, shape in quantizable_shapes(graph).items()

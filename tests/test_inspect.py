@@ -37,7 +37,7 @@ def assert_one_line_error(rc, out, err, fragment):
 
 def expected(model: str, fuse: bool = True):
     """(compiled graph, kernels) built directly, to check what inspect prints against."""
-    cfg, _ = insp.load_config(model)
+    cfg, _, _ = insp.load_config(model)
     G, kernels, _ = insp.build(cfg, fuse=fuse)
     return G, kernels
 

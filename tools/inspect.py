@@ -60,25 +60,43 @@ class Row:
 # ---- model -> config -> kernels -------------------------------------------------------------------
 
 def load_config(model: str):
-    """(DecoderConfig, description) of a preset name, checkpoint path or config.json file."""
+    """(DecoderConfig, description, weight formats) of a preset name (PRESET@SCHEME: its weights
+    in a quantization scheme's formats), checkpoint path (the formats its tensors keep on the GPU)
+    or config.json file."""
+    from ..models import build_graph
     from ..models.config import DecoderConfig
     from ..models.presets import PRESETS, preset
+    from ..quant.schemes import graph_formats
 
     path = Path(model)
     if path.exists():
         if path.is_file() and path.suffix.lower() == ".json":
             from ..loading.json_file import read_object
-            return DecoderConfig.from_hf(read_object(path), str(path)), str(path)
-        from ..loading.checkpoint import open_checkpoint   # headers and metadata only
-        return open_checkpoint(path).config, str(path)
-    if model in PRESETS:
-        return preset(model), f"preset {model}"
+            return DecoderConfig.from_hf(read_object(path), str(path)), str(path), {}
+        from ..loading.checkpoint import gpu_formats, open_checkpoint   # headers and metadata only
+        ckpt = open_checkpoint(path)
+        return ckpt.config, str(path), gpu_formats(ckpt, build_graph(ckpt.config))
+    name, _, scheme = model.partition("@")
+    if name in PRESETS:
+        try:
+            formats = graph_formats(build_graph(preset(name)), scheme) if scheme else {}
+        except ValueError as e:
+            raise FuselmError(f"'{model}': {e}") from None
+        return preset(name), f"preset {model}", formats
     raise FuselmError(f"'{model}' is neither a file or folder nor a preset "
                       f"(presets: {', '.join(sorted(PRESETS))})")
 
 
+def formats_text(cfg, formats: dict[str, str]) -> str:
+    """How many matrices each format holds, e.g. "q4_1 x210, q8_0 x1, the rest bf16"."""
+    if not formats:
+        return "bf16"
+    counts = {f: list(formats.values()).count(f) for f in sorted(set(formats.values()))}
+    return ", ".join(f"{f} x{n}" for f, n in counts.items()) + ", the rest bf16"
+
+
 def build(cfg, fuse: bool = True, ctx: int | None = None, dump: str | Path | None = None, prefill: int = 0,
-          target: Target | None = None, tuning: Tuning | None = None):
+          target: Target | None = None, tuning: Tuning | None = None, formats=None):
     """(compiled graph, kernels in launch order with the sampler last, ctx) as the runtime has them
     (codegen.build_program, nothing compiled); with `prefill` > 0, the batched-prefill graph's for
     steps of that many tokens, or a one-line error saying why the model has none."""
@@ -87,12 +105,12 @@ def build(cfg, fuse: bool = True, ctx: int | None = None, dump: str | Path | Non
     ctx = ctx or min(cfg.max_position_embeddings, DEFAULT_CTX)
     target, tuning = target or Target(), tuning or Tuning.from_env()
     if prefill:
-        steps = prefill_steps(build_graph(cfg), ctx, target, tuning, fuse, sizes=(prefill,))
+        steps = prefill_steps(build_graph(cfg), ctx, target, tuning, fuse, sizes=(prefill,), formats=formats)
         if isinstance(steps, str):
             raise FuselmError(f"{cfg.architecture} has no batched prefill (prompts go one token at a time): {steps}")
         return steps[0].G, steps[0].kernels, ctx
     program = build_program(build_graph(cfg), ctx, target, tuning, fuse=fuse, prefill=False, compile=False,
-                            dump=dump)
+                            dump=dump, formats=formats)
     return program.decode.G, program.decode.kernels, ctx
 
 
@@ -357,16 +375,16 @@ def main(args: argparse.Namespace) -> int:
     out = writable_folder(args.out, "--out") if args.out else None
     if args.dump:
         writable_folder(args.dump, "--dump")
-    cfg, source = load_config(args.model)
+    cfg, source, formats = load_config(args.model)
     G, kernels, ctx = build(cfg, fuse=not args.no_fuse, ctx=args.ctx, dump=args.dump,
-                            prefill=tokens if prefill else 0, target=target, tuning=tuning)
+                            prefill=tokens if prefill else 0, target=target, tuning=tuning, formats=formats)
     rows = schedule_rows(kernels, args.position, tokens)
     at = f" at position {args.position}" if args.position is not None else ""
     step = f"a prefill step of {tokens} tokens" if prefill else "one decode token"
     title = (f"{source}: {cfg.architecture}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
              f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads of {cfg.head_dim}, vocab {cfg.vocab_size}; "
              f"{'fused' if not args.no_fuse else 'unfused'}, ctx {ctx}; {step}{at}; "
-             f"{target.arch} with {target.sms} SMs")
+             f"{target.arch} with {target.sms} SMs; weights {formats_text(cfg, formats)}")
     lines = summary(G, kernels, rows, ctx, args.position, prefill)
     if args.tuning:
         lines += ["tuning:"] + ["  " + line for line in tuning.lines()]
