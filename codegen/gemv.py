@@ -85,6 +85,7 @@ def generate(spec: KernelSpec) -> KernelSource:
                               rows_per_warp=rows_per_warp)
     name, source = render("gemv.cu.j2", "gemv", shape_name(vec, zips), params=params.decls, **vec, zips=zips,
                           quantized=quantized, threads=tuning.gemv_warps * 32, unroll=unroll, ksplit=ksplit,
+                          min_blocks=tuning.gemv_quant_blocks_per_sm if quantized else 1,
                           rows_per_warp=rows_per_warp,
                           max_tile=max(z.R * len(z.members) for z in zips), grid=grid)
     return KernelSource(name, "gemv", source, launch.nodes,

@@ -2,7 +2,7 @@
 //   Row        where one weight row's sections start,
 //   Group      what one lane loads for one group of 32 weights (codes and scales, raw),
 //   load()     that load (streamed past L1 with __ldcs, like bf16 weights),
-//   dot()      the group's dot product with 32 values of the input vector,
+//   dot()      one half of the group's dot product (16 weights) with its 16 input values,
 //   at()       one weight, for the embedding's row gather.
 // The codes become floats without a conversion instruction: PRMT puts a code byte under the
 // exponent byte 0x4B, making the float 2^23 + code, and one subtraction, exact, removes 2^23 and
@@ -24,30 +24,28 @@ __device__ __forceinline__ float dot4(unsigned codes, const float* x, float acc)
     return acc;
 }
 
-// A group's 4-bit codes (byte i: weight i low, weight i + 16 high) against x[0 .. 32): the low
-// half's sum in lo, the high half's in hi, each code minus ZERO. high_bits(w) returns, for
-// nibble word w, two words of extra bits already in place above the nibbles (Q6_K) or zeros.
+// One half of a group (half 0: weights 0-15, the low nibbles; half 1: 16-31, the high ones)
+// against its 16 input values x[0 .. 16): the sum of (code - ZERO) * x.
 template <int ZERO, class HighBits>
-__device__ __forceinline__ void dot_nibbles(const uint4& q, const float (&x)[32], float& lo, float& hi,
-                                            HighBits high_bits) {
-    lo = 0.0f;
-    hi = 0.0f;
+__device__ __forceinline__ float dot_nibbles_half(const uint4& q, const float (&x)[16], int half, HighBits high_bits) {
+    float s = 0.0f;
 #pragma unroll
     for (int w = 0; w < 4; w++) {
         const unsigned word = word_of(q, w);
-        uint2 extra = high_bits(w);
-        lo = dot4<ZERO>((word & 0x0F0F0F0Fu) | extra.x, &x[4 * w], lo);
-        hi = dot4<ZERO>(((word >> 4) & 0x0F0F0F0Fu) | extra.y, &x[16 + 4 * w], hi);
+        const uint2 extra = high_bits(w);
+        const unsigned codes = half ? ((word >> 4) & 0x0F0F0F0Fu) | extra.y : (word & 0x0F0F0F0Fu) | extra.x;
+        s = dot4<ZERO>(codes, &x[4 * w], s);
     }
+    return s;
 }
 struct NoHighBits {
     __device__ __forceinline__ uint2 operator()(int) const { return {0u, 0u}; }
 };
 
-__device__ __forceinline__ float sum32(const float (&x)[32]) {
+__device__ __forceinline__ float sum16(const float (&x)[16]) {
     float s = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 32; i++) s += x[i];
+    for (int i = 0; i < 16; i++) s += x[i];
     return s;
 }
 
@@ -68,11 +66,11 @@ struct Q8_0 {          // codes int8 [N][K], d f16 [N][K/32]
         const uint4* q = reinterpret_cast<const uint4*>(r.q) + 2 * g;
         return {__ldcs(q), __ldcs(q + 1), __ldcs(r.d + g)};
     }
-    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[32], float) {
+    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[16], int half, float) {
         float s = 0.0f;
 #pragma unroll
-        for (int w = 0; w < 8; w++)   // signed codes + 128 are unsigned bytes: flip each sign bit
-            s = dot4<128>((w < 4 ? word_of(g.a, w) : word_of(g.b, w - 4)) ^ 0x80808080u, &x[4 * w], s);
+        for (int w = 0; w < 4; w++)   // signed codes + 128 are unsigned bytes: flip each sign bit
+            s = dot4<128>(word_of(half ? g.b : g.a, w) ^ 0x80808080u, &x[4 * w], s);
         return f16_to_f32(g.d) * s;
     }
     static __device__ __forceinline__ float at(const unsigned char* w, int N, int K, int r, int k) {
@@ -91,10 +89,8 @@ struct Q4_0 {          // nibbles [N][K/2], d f16 [N][K/32]
     static __device__ __forceinline__ Group load(const Row& r, int g) {
         return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.d + g)};
     }
-    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[32], float) {
-        float lo, hi;
-        dot_nibbles<8>(g.q, x, lo, hi, NoHighBits{});
-        return f16_to_f32(g.d) * (lo + hi);
+    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[16], int half, float) {
+        return f16_to_f32(g.d) * dot_nibbles_half<8>(g.q, x, half, NoHighBits{});
     }
     static __device__ __forceinline__ float at(const unsigned char* w, int N, int K, int r, int k) {
         const Row row_ = row(w, N, K, r);
@@ -112,10 +108,9 @@ struct Q4_1 {          // nibbles [N][K/2], (d, m) f16 pairs [N][K/32]
     static __device__ __forceinline__ Group load(const Row& r, int g) {
         return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.dm + g)};
     }
-    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[32], float xsum) {
-        float lo, hi;
-        dot_nibbles<0>(g.q, x, lo, hi, NoHighBits{});
-        return fmaf(f16_to_f32(g.dm & 0xffff), lo + hi, f16_to_f32(g.dm >> 16) * xsum);
+    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[16], int half, float xsum) {
+        const float s = dot_nibbles_half<0>(g.q, x, half, NoHighBits{});
+        return fmaf(f16_to_f32(g.dm & 0xffff), s, f16_to_f32(g.dm >> 16) * xsum);
     }
     static __device__ __forceinline__ float at(const unsigned char* w, int N, int K, int r, int k) {
         const Row row_ = row(w, N, K, r);
@@ -151,11 +146,11 @@ struct Q4_K {          // nibbles [N][K/2], 16-byte headers [N][K/256]
     static __device__ __forceinline__ Group load(const Row& r, int g) {
         return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.h + g / 8), g % 8};
     }
-    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[32], float xsum) {
-        float lo, hi, scale, min;
-        dot_nibbles<0>(g.q, x, lo, hi, NoHighBits{});
+    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[16], int half, float xsum) {
+        float scale, min;
+        const float s = dot_nibbles_half<0>(g.q, x, half, NoHighBits{});
         q4_k_scale_min(g.h, g.j, scale, min);
-        return fmaf(scale, lo + hi, -min * xsum);
+        return fmaf(scale, s, -min * xsum);
     }
     static __device__ __forceinline__ float at(const unsigned char* w, int N, int K, int r, int k) {
         const Row row_ = row(w, N, K, r);
@@ -191,10 +186,8 @@ struct Q5_0 {          // nibbles [N][K/2], fifth bits [N][K/32] words, d f16 [N
     static __device__ __forceinline__ Group load(const Row& r, int g) {
         return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.h + g), __ldcs(r.d + g)};
     }
-    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[32], float) {
-        float lo, hi;
-        dot_nibbles<16>(g.q, x, lo, hi, FifthBits{g.h});
-        return f16_to_f32(g.d) * (lo + hi);
+    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[16], int half, float) {
+        return f16_to_f32(g.d) * dot_nibbles_half<16>(g.q, x, half, FifthBits{g.h});
     }
     static __device__ __forceinline__ float at(const unsigned char* w, int N, int K, int r, int k) {
         const Row row_ = row(w, N, K, r);
@@ -214,10 +207,9 @@ struct Q5_1 {          // nibbles [N][K/2], fifth bits [N][K/32] words, (d, m) f
     static __device__ __forceinline__ Group load(const Row& r, int g) {
         return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.h + g), __ldcs(r.dm + g)};
     }
-    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[32], float xsum) {
-        float lo, hi;
-        dot_nibbles<0>(g.q, x, lo, hi, FifthBits{g.h});
-        return fmaf(f16_to_f32(g.dm & 0xffff), lo + hi, f16_to_f32(g.dm >> 16) * xsum);
+    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[16], int half, float xsum) {
+        const float s = dot_nibbles_half<0>(g.q, x, half, FifthBits{g.h});
+        return fmaf(f16_to_f32(g.dm & 0xffff), s, f16_to_f32(g.dm >> 16) * xsum);
     }
     static __device__ __forceinline__ float at(const unsigned char* w, int N, int K, int r, int k) {
         const Row row_ = row(w, N, K, r);
@@ -239,11 +231,11 @@ struct Q5_K {          // nibbles [N][K/2], fifth bits [N][K/32] words, Q4_K's h
     static __device__ __forceinline__ Group load(const Row& r, int g) {
         return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.hdr + g / 8), __ldcs(r.h + g), g % 8};
     }
-    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[32], float xsum) {
-        float lo, hi, scale, min;
-        dot_nibbles<0>(g.q, x, lo, hi, FifthBits{g.h});
+    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[16], int half, float xsum) {
+        float scale, min;
+        const float s = dot_nibbles_half<0>(g.q, x, half, FifthBits{g.h});
         q4_k_scale_min(g.hdr, g.j, scale, min);
-        return fmaf(scale, lo + hi, -min * xsum);
+        return fmaf(scale, s, -min * xsum);
     }
     static __device__ __forceinline__ float at(const unsigned char* w, int N, int K, int r, int k) {
         const Row row_ = row(w, N, K, r);
@@ -277,11 +269,9 @@ struct Q6_K {          // low nibbles [N][K/2], high pairs [N][K/4], int8 scales
             return {(word & 0x03030303u) << 4, ((word >> 2) & 0x03030303u) << 4};
         }
     };
-    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[32], float) {
-        float lo, hi;
-        dot_nibbles<32>(g.q, x, lo, hi, HighBits{g.h});
-        const float sc_lo = (float)(signed char)(g.s & 0xff), sc_hi = (float)(signed char)(g.s >> 8);
-        return f16_to_f32(g.d) * fmaf(sc_lo, lo, sc_hi * hi);
+    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[16], int half, float) {
+        const float sc = (float)(signed char)(half ? g.s >> 8 : g.s & 0xff);
+        return f16_to_f32(g.d) * sc * dot_nibbles_half<32>(g.q, x, half, HighBits{g.h});
     }
     static __device__ __forceinline__ float at(const unsigned char* w, int N, int K, int r, int k) {
         const Row row_ = row(w, N, K, r);
@@ -306,12 +296,12 @@ struct FP8 {           // e4m3 codes [N][K], float32 scale [N]
         const uint4* q = reinterpret_cast<const uint4*>(r.q) + 2 * g;
         return {__ldcs(q), __ldcs(q + 1), r.scale};
     }
-    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[32], float) {
+    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[16], int half, float) {
         float s = 0.0f;
 #pragma unroll
-        for (int w = 0; w < 8; w++) {
+        for (int w = 0; w < 4; w++) {
             float v[4];
-            e4m3x4_to_f32(w < 4 ? word_of(g.a, w) : word_of(g.b, w - 4), v);
+            e4m3x4_to_f32(word_of(half ? g.b : g.a, w), v);
 #pragma unroll
             for (int k = 0; k < 4; k++) s = fmaf(v[k], x[4 * w + k], s);
         }
@@ -324,12 +314,12 @@ struct FP8 {           // e4m3 codes [N][K], float32 scale [N]
     }
 };
 
-// 32 values of the input vector from x[k ..], through the vector's own load (a norm prologue
+// 16 values of the input vector from x[k ..], through the vector's own load (a norm prologue
 // applies its gain and gathers x^2 into ss).
 template <class Vector>
-__device__ __forceinline__ void load32(const Vector& v, int k, float (&x)[32], float& ss) {
+__device__ __forceinline__ void load16(const Vector& v, int k, float (&x)[16], float& ss) {
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
+    for (int j = 0; j < 2; j++) {
         float part[8];
         v.load8(k + 8 * j, part, ss);
 #pragma unroll
@@ -337,9 +327,25 @@ __device__ __forceinline__ void load32(const Vector& v, int k, float (&x)[32], f
     }
 }
 
+// acc[r] += the dot products of NR rows' groups q[r] with the group's 32 input values from
+// x[k ..], half by half: 16 values live at a time, not 32.
+template <class F, int NR, class Vector>
+__device__ __forceinline__ void dot_groups(const typename F::Group (&q)[NR], const Vector& v, int k,
+                                           float (&acc)[NR], float& ss) {
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        float x[16];
+        load16(v, k + 16 * half, x, ss);
+        const float xsum = F::XSUM ? sum16(x) : 0.0f;
+#pragma unroll
+        for (int r = 0; r < NR; r++) acc[r] += F::dot(q[r], x, half, xsum);
+    }
+}
+
 // acc[r] = dot(row r's weights [k0, k0 + K), v) for NR rows of format F, by the calling warp: as
 // warp_dot_rows (gemv.cuh) with groups of 32 weights for 16-byte chunks. Lane l takes groups
-// l, l + 32, ...; UNROLL x NR groups' loads are in flight before the first dot product.
+// l, l + 32, ...; UNROLL x NR groups' loads are in flight before the first dot product, and the
+// input vector is read half a group at a time (registers bound this kernel, not the bytes).
 template <class F, int K, int UNROLL, int NR, class Vector>
 __device__ __forceinline__ void warp_dot_rows_q(const typename F::Row (&rows)[NR], int k0, const Vector& v,
                                                 float (&acc)[NR], bool& pending, float& sumsq) {
@@ -358,13 +364,7 @@ __device__ __forceinline__ void warp_dot_rows_q(const typename F::Row (&rows)[NR
             for (int r = 0; r < NR; r++) q[u][r] = F::load(rows[r], g0 + base + 32 * u + lane);
         if (pending) { grid_wait_then_release(); pending = false; }   // weights in flight meanwhile
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
-            float x[32];
-            load32(v, 32 * (base + 32 * u + lane), x, ss);
-            const float xsum = F::XSUM ? sum32(x) : 0.0f;
-#pragma unroll
-            for (int r = 0; r < NR; r++) acc[r] += F::dot(q[u][r], x, xsum);
-        }
+        for (int u = 0; u < UNROLL; u++) dot_groups<F, NR>(q[u], v, 32 * (base + 32 * u + lane), acc, ss);
     }
     if constexpr (REM > 0) {
         typename F::Group q[REM][NR];
@@ -379,13 +379,7 @@ __device__ __forceinline__ void warp_dot_rows_q(const typename F::Row (&rows)[NR
 #pragma unroll
         for (int j = 0; j < REM; j++) {
             const int g = FULL + 32 * j + lane;
-            if (g < GROUPS) {
-                float x[32];
-                load32(v, 32 * g, x, ss);
-                const float xsum = F::XSUM ? sum32(x) : 0.0f;
-#pragma unroll
-                for (int r = 0; r < NR; r++) acc[r] += F::dot(q[j][r], x, xsum);
-            }
+            if (g < GROUPS) dot_groups<F, NR>(q[j], v, 32 * g, acc, ss);
         }
     }
 #pragma unroll
