@@ -138,10 +138,18 @@ QUANTIZED_MODELS = [("llama-3.1-8b", "q4_k_m"), ("llama-3.2-1b", "q8_0"), ("llam
                     ("llama-3.2-1b", "fp8")]
 
 
+# The quantized GEMVs' registers are capped for gemv_quant_blocks_per_sm = 2 blocks per SM; ptxas
+# then spills a little in the widest Q4_K / Q5_K / Q6_K and Q8_0 kernels (156 bytes in the 8B
+# Q4_K_M's, up to 408 in Gemma-2's), measured faster than one block without spills (8B Q4_K_M
+# 278 -> 328 tok/s: bench/results/2026-12-03-h200-quant-ab-halves.json). Up to this is tolerated.
+QUANT_TOLERATED_SPILL_BYTES = 512
+
+
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("name,scheme", QUANTIZED_MODELS, ids=[f"{n}-{s}" for n, s in QUANTIZED_MODELS])
 def test_quantized_module_compiles_without_gemv_spills(name, scheme, fuse):
-    """Every kernel of a quantized decode step compiles for sm_90; its GEMVs do not spill."""
+    """Every kernel of a quantized decode step compiles for sm_90; its GEMVs spill at most
+    QUANT_TOLERATED_SPILL_BYTES, its row-wise kernels nothing."""
     graph = build_graph(preset(name))
     G = to_networkx(graph)
     formats = scheme_formats(scheme, {n: G.nodes[n]["shape"] for n in quantizable_weights(G)})
@@ -153,7 +161,8 @@ def test_quantized_module_compiles_without_gemv_spills(name, scheme, fuse):
     assert all(f.encode() in cubin for f in functions)
     report = spills(log)
     spilling = {f: report[f] for f in functions if report[f] and f.startswith(("gemv", "rowwise"))}
-    assert not spilling, f"{name} {scheme}: quantized kernels spill: {spilling}"
+    too_much = {f: b for f, b in spilling.items() if f.startswith("rowwise") or b > QUANT_TOLERATED_SPILL_BYTES}
+    assert not too_much, f"{name} {scheme}: quantized kernels spill: {spilling}"
 
 
 def write_fp8_folder(folder, per_row: bool = True):
