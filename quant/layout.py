@@ -3,6 +3,7 @@ blocks once at load, `dequantize` reads our layout back to float32 (the CPU refe
 check that repacking loses nothing: it must equal the `gguf` library's own dequantization)."""
 from __future__ import annotations
 
+import gguf
 import ml_dtypes
 import numpy as np
 
@@ -18,8 +19,7 @@ def from_gguf(fmt: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantizedWei
     K / block blocks), in our layout. ValueError when the bytes do not make N * K / block blocks."""
     f = FORMATS[fmt]
     N, K = shape
-    per_block = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q5_0": 22, "q5_1": 24, "q5_k": 176,
-                 "q6_k": 210}[fmt]
+    per_block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[f.gguf_type]][1]   # bytes of a GGUF block
     raw = np.ascontiguousarray(raw, np.uint8).reshape(-1)
     if K % f.block or raw.size != N * K // f.block * per_block:
         raise ValueError(f"{raw.size} bytes are not {N} x {K} weights in {fmt} blocks of {f.block}")
