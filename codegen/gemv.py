@@ -13,7 +13,7 @@ from . import cexpr
 from .kernel import KernelSource, KernelSpec, Launch
 from .params import Params
 from .render import render
-from .tuning import Target, Tuning
+from .tuning import SMEM_STATIC, Target, Tuning
 
 
 @dataclass
@@ -83,13 +83,23 @@ def generate(spec: KernelSpec) -> KernelSource:
     zips, grid = zip_contexts(G, launch, params,
                               lambda members, pairs: _slots(ksplit, members, pairs, rows_per_warp, tuning),
                               rows_per_warp=rows_per_warp)
+    max_tile = max(z.R * len(z.members) for z in zips)
+    staged = all(f.integer_codes for f in formats) and staged_fits(vec["K"], ksplit, max_tile)
     name, source = render("gemv.cu.j2", "gemv", shape_name(vec, zips), params=params.decls, **vec, zips=zips,
-                          quantized=quantized, threads=tuning.gemv_warps * 32, unroll=unroll, ksplit=ksplit,
+                          quantized=quantized, staged=staged, threads=tuning.gemv_warps * 32, unroll=unroll, ksplit=ksplit,
                           min_blocks=tuning.gemv_quant_blocks_per_sm if quantized else 1,
                           rows_per_warp=rows_per_warp,
-                          max_tile=max(z.R * len(z.members) for z in zips), grid=grid)
+                          max_tile=max_tile, grid=grid)
     return KernelSource(name, "gemv", source, launch.nodes,
                         [Launch(name, (grid, 1), tuning.gemv_warps * 32, params.values)], launch.layer)
+
+
+def staged_fits(K: int, ksplit: int, max_tile: int) -> bool:
+    """Whether a quantized GEMV's vector, staged as int16 groups (StagedX: 2 bytes a value, a scale
+    and two sums a group), fits the static shared memory beside its tile of dot products (and
+    1 KiB for an epilogue's exchanges). Rows longer than ~19k weights take the float path."""
+    staged = 2 * K + 12 * (K // 32)
+    return staged + 4 * ksplit * (max_tile + 1) + 1024 <= SMEM_STATIC
 
 
 def shape_name(vec: dict, zips: list[ZipTile], tokens: int | None = None) -> str:

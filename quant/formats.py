@@ -47,6 +47,12 @@ class Format:
         return math.prod(shape[:-1]) * (shape[-1] // self.block * self.bytes_per_block + self.bytes_per_row)
 
     @property
+    def integer_codes(self) -> bool:
+        """Whether its codes are integers (every GGUF type but the floats): the GEMV then takes
+        dp2a on the vector staged in int16 (templates/quant.cuh, StagedX)."""
+        return self.gguf_type is not None
+
+    @property
     def bits_per_weight(self) -> float:
         return 8 * self.bytes_per_block / self.block
 

@@ -29,6 +29,20 @@ QCFG = dict(architectures=["LlamaForCausalLM"], vocab_size=1001, hidden_size=512
             rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=512)
 
 
+# Model-level tolerance where integer codes meet the int16-staged vector. Each GEMV is within ~3e-5
+# of float64 (test_quantized_gemv_against_float64), but that moves K and V enough to flip ~0.5%
+# of their bf16 roundings, and this random model's sharp softmax turns a few flips into single-
+# step spikes: measured 2e-4 per step on the float path, 1e-3 typical and up to 3.4e-2 at one
+# step of twenty with the staged vector (tied Q4_K_M mix). A wrong kernel misses by far more.
+STAGED_MODEL_TOL = 5e-2
+
+
+def model_tol(formats) -> float:
+    """compare_steps' tolerance for a model holding weights in `formats`."""
+    from fuselm.quant.formats import FORMATS as ALL
+    return STAGED_MODEL_TOL if any(ALL[f].integer_codes for f in formats) else 5e-3
+
+
 def quantized_model(formats_of, cfg=QCFG, seed=None):
     """(graph, engine weights, reference weights): every quantizable weight in formats_of(name)."""
     from fuselm.compiler.assign_formats import quantizable_weights
@@ -76,6 +90,10 @@ def test_quantized_gemv_against_float64(fmt, size):
     eng = engine_for(g, weights, ctx=8)
     assert eng.formats == {"wa": fmt, "wb": other, "wc": fmt}
     W = {k: dequantize(weights[k]).astype(np.float64) for k in ("wa", "wb", "wc")}
+    # integer codes meet the vector staged in int16 groups (2^-16 of a group's largest value per
+    # element: ~2e-5 of a dot product); fp8 zipped with q8_0 reads it as floats
+    tol = 1e-5 if fmt == "fp8" else 1e-4
+    worst = 0.0
     for t in range(3):
         xs = rng.standard_normal((1, K)).astype(np.float32)
         x64 = xs[0].astype(np.float64)
@@ -89,8 +107,9 @@ def test_quantized_gemv_against_float64(fmt, size):
         for k, ref in want.items():
             got = eng.output(k)[0]
             err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-            assert np.isfinite(got).all() and err < 1e-5, f"{fmt}/{other} {N}x{K} {k}: rel error {err:.2e}"
-    print(f"gemv {fmt} (zipped with {other}) {N}x{K}: rel error vs float64 < 1e-5")
+            worst = max(worst, err)
+            assert np.isfinite(got).all() and err < tol, f"{fmt}/{other} {N}x{K} {k}: rel error {err:.2e}"
+    print(f"gemv {fmt} (zipped with {other}) {N}x{K}: worst rel error vs float64 {worst:.2e} (< {tol:g})")
 
 
 @pytest.mark.parametrize("fuse", [True, False])
@@ -102,7 +121,7 @@ def test_quantized_model_matches_reference(fmt, fuse):
     graph, weights, reference = quantized_model(lambda name, shape: fmt)
     assert sum(isinstance(w, QuantizedWeight) for w in weights.values()) == 2 * 7 + 2
     rng = np.random.default_rng()
-    worst = compare_steps(graph, weights, rng.integers(0, QCFG["vocab_size"], 24), fuse=fuse, tol=5e-3,
+    worst = compare_steps(graph, weights, rng.integers(0, QCFG["vocab_size"], 24), fuse=fuse, tol=model_tol([fmt]),
                           reference_weights=reference)
     print(f"{fmt} model fuse={fuse}: worst rel logit error {worst:.2e}")
 
@@ -125,7 +144,7 @@ def test_q4_k_m_mix_matches_reference(tied):
     assert "q6_k" in mix.values() and "q4_k" in mix.values()
     graph, weights, reference = quantized_model(lambda name, shape: mix.get(name), cfg)
     rng = np.random.default_rng()
-    worst = compare_steps(graph, weights, rng.integers(0, cfg["vocab_size"], 20), tol=5e-3,
+    worst = compare_steps(graph, weights, rng.integers(0, cfg["vocab_size"], 20), tol=model_tol(mix.values()),
                           reference_weights=reference)
     print(f"q4_k_m mix tied={tied}: worst rel logit error {worst:.2e}")
 
@@ -137,7 +156,7 @@ def test_smollm2_shapes_quantized_decode():
     graph, weights, reference = quantized_model(
         lambda name, shape: "q8_0" if "embed" in name else "q4_1", {**PRESETS["smollm2-135m"], "num_hidden_layers": 4})
     rng = np.random.default_rng()
-    worst = compare_steps(graph, weights, rng.integers(0, 49152, 12), tol=5e-3, ctx=64, reference_weights=reference)
+    worst = compare_steps(graph, weights, rng.integers(0, 49152, 12), tol=STAGED_MODEL_TOL, ctx=64, reference_weights=reference)
     print(f"smollm2 shapes q4_1/q8_0: worst rel logit error {worst:.2e}")
 
 

@@ -1,5 +1,5 @@
 // Shared device helpers. Header-free on purpose: NVRTC needs no CUDA include path, so CI can
-// compile every kernel without a GPU or a toolkit. PTX is wrapped in bf16.cuh, mma.cuh,
+// compile every kernel without a GPU or a toolkit. PTX is wrapped in bf16.cuh, mma.cuh, idp.cuh,
 // cp_async.cuh, pdl.cuh and sreg.cuh (one helper per instruction); nothing else writes asm.
 #pragma once
 #include "bf16.cuh"

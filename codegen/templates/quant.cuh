@@ -2,13 +2,45 @@
 //   Row        where one weight row's sections start,
 //   Group      what one lane loads for one group of 32 weights (codes and scales, raw),
 //   load()     that load (streamed past L1 with __ldcs, like bf16 weights),
-//   dot()      one half of the group's dot product (16 weights) with its 16 input values,
+//   idot()     the group's dot product with the staged vector (integer formats, below),
+//   dot()      one half of the group's dot product (16 weights) with 16 float input values,
 //   at()       one weight, for the embedding's row gather.
+// The integer formats' codes are bytes, so dp2a (idp.cuh) multiplies two of them by two int16
+// values of the vector, staged once per block in shared memory (StagedX), in one instruction.
+// The float path (dot) is the fallback where the staged vector would not fit shared memory.
 // The codes become floats without a conversion instruction: PRMT puts a code byte under the
 // exponent byte 0x4B, making the float 2^23 + code, and one subtraction, exact, removes 2^23 and
 // the format's zero point (code_minus). 4-bit codes reach byte lanes with one AND per 4 codes.
 #pragma once
 #include "common.cuh"
+#include "idp.cuh"
+
+// One group of the staged vector (StagedX) in registers.
+struct XGroup {
+    int v[16];      // the group's 32 values as int16 pairs: value 2i in the low half of v[i]
+    float d;        // a value is d * its int16
+    int sum[2];     // the sums of the int16 of values 0-15 and of 16-31 (zero points, minimums)
+};
+
+// acc + the dot product of the 4 signed bytes of `codes` with 4 int16 values (pairs x[0], x[1]).
+__device__ __forceinline__ int dot4_i16(const int* x, unsigned codes, int acc) {
+    return dp2a_hi(x[1], codes, dp2a_lo(x[0], codes, acc));
+}
+
+// The integer dot products of a group of nibbles (plus the high bits `high_bits` puts above
+// them) with the staged group, {weights 0-15 (low nibbles), weights 16-31 (high nibbles)}.
+template <class HighBits>
+__device__ __forceinline__ int2 idot_nibbles(const uint4& q, const XGroup& x, HighBits high_bits) {
+    int lo = 0, hi = 0;
+#pragma unroll
+    for (int w = 0; w < 4; w++) {
+        const unsigned word = word_of(q, w);
+        const uint2 extra = high_bits(w);
+        lo = dot4_i16(&x.v[2 * w], (word & 0x0F0F0F0Fu) | extra.x, lo);
+        hi = dot4_i16(&x.v[8 + 2 * w], ((word >> 4) & 0x0F0F0F0Fu) | extra.y, hi);
+    }
+    return {lo, hi};
+}
 
 // Byte k (0..3, a constant once unrolled) of `codes`, as a float, minus ZERO.
 template <int ZERO>
@@ -66,6 +98,12 @@ struct Q8_0 {          // codes int8 [N][K], d f16 [N][K/32]
         const uint4* q = reinterpret_cast<const uint4*>(r.q) + 2 * g;
         return {__ldcs(q), __ldcs(q + 1), __ldcs(r.d + g)};
     }
+    static __device__ __forceinline__ float idot(const Group& g, const XGroup& x) {
+        int s = 0;
+#pragma unroll
+        for (int w = 0; w < 4; w++) s = dot4_i16(&x.v[8 + 2 * w], word_of(g.b, w), dot4_i16(&x.v[2 * w], word_of(g.a, w), s));
+        return f16_to_f32(g.d) * x.d * (float)s;
+    }
     static __device__ __forceinline__ float dot(const Group& g, const float (&x)[16], int half, float) {
         float s = 0.0f;
 #pragma unroll
@@ -89,6 +127,10 @@ struct Q4_0 {          // nibbles [N][K/2], d f16 [N][K/32]
     static __device__ __forceinline__ Group load(const Row& r, int g) {
         return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.d + g)};
     }
+    static __device__ __forceinline__ float idot(const Group& g, const XGroup& x) {
+        const int2 s = idot_nibbles(g.q, x, NoHighBits{});
+        return f16_to_f32(g.d) * x.d * (float)(s.x + s.y - 8 * (x.sum[0] + x.sum[1]));
+    }
     static __device__ __forceinline__ float dot(const Group& g, const float (&x)[16], int half, float) {
         return f16_to_f32(g.d) * dot_nibbles_half<8>(g.q, x, half, NoHighBits{});
     }
@@ -108,6 +150,10 @@ struct Q4_1 {          // nibbles [N][K/2], (d, m) f16 pairs [N][K/32]
     static __device__ __forceinline__ Group load(const Row& r, int g) {
         return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.dm + g)};
     }
+    static __device__ __forceinline__ float idot(const Group& g, const XGroup& x) {
+        const int2 s = idot_nibbles(g.q, x, NoHighBits{});
+        return x.d * fmaf(f16_to_f32(g.dm & 0xffff), (float)(s.x + s.y), f16_to_f32(g.dm >> 16) * (float)(x.sum[0] + x.sum[1]));
+    }
     static __device__ __forceinline__ float dot(const Group& g, const float (&x)[16], int half, float xsum) {
         const float s = dot_nibbles_half<0>(g.q, x, half, NoHighBits{});
         return fmaf(f16_to_f32(g.dm & 0xffff), s, f16_to_f32(g.dm >> 16) * xsum);
@@ -122,16 +168,13 @@ struct Q4_1 {          // nibbles [N][K/2], (d, m) f16 pairs [N][K/32]
 // Q4_K's scale and min of group j (0..7) from its super-block header: d and dmin (f16) in word
 // 0, then 12 bytes: groups 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins), groups
 // 4-7 in the nibbles of bytes 8-11 with their top 2 bits in the top of bytes 0-3 and 4-7.
-// Byte i (0..11) of a Q4_K header's scales (words y, z, w), i at run time: shifts and selects,
-// not an indexed array, which would live in local memory.
-__device__ __forceinline__ int header_byte(const uint4& h, int i) {
-    const unsigned word = i < 4 ? h.y : i < 8 ? h.z : h.w;
-    return (word >> (8 * (i & 3))) & 0xff;
-}
+// Shifts and selects on j, which is a run-time value: an indexed byte array would live in
+// local memory.
 __device__ __forceinline__ void q4_k_scale_min(const uint4& h, int j, float& scale, float& min) {
-    const int lo = j & 3;
-    const int sc = j < 4 ? header_byte(h, j) & 63 : (header_byte(h, j + 4) & 0xF) | ((header_byte(h, lo) >> 6) << 4);
-    const int mn = j < 4 ? header_byte(h, j + 4) & 63 : (header_byte(h, j + 4) >> 4) | ((header_byte(h, lo + 4) >> 6) << 4);
+    const int shift = 8 * (j & 3);   // byte j % 4 of each scales word to the bottom
+    const unsigned y = h.y >> shift, z = h.z >> shift, w = h.w >> shift;
+    const unsigned sc = j < 4 ? y & 63 : (w & 15) | ((y >> 2) & 48);
+    const unsigned mn = j < 4 ? z & 63 : ((w >> 4) & 15) | ((z >> 2) & 48);
     scale = f16_to_f32(h.x & 0xffff) * (float)sc;
     min = f16_to_f32(h.x >> 16) * (float)mn;
 }
@@ -145,6 +188,12 @@ struct Q4_K {          // nibbles [N][K/2], 16-byte headers [N][K/256]
     }
     static __device__ __forceinline__ Group load(const Row& r, int g) {
         return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.h + g / 8), g % 8};
+    }
+    static __device__ __forceinline__ float idot(const Group& g, const XGroup& x) {
+        float scale, min;
+        const int2 s = idot_nibbles(g.q, x, NoHighBits{});
+        q4_k_scale_min(g.h, g.j, scale, min);
+        return x.d * fmaf(scale, (float)(s.x + s.y), -min * (float)(x.sum[0] + x.sum[1]));
     }
     static __device__ __forceinline__ float dot(const Group& g, const float (&x)[16], int half, float xsum) {
         float scale, min;
@@ -186,6 +235,10 @@ struct Q5_0 {          // nibbles [N][K/2], fifth bits [N][K/32] words, d f16 [N
     static __device__ __forceinline__ Group load(const Row& r, int g) {
         return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.h + g), __ldcs(r.d + g)};
     }
+    static __device__ __forceinline__ float idot(const Group& g, const XGroup& x) {
+        const int2 s = idot_nibbles(g.q, x, FifthBits{g.h});
+        return f16_to_f32(g.d) * x.d * (float)(s.x + s.y - 16 * (x.sum[0] + x.sum[1]));
+    }
     static __device__ __forceinline__ float dot(const Group& g, const float (&x)[16], int half, float) {
         return f16_to_f32(g.d) * dot_nibbles_half<16>(g.q, x, half, FifthBits{g.h});
     }
@@ -206,6 +259,10 @@ struct Q5_1 {          // nibbles [N][K/2], fifth bits [N][K/32] words, (d, m) f
     }
     static __device__ __forceinline__ Group load(const Row& r, int g) {
         return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.h + g), __ldcs(r.dm + g)};
+    }
+    static __device__ __forceinline__ float idot(const Group& g, const XGroup& x) {
+        const int2 s = idot_nibbles(g.q, x, FifthBits{g.h});
+        return x.d * fmaf(f16_to_f32(g.dm & 0xffff), (float)(s.x + s.y), f16_to_f32(g.dm >> 16) * (float)(x.sum[0] + x.sum[1]));
     }
     static __device__ __forceinline__ float dot(const Group& g, const float (&x)[16], int half, float xsum) {
         const float s = dot_nibbles_half<0>(g.q, x, half, FifthBits{g.h});
@@ -230,6 +287,12 @@ struct Q5_K {          // nibbles [N][K/2], fifth bits [N][K/32] words, Q4_K's h
     }
     static __device__ __forceinline__ Group load(const Row& r, int g) {
         return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.hdr + g / 8), __ldcs(r.h + g), g % 8};
+    }
+    static __device__ __forceinline__ float idot(const Group& g, const XGroup& x) {
+        float scale, min;
+        const int2 s = idot_nibbles(g.q, x, FifthBits{g.h});
+        q4_k_scale_min(g.hdr, g.j, scale, min);
+        return x.d * fmaf(scale, (float)(s.x + s.y), -min * (float)(x.sum[0] + x.sum[1]));
     }
     static __device__ __forceinline__ float dot(const Group& g, const float (&x)[16], int half, float xsum) {
         float scale, min;
@@ -269,6 +332,12 @@ struct Q6_K {          // low nibbles [N][K/2], high pairs [N][K/4], int8 scales
             return {(word & 0x03030303u) << 4, ((word >> 2) & 0x03030303u) << 4};
         }
     };
+    static __device__ __forceinline__ float idot(const Group& g, const XGroup& x) {
+        const int2 s = idot_nibbles(g.q, x, HighBits{g.h});
+        const float lo = (float)(signed char)(g.s & 0xff) * (float)(s.x - 32 * x.sum[0]);
+        const float hi = (float)(signed char)(g.s >> 8) * (float)(s.y - 32 * x.sum[1]);
+        return f16_to_f32(g.d) * x.d * (lo + hi);
+    }
     static __device__ __forceinline__ float dot(const Group& g, const float (&x)[16], int half, float) {
         const float sc = (float)(signed char)(half ? g.s >> 8 : g.s & 0xff);
         return f16_to_f32(g.d) * sc * dot_nibbles_half<32>(g.q, x, half, HighBits{g.h});
@@ -327,8 +396,8 @@ __device__ __forceinline__ void load16(const Vector& v, int k, float (&x)[16], f
     }
 }
 
-// acc[r] += the dot products of NR rows' groups q[r] with the group's 32 input values from
-// x[k ..], half by half: 16 values live at a time, not 32.
+// The float path: acc[r] += the dot products of NR rows' groups q[r] with the group's 32 input
+// values from x[k ..], half by half: 16 values live at a time, not 32.
 template <class F, int NR, class Vector>
 __device__ __forceinline__ void dot_groups(const typename F::Group (&q)[NR], const Vector& v, int k,
                                            float (&acc)[NR], float& ss) {
@@ -342,12 +411,112 @@ __device__ __forceinline__ void dot_groups(const typename F::Group (&q)[NR], con
     }
 }
 
-// acc[r] = dot(row r's weights [k0, k0 + K), v) for NR rows of format F, by the calling warp: as
-// warp_dot_rows (gemv.cuh) with groups of 32 weights for 16-byte chunks. Lane l takes groups
-// l, l + 32, ...; UNROLL x NR groups' loads are in flight before the first dot product, and the
-// input vector is read half a group at a time (registers bound this kernel, not the bytes).
-template <class F, int K, int UNROLL, int NR, class Vector>
-__device__ __forceinline__ void warp_dot_rows_q(const typename F::Row (&rows)[NR], int k0, const Vector& v,
+// The input vector of a quantized GEMV read as floats, group by group (any format).
+template <class Vector>
+struct FloatGroups {
+    static constexpr bool NORMED = Vector::NORMED;
+    Vector v;
+    __device__ __forceinline__ FloatGroups from(int k0) const { return {v.from(k0)}; }
+    __device__ __forceinline__ void wait() const { grid_wait_then_release(); }
+    // acc[r] += the dot products of NR rows' groups q[r] with group g of the vector
+    template <class F, int NR>
+    __device__ __forceinline__ void dot(const typename F::Group (&q)[NR], int g, float (&acc)[NR], float& ss) const {
+        dot_groups<F, NR>(q, v, 32 * g, acc, ss);
+    }
+};
+
+// The input vector staged in shared memory for the integer formats: each group of 32 values as
+// int16, scaled so that its largest magnitude is 32767 (an error of at most 2^-16 of it per
+// value), with its scale and the sums of its halves.
+template <int K>
+struct StagedX {
+    int v[K / 2];          // [K/32][16] int16 pairs
+    float d[K / 32];       // [K/32] scales (NaN where the group held a NaN or an infinity)
+    int2 sum[K / 32];      // [K/32] sums of the int16 of values 0-15 and 16-31
+};
+
+// Stage `src` (the previous kernel's output: after the grid wait) into x. Every thread of the
+// block calls it once, then all meet at its barrier: thread t converts chunks t, t + blockDim, ...
+// of 8 values, the 4 threads of a group sharing its largest magnitude. A norm prologue's sum of
+// x^2 is added to *sumsq.
+template <int K, class Vector>
+__device__ __forceinline__ void stage_vector(const Vector& src, StagedX<K>& x, float* sumsq) {
+    grid_wait_then_release();
+    float ss = 0.0f;
+    for (int c0 = 0; c0 < K / 8; c0 += blockDim.x) {   // the same trip count in every lane: shuffles
+        const int c = c0 + threadIdx.x;
+        const bool on = c < K / 8;
+        float v[8] = {};
+        if (on) src.load8(8 * c, v, ss);
+        float amax = 0.0f;
+        int bad = 0;                                   // fmaxf drops NaN: count the non-finite
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            amax = fmaxf(amax, fabsf(v[i]));
+            bad |= !(fabsf(v[i]) <= 3.4e38f);
+        }
+#pragma unroll
+        for (int o = 1; o < 4; o <<= 1) {
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            bad |= __shfl_xor_sync(0xffffffffu, bad, o);
+        }
+        const float inv = amax > 1e-30f ? 32767.0f / amax : 0.0f;
+        int q[8], sum = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) sum += q[i] = bad ? 0 : __float2int_rn(v[i] * inv);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);   // chunks 0+1 and 2+3: the group's halves
+        if (on) {
+            int4 packed;
+            packed.x = (q[0] & 0xffff) | (q[1] << 16);
+            packed.y = (q[2] & 0xffff) | (q[3] << 16);
+            packed.z = (q[4] & 0xffff) | (q[5] << 16);
+            packed.w = (q[6] & 0xffff) | (q[7] << 16);
+            reinterpret_cast<int4*>(x.v)[c] = packed;
+            if ((c & 1) == 0) reinterpret_cast<int*>(&x.sum[c / 4])[(c & 3) >> 1] = sum;
+            if ((c & 3) == 0) x.d[c / 4] = bad ? __int_as_float(0x7fc00000) : amax / 32767.0f;
+        }
+    }
+    if (Vector::NORMED) {
+        ss = warp_sum(ss);
+        if ((threadIdx.x & 31) == 0) atomicAdd(sumsq, ss);
+    }
+    __syncthreads();
+}
+
+// The staged vector as warp_dot_rows_q reads it: `wait` stages it, `dot` takes the integer path.
+template <int K, class Vector>
+struct StagedGroups {
+    static constexpr bool NORMED = false;   // the staging gathered x^2 itself
+    StagedX<K>* x;
+    int g0;                                 // the slice's first group
+    Vector src;
+    float* sumsq;
+    __device__ __forceinline__ StagedGroups from(int k0) const { return {x, k0 / 32, src, sumsq}; }
+    __device__ __forceinline__ void wait() const { stage_vector<K>(src, *x, sumsq); }
+    template <class F, int NR>
+    __device__ __forceinline__ void dot(const typename F::Group (&q)[NR], int g, float (&acc)[NR], float&) const {
+        XGroup xg;
+        const int4* v = reinterpret_cast<const int4*>(x->v) + 4 * (g0 + g);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int4 t = v[i];
+            xg.v[4 * i] = t.x; xg.v[4 * i + 1] = t.y; xg.v[4 * i + 2] = t.z; xg.v[4 * i + 3] = t.w;
+        }
+        xg.d = x->d[g0 + g];
+        const int2 sum = x->sum[g0 + g];
+        xg.sum[0] = sum.x; xg.sum[1] = sum.y;
+#pragma unroll
+        for (int r = 0; r < NR; r++) acc[r] += F::idot(q[r], xg);
+    }
+};
+
+// acc[r] = dot(row r's weights [k0, k0 + K), the vector) for NR rows of format F, by the calling
+// warp: as warp_dot_rows (gemv.cuh) with groups of 32 weights for 16-byte chunks. Lane l takes
+// groups l, l + 32, ...; UNROLL x NR groups' loads are in flight before the first dot product.
+// `src` (FloatGroups or StagedGroups) gives the vector's groups; while `pending`, it must
+// first wait for the previous kernel (src.wait()), with those loads in flight meanwhile.
+template <class F, int K, int UNROLL, int NR, class Source>
+__device__ __forceinline__ void warp_dot_rows_q(const typename F::Row (&rows)[NR], int k0, const Source& src,
                                                 float (&acc)[NR], bool& pending, float& sumsq) {
     static_assert(K % 32 == 0, "rows of quantized groups");
     constexpr int GROUPS = K / 32, STEP = 32 * UNROLL;
@@ -362,9 +531,9 @@ __device__ __forceinline__ void warp_dot_rows_q(const typename F::Row (&rows)[NR
         for (int u = 0; u < UNROLL; u++)
 #pragma unroll
             for (int r = 0; r < NR; r++) q[u][r] = F::load(rows[r], g0 + base + 32 * u + lane);
-        if (pending) { grid_wait_then_release(); pending = false; }   // weights in flight meanwhile
+        if (pending) { src.wait(); pending = false; }   // weights in flight meanwhile
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++) dot_groups<F, NR>(q[u], v, 32 * (base + 32 * u + lane), acc, ss);
+        for (int u = 0; u < UNROLL; u++) src.template dot<F, NR>(q[u], base + 32 * u + lane, acc, ss);
     }
     if constexpr (REM > 0) {
         typename F::Group q[REM][NR];
@@ -375,14 +544,14 @@ __device__ __forceinline__ void warp_dot_rows_q(const typename F::Row (&rows)[NR
             for (int r = 0; r < NR; r++)
                 if (g < GROUPS) q[j][r] = F::load(rows[r], g0 + g);
         }
-        if (pending) { grid_wait_then_release(); pending = false; }
+        if (pending) { src.wait(); pending = false; }
 #pragma unroll
         for (int j = 0; j < REM; j++) {
             const int g = FULL + 32 * j + lane;
-            if (g < GROUPS) dot_groups<F, NR>(q[j], v, 32 * g, acc, ss);
+            if (g < GROUPS) src.template dot<F, NR>(q[j], g, acc, ss);
         }
     }
 #pragma unroll
     for (int r = 0; r < NR; r++) acc[r] = warp_sum(acc[r]);
-    sumsq = Vector::NORMED ? warp_sum(ss) : 0.0f;
+    sumsq = Source::NORMED ? warp_sum(ss) : 0.0f;
 }
