@@ -42,6 +42,17 @@ __device__ __forceinline__ int2 idot_nibbles(const uint4& q, const XGroup& x, Hi
     return {lo, hi};
 }
 
+// A group's value from its integer dot products s (idot_nibbles): d * dot(code, x) + m * sum(x) ...
+__device__ __forceinline__ float affine_idot(const int2& s, const XGroup& x, float d, float m) {
+    return x.d * fmaf(d, (float)(s.x + s.y), m * (float)(x.sum[0] + x.sum[1]));
+}
+
+// ... or d * dot(code - ZERO, x).
+template <int ZERO>
+__device__ __forceinline__ float centred_idot(const int2& s, const XGroup& x, float d) {
+    return d * x.d * (float)(s.x + s.y - ZERO * (x.sum[0] + x.sum[1]));
+}
+
 // Byte k (0..3, a constant once unrolled) of `codes`, as a float, minus ZERO.
 template <int ZERO>
 __device__ __forceinline__ float code_minus(unsigned codes, int k) {
@@ -128,8 +139,7 @@ struct Q4_0 {          // nibbles [N][K/2], d f16 [N][K/32]
         return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.d + g)};
     }
     static __device__ __forceinline__ float idot(const Group& g, const XGroup& x) {
-        const int2 s = idot_nibbles(g.q, x, NoHighBits{});
-        return f16_to_f32(g.d) * x.d * (float)(s.x + s.y - 8 * (x.sum[0] + x.sum[1]));
+        return centred_idot<8>(idot_nibbles(g.q, x, NoHighBits{}), x, f16_to_f32(g.d));
     }
     static __device__ __forceinline__ float dot(const Group& g, const float (&x)[16], int half, float) {
         return f16_to_f32(g.d) * dot_nibbles_half<8>(g.q, x, half, NoHighBits{});
@@ -151,8 +161,7 @@ struct Q4_1 {          // nibbles [N][K/2], (d, m) f16 pairs [N][K/32]
         return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.dm + g)};
     }
     static __device__ __forceinline__ float idot(const Group& g, const XGroup& x) {
-        const int2 s = idot_nibbles(g.q, x, NoHighBits{});
-        return x.d * fmaf(f16_to_f32(g.dm & 0xffff), (float)(s.x + s.y), f16_to_f32(g.dm >> 16) * (float)(x.sum[0] + x.sum[1]));
+        return affine_idot(idot_nibbles(g.q, x, NoHighBits{}), x, f16_to_f32(g.dm & 0xffff), f16_to_f32(g.dm >> 16));
     }
     static __device__ __forceinline__ float dot(const Group& g, const float (&x)[16], int half, float xsum) {
         const float s = dot_nibbles_half<0>(g.q, x, half, NoHighBits{});
@@ -191,9 +200,8 @@ struct Q4_K {          // nibbles [N][K/2], 16-byte headers [N][K/256]
     }
     static __device__ __forceinline__ float idot(const Group& g, const XGroup& x) {
         float scale, min;
-        const int2 s = idot_nibbles(g.q, x, NoHighBits{});
         q4_k_scale_min(g.h, g.j, scale, min);
-        return x.d * fmaf(scale, (float)(s.x + s.y), -min * (float)(x.sum[0] + x.sum[1]));
+        return affine_idot(idot_nibbles(g.q, x, NoHighBits{}), x, scale, -min);
     }
     static __device__ __forceinline__ float dot(const Group& g, const float (&x)[16], int half, float xsum) {
         float scale, min;
@@ -236,8 +244,7 @@ struct Q5_0 {          // nibbles [N][K/2], fifth bits [N][K/32] words, d f16 [N
         return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.h + g), __ldcs(r.d + g)};
     }
     static __device__ __forceinline__ float idot(const Group& g, const XGroup& x) {
-        const int2 s = idot_nibbles(g.q, x, FifthBits{g.h});
-        return f16_to_f32(g.d) * x.d * (float)(s.x + s.y - 16 * (x.sum[0] + x.sum[1]));
+        return centred_idot<16>(idot_nibbles(g.q, x, FifthBits{g.h}), x, f16_to_f32(g.d));
     }
     static __device__ __forceinline__ float dot(const Group& g, const float (&x)[16], int half, float) {
         return f16_to_f32(g.d) * dot_nibbles_half<16>(g.q, x, half, FifthBits{g.h});
@@ -261,8 +268,7 @@ struct Q5_1 {          // nibbles [N][K/2], fifth bits [N][K/32] words, (d, m) f
         return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.h + g), __ldcs(r.dm + g)};
     }
     static __device__ __forceinline__ float idot(const Group& g, const XGroup& x) {
-        const int2 s = idot_nibbles(g.q, x, FifthBits{g.h});
-        return x.d * fmaf(f16_to_f32(g.dm & 0xffff), (float)(s.x + s.y), f16_to_f32(g.dm >> 16) * (float)(x.sum[0] + x.sum[1]));
+        return affine_idot(idot_nibbles(g.q, x, FifthBits{g.h}), x, f16_to_f32(g.dm & 0xffff), f16_to_f32(g.dm >> 16));
     }
     static __device__ __forceinline__ float dot(const Group& g, const float (&x)[16], int half, float xsum) {
         const float s = dot_nibbles_half<0>(g.q, x, half, FifthBits{g.h});
@@ -290,9 +296,8 @@ struct Q5_K {          // nibbles [N][K/2], fifth bits [N][K/32] words, Q4_K's h
     }
     static __device__ __forceinline__ float idot(const Group& g, const XGroup& x) {
         float scale, min;
-        const int2 s = idot_nibbles(g.q, x, FifthBits{g.h});
         q4_k_scale_min(g.hdr, g.j, scale, min);
-        return x.d * fmaf(scale, (float)(s.x + s.y), -min * (float)(x.sum[0] + x.sum[1]));
+        return affine_idot(idot_nibbles(g.q, x, FifthBits{g.h}), x, scale, -min);
     }
     static __device__ __forceinline__ float dot(const Group& g, const float (&x)[16], int half, float xsum) {
         float scale, min;
