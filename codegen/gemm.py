@@ -8,6 +8,11 @@ kernel needs the same ones: so a launch of its own (`<kernel>_stage`, a block pe
 them once, with the norm gain and sums of squares of a prologue, and the gemm's blocks copy each
 chunk with cp.async (no registers, one round trip).
 
+Quantized weights stay in their bytes: a tile's lanes load their codes of each group of 32, which
+reach the tensor cores as bf16 integers (exact), and each group's sums are scaled in float32
+(templates/gemm.cuh, QuantTile), so the products keep the accuracy of the bf16 tiles' and each
+weight byte streams once per step. Their kernels stage the vectors in the codes' order.
+
 A block walks its k in chunks, one memory round trip each, so a kernel lasts at least its chunks'
 round trips however many blocks run. Where a kernel has few tiles (short outputs: the O and down
 projections) and long rows, split-K cuts that chain: `splits` blocks share a tile, each over a
@@ -17,7 +22,7 @@ from __future__ import annotations
 import networkx as nx
 
 from ..compiler.kernels import ScheduledKernel, gemv_parts, zip_sets
-from .gemv import input_vector, shape_name, zip_contexts
+from .gemv import format_groups, input_vector, shape_name, weight_format, zip_contexts
 from .kernel import KernelSource, KernelSpec, Launch
 from .params import Params
 from .render import render
@@ -36,11 +41,12 @@ def chunk(K: int) -> int:
     return next(kc for kc in (128, 64, 32) if K % kc == 0)
 
 
-def smem_bytes(K: int, members: int, tokens: int, tuning: Tuning) -> int:
-    """Bytes of shared memory: the staged chunk (hi and lo words, StagedX) and the dot products
-    of the tile share memory; then the per-token sums of squares."""
+def smem_bytes(K: int, members: int, tokens: int, tuning: Tuning, grouped: bool = False) -> int:
+    """Bytes of shared memory: the staged chunk (hi and lo words, StagedChunk, and `grouped`, a
+    sum per group of 32 and token) and the dot products of the tile share memory; then the
+    per-token sums of squares."""
     entries = chunk(K) // 8
-    staged = 2 * tokens * (entries + (12 - entries % 8) % 8) * 16
+    staged = 2 * tokens * (entries + (12 - entries % 8) % 8) * 16 + (4 * tokens * chunk(K) // 32 if grouped else 4)
     return max(staged, members * slots(tuning) * tokens * 4) + 4 * tokens
 
 
@@ -53,20 +59,30 @@ def splits(K: int, tiles: int, tuning: Tuning) -> int:
     return next((s for s in fitting if tiles * s >= tuning.gemm_blocks), fitting[-1] if fitting else 1)
 
 
+def grouped(G: nx.DiGraph, launch: ScheduledKernel) -> bool:
+    """Whether a gemm kernel stages its vectors GROUPED (templates/gemm.cuh): any of its weights
+    is quantized."""
+    _, linears, _ = gemv_parts(G, launch.nodes)
+    return any(weight_format(G, G.nodes[l]["inputs"][1]).name != "bf16" for l in linears)
+
+
 def unsupported(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, tuning: Tuning) -> str | None:
     """Why this gemv kernel has no gemm form for steps of `tokens` tokens, or None: its rows must
-    be whole 32-weight spans (a warp's load of a span), and its tile and staged chunk must fit the
-    static shared memory."""
+    be whole 32-weight spans (a warp's load of a span), the members of each zip set one format
+    (a tile's mma reads one), and its tile and staged chunk must fit the static shared memory."""
     prologue, linears, _ = gemv_parts(G, launch.nodes)
     x = G.nodes[prologue]["inputs"][0] if prologue else G.nodes[linears[0]]["inputs"][0]
     K = G.nodes[x]["shape"][-1]
-    quantized = sorted({f for l in linears if (f := G.nodes[G.nodes[l]["inputs"][1]].get("format", "bf16")) != "bf16"})
-    if quantized:
-        return f"its weights are {'/'.join(quantized)}: the gemm family reads bf16 tiles only"
     if K % 32:
         return f"its rows of {K} weights are not a multiple of 32"
-    members = max(len(z.linears) for z in zip_sets(G, launch.nodes))
-    if (need := smem_bytes(K, members, tokens, tuning)) > SMEM_STATIC:
+    sets = zip_sets(G, launch.nodes)
+    for z in sets:
+        if len(format_groups(G, z.linears)) > 1:
+            weights = [G.nodes[l]["inputs"][1] for l in z.linears]
+            return (f"the GEMVs of {', '.join(weights)} meet in one epilogue in formats "
+                    f"{'/'.join(weight_format(G, w).name for w in weights)}: a tile reads one format")
+    members = max(len(z.linears) for z in sets)
+    if (need := smem_bytes(K, members, tokens, tuning, grouped(G, launch))) > SMEM_STATIC:
         return (f"{members} GEMVs meeting in one epilogue at {tokens} tokens per step need "
                 f"{need} bytes of shared memory; at most {SMEM_STATIC}")
     return None
@@ -77,7 +93,8 @@ def generate(spec: KernelSpec) -> KernelSource:
     its vectors. Where it splits K it needs runtime buffers shared by every gemm launch of the
     step: `slab_floats` of float32 slabs ("gemm_slabs") and `tile_counts` zeroed counts
     ("gemm_counts"); and always `staged_floats` of "gemm_x", the staged vectors (bf16 hi and lo
-    words, one float a weight) and then a float per token, the sums of squares."""
+    words, one float a weight), then a float per token, the sums of squares, and where the
+    weights are quantized (grouped), a float per group of 32 and token, the vectors' sums."""
     G, launch, tokens, tuning = spec.G, spec.launch, spec.tokens, spec.tuning
     params = Params(G)
     vec = input_vector(G, launch, params)
@@ -90,12 +107,13 @@ def generate(spec: KernelSpec) -> KernelSource:
     tile_floats = split * (max_tile * tokens + tokens)    # a tile's slabs: dot products and sums of squares
     staged_x = params.extra("float*", "gemm_x")
     threads = tuning.gemm_warps * 32
+    group_order = grouped(G, launch)
     name, source = render("gemm.cu.j2", "gemm", shape_name(vec, zips, tokens), params=params.decls, **vec,
                           zips=zips, threads=threads, tokens=tokens, kc=chunk(vec["K"]), max_tile=max_tile,
                           grid=grid, splits=split, slabs=slabs, counts=counts, tile_slab_floats=tile_floats,
-                          staged_x=staged_x, stage_threads=STAGE_THREADS)
+                          staged_x=staged_x, stage_threads=STAGE_THREADS, grouped=str(group_order).lower())
     launches = [Launch(f"{name}_stage", (tokens, 1), STAGE_THREADS, params.values),
                 Launch(name, (grid, split), threads, params.values)]
     return KernelSource(name, "gemm", source, launch.nodes, launches, launch.layer,
                         slab_floats=grid * tile_floats if split > 1 else 0, tile_counts=grid if split > 1 else 0,
-                        staged_floats=tokens * vec["K"] + tokens)
+                        staged_floats=tokens * vec["K"] + tokens + (tokens * vec["K"] // 32 if group_order else 0))

@@ -54,6 +54,15 @@ __device__ __forceinline__ unsigned pack_bf16x2(float x0, float x1) {
     return r;
 }
 
+// a * b + c on bf16 pairs, rounded to nearest (fma.rn.bf16x2, sm_80 on).
+__device__ __forceinline__ unsigned fma_bf16x2(unsigned a, unsigned b, unsigned c) {
+    unsigned r = 0;
+#if FUSELM_SM80
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+#endif
+    return r;
+}
+
 // The same pair as hi + lo, both bf16 pairs: lo holds what rounding x to hi left out (two mma of
 // hi and lo keep about float32 accuracy, |error| <= 2^-17 of the value).
 __device__ __forceinline__ void split_bf16x2(float x0, float x1, unsigned& hi, unsigned& lo) {

@@ -10,23 +10,45 @@
 // vectors (float32, the norm's gain applied when there is a prologue) are staged per chunk of KC
 // k in shared memory as bf16 hi + lo words in the same order, and every product takes two mma
 // (hi, lo), which keeps float32 accuracy (split_bf16x2, as in attention_mma.cuh).
+// Quantized weights (QuantTile) reach the mma as their integer codes, exact in bf16, a lane's
+// 8 from each half of a group of 32 (quant.cuh: frag, decode); the vectors are then staged in
+// that order (GROUPED) with each group's sum, and every group's float sums are scaled (and its
+// minimum added) before they join the accumulators.
 #pragma once
 #include "cp_async.cuh"
 #include "gemv.cuh"            // slot_row, load_f32x8, apply_gain8
 #include "mma.cuh"
+#include "quant.cuh"           // GroupScale and the formats' frag, decode
 
 #if FUSELM_WEIGHT_F16
 #error "gemm.cuh: the mma takes the weights as bf16; f16 weights have no gemm form"
 #endif
 
-// x[token][kc .. kc + KC) as hi and lo bf16 words: entry e holds k [8e, 8e + 8). A row of STRIDE
-// entries, STRIDE = 4 (mod 8): the 8 lanes of a quarter warp (two tokens, four entries) read 16
-// bytes each from distinct banks.
-template <int TT, int KC>
-struct StagedX {
-    static constexpr int ENTRIES = KC / 8, STRIDE = ENTRIES + (12 - ENTRIES % 8) % 8;
+// x[token][kc .. kc + KC) as hi and lo bf16 words: entry e holds k [8e, 8e + 8), or GROUPED
+// (quantized tiles), entry 4s + c holds k 32s + [4c, 4c + 4) and 32s + 16 + [4c, 4c + 4), and
+// sum[token][s] is the sum of x over k [32s, 32s + 32). A row of STRIDE entries, STRIDE = 4
+// (mod 8): the 8 lanes of a quarter warp (two tokens, four entries) read 16 bytes each from
+// distinct banks.
+template <int TT, int KC, bool GROUPED = false>
+struct StagedChunk {
+    static constexpr int ENTRIES = KC / 8, SPANS = KC / 32, STRIDE = ENTRIES + (12 - ENTRIES % 8) % 8;
     uint4 hi[TT][STRIDE], lo[TT][STRIDE];
+    float sum[GROUPED ? TT : 1][GROUPED ? SPANS : 1];
 };
+
+// Entry e (k 8e .. 8e + 8, rows' order) of a token's chunk row, stored where the tiles read it:
+// as it is, or GROUPED, its values 0-3 and 4-7 as one half of entries 2 (e % 2) and 2 (e % 2) + 1
+// of its group (the first halves for e % 4 < 2, the second ones after).
+template <bool GROUPED>
+__device__ __forceinline__ void store_entry(uint4* row, int e, const uint4& v) {
+    if constexpr (!GROUPED) {
+        row[e] = v;
+    } else {
+        uint2* first = reinterpret_cast<uint2*>(row + e / 4 * 4 + 2 * (e % 2)) + (e % 4) / 2;
+        first[0] = make_uint2(v.x, v.y);
+        first[2] = make_uint2(v.z, v.w);   // the next entry's same half
+    }
+}
 
 // Entries k .. k + 8 of one token's vector (load_f32x8: plain loads, x is the previous kernel's
 // output), times the norm gain where NORMED (their squares added to sumsq), as hi and lo bf16 words.
@@ -45,7 +67,7 @@ __device__ __forceinline__ void split_entry(float (&v)[8], const weight_t* gain,
 template <int K, int TT, int KC, bool IS_NORMED, int THREADS>
 struct VectorsFromX {
     static constexpr bool NORMED = IS_NORMED;
-    static constexpr int ENTRIES = StagedX<TT, KC>::ENTRIES;
+    static constexpr int ENTRIES = StagedChunk<TT, KC>::ENTRIES;
     static constexpr int GROUPS = (TT * ENTRIES + THREADS - 1) / THREADS;   // staged entries per thread
     static_assert(THREADS % ENTRIES == 0, "a thread stages entries of one column e");
     const float* x;
@@ -53,7 +75,7 @@ struct VectorsFromX {
     float gain_offset;
     float sumsq[GROUPS] = {};
 
-    __device__ __forceinline__ void stage(int kc, StagedX<TT, KC>& xs) {
+    __device__ __forceinline__ void stage(int kc, StagedChunk<TT, KC>& xs) {
 #pragma unroll
         for (int i = 0; i < GROUPS; i++) {
             const int g = threadIdx.x + i * THREADS, t = g / ENTRIES, e = g % ENTRIES;
@@ -78,31 +100,44 @@ struct VectorsFromX {
 };
 
 // Where stage_vectors leaves a step's vectors: `words` holds [K / KC chunks][hi, lo][TT][ENTRIES]
-// 16-byte entries (TT x K floats' worth), then TT floats, each token's sum of x^2 over all of K.
+// 16-byte entries (TT x K floats' worth), then TT floats, each token's sum of x^2 over all of K,
+// then, GROUPED, [K / KC chunks][TT][SPANS] floats, the sums of x over each group of 32.
 template <int K, int TT, int KC>
 struct StagedLayout {
-    static constexpr int ENTRIES = StagedX<TT, KC>::ENTRIES, CHUNK = 2 * TT * ENTRIES;
+    static constexpr int ENTRIES = StagedChunk<TT, KC>::ENTRIES, SPANS = KC / 32, CHUNK = 2 * TT * ENTRIES;
+    static constexpr int FLOATS_GROUPED = TT * K + TT + TT * (K / 32);   // all of it, GROUPED
     static __device__ __forceinline__ float* sums(float* words) { return words + (size_t)TT * K; }
     static __device__ __forceinline__ const float* sums(const float* words) { return words + (size_t)TT * K; }
+    static __device__ __forceinline__ float* group_sums(float* words, int chunk) {
+        return words + (size_t)TT * K + TT + (size_t)chunk * TT * SPANS;
+    }
+    static __device__ __forceinline__ const float* group_sums(const float* words, int chunk) {
+        return words + (size_t)TT * K + TT + (size_t)chunk * TT * SPANS;
+    }
 };
 
 // The same chunks made once per kernel by stage_vectors (its own launch before the gemm's), which
 // every block copies as they are, all at once (cp.async: no registers, one round trip), instead
 // of each of a kernel's hundreds of blocks loading and converting them again.
-template <int K, int TT, int KC, bool IS_NORMED, int THREADS>
+template <int K, int TT, int KC, bool IS_NORMED, int THREADS, bool GROUPED = false>
 struct StagedVectors {
     using Layout = StagedLayout<K, TT, KC>;
     static constexpr bool NORMED = IS_NORMED;
-    static constexpr int ENTRIES = Layout::ENTRIES, CHUNK = Layout::CHUNK;
+    static constexpr int ENTRIES = Layout::ENTRIES, CHUNK = Layout::CHUNK, SPANS = Layout::SPANS;
     const float* words;
 
-    __device__ __forceinline__ void stage(int kc, StagedX<TT, KC>& xs) const {
+    __device__ __forceinline__ void stage(int kc, StagedChunk<TT, KC, GROUPED>& xs) const {
         const uint4* chunk = reinterpret_cast<const uint4*>(words) + (size_t)(kc / KC) * CHUNK;
 #pragma unroll 1   // unrolled, the copies' addresses take registers that the weights need
         for (int j = 0; j < (CHUNK + THREADS - 1) / THREADS; j++) {
             const int i = j * THREADS + threadIdx.x, t = (i / ENTRIES) % TT, e = i % ENTRIES;
             uint4* to = i < TT * ENTRIES ? &xs.hi[t][e] : &xs.lo[t][e];
             if (CHUNK % THREADS == 0 || i < CHUNK) cp_async_16_cg(to, chunk + i);   // .cg: the stage kernel's writes
+        }
+        if constexpr (GROUPED) {
+            const uint4* sums = reinterpret_cast<const uint4*>(Layout::group_sums(words, kc / KC));
+            for (int i = threadIdx.x; i < TT * SPANS / 4; i += THREADS)
+                cp_async_16_cg(reinterpret_cast<uint4*>(&xs.sum[0][0]) + i, sums + i);
         }
         cp_async_wait_all();
     }
@@ -111,12 +146,14 @@ struct StagedVectors {
     }
 };
 
-// The stage kernel's block t: token t's vector as StagedVectors reads it, and its sum of squares.
-// A thread loads all its entries before converting any (one round trip, not one each).
-template <int K, int TT, int KC, bool NORMED, int THREADS>
+// The stage kernel's block t: token t's vector as StagedVectors reads it, and its sum of squares
+// (and GROUPED, each group's sum). A thread loads all its entries before converting any (one round
+// trip, not one each); the 4 entries of a group are 4 neighbouring threads'.
+template <int K, int TT, int KC, bool NORMED, int THREADS, bool GROUPED = false>
 __device__ __forceinline__ void stage_vectors(const float* x, const weight_t* gain, float gain_offset, float* words) {
     using Layout = StagedLayout<K, TT, KC>;
     constexpr int ENTRIES = Layout::ENTRIES, PER = (K / 8 + THREADS - 1) / THREADS;
+    static_assert(THREADS % 32 == 0 && ENTRIES % 4 == 0, "a group's entries in one warp");
     uint4* staged = reinterpret_cast<uint4*>(words);
     const int t = blockIdx.x;
     float v[PER][8];
@@ -125,12 +162,25 @@ __device__ __forceinline__ void stage_vectors(const float* x, const weight_t* ga
         if (i * THREADS + threadIdx.x < K / 8) load_f32x8(x + (size_t)t * K, 8 * (i * THREADS + threadIdx.x), v[i]);
     float sumsq = 0.0f;
 #pragma unroll
-    for (int i = 0; i < PER; i++) {
+    for (int i = 0; i < PER; i++) {   // every lane runs every round: the group sums' shuffles
         const int g = i * THREADS + threadIdx.x;
-        if (g >= K / 8) break;
+        const bool on = g < K / 8;
+        uint4 h = {}, l = {};
+        if (on) split_entry<NORMED>(v[i], gain, gain_offset, 8 * g, sumsq, h, l);
         uint4* chunk = staged + (size_t)(g / ENTRIES) * Layout::CHUNK;
-        split_entry<NORMED>(v[i], gain, gain_offset, 8 * g, sumsq, chunk[t * ENTRIES + g % ENTRIES],
-                            chunk[(TT + t) * ENTRIES + g % ENTRIES]);
+        if (on) {
+            store_entry<GROUPED>(chunk + t * ENTRIES, g % ENTRIES, h);
+            store_entry<GROUPED>(chunk + (TT + t) * ENTRIES, g % ENTRIES, l);
+        }
+        if constexpr (GROUPED) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int k = 0; k < 8; k++) sum += on ? v[i][k] : 0.0f;
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            if (on && g % 4 == 0)
+                Layout::group_sums(words, g / ENTRIES)[t * Layout::SPANS + (g % ENTRIES) / 4] = sum;
+        }
     }
     if constexpr (NORMED) {
         sumsq = block_sum(sumsq);
@@ -138,58 +188,156 @@ __device__ __forceinline__ void stage_vectors(const float* x, const weight_t* ga
     }
 }
 
-// The weight rows of a lane's two A-fragment rows in each member: slots 16 w + r and 16 w + r + 8
-// of the tile, from k column 8 c (slots past the end read row 0; the epilogue skips them).
-template <int K, int M, int R, int N, int HD, bool INTERLEAVED>
-struct TileRows {
+// The weight rows of a lane's two A-fragment rows: slots 16 w + r and 16 w + r + 8 of the tile
+// (slots past the end read row 0; the epilogue skips them).
+template <int R, int N, int HD, bool INTERLEAVED>
+__device__ __forceinline__ int2 fragment_rows(int tile) {
+    const int warp = threadIdx.x >> 5, r = (threadIdx.x & 31) >> 2;
+    int pair;
+    const int a = slot_row<R, N, HD, INTERLEAVED>(tile, 16 * warp + r, pair);
+    const int b = slot_row<R, N, HD, INTERLEAVED>(tile, 16 * warp + r + 8, pair);
+    return {max(a, 0), max(b, 0)};
+}
+
+// acc (one member's, tokens 8 nt ..) += the group sums `part` of rows r and r + 8 times their scales.
+__device__ __forceinline__ void add_scaled(float (&acc)[4], const float (&part)[4], float a, float b) {
+    acc[0] = fmaf(a, part[0], acc[0]);
+    acc[1] = fmaf(a, part[1], acc[1]);
+    acc[2] = fmaf(b, part[2], acc[2]);
+    acc[3] = fmaf(b, part[3], acc[3]);
+}
+
+// A tile of M bf16 members: lane (r, c) loads 8 weights of each 32-k span of its two rows, k
+// [8c, 8c + 8) as one 16-byte load, or where the vectors are staged GROUPED (a kernel that also
+// has quantized tiles), k [4c, 4c + 4) and [16 + 4c, 20 + 4c) as two 8-byte loads.
+template <int K, int M_, int R_, int N, int HD, bool INTERLEAVED, bool GROUPED = false>
+struct Bf16Tile {
+    static constexpr int M = M_, R = R_;
+    template <int SPANS>
+    struct Chunk { uint4 a[M][SPANS], b[M][SPANS]; };   // the lane's weights of a chunk, per span
     const weight_t* a[M];
     const weight_t* b[M];
-    __device__ __forceinline__ TileRows(const weight_t* const (&W)[M], int tile) {
-        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
-        int pair;
-        const int row_a = slot_row<R, N, HD, INTERLEAVED>(tile, 16 * warp + r, pair);
-        const int row_b = slot_row<R, N, HD, INTERLEAVED>(tile, 16 * warp + r + 8, pair);
+    __device__ __forceinline__ Bf16Tile(const weight_t* const (&W)[M], int tile) {
+        const int c = threadIdx.x & 3;
+        const int2 rows = fragment_rows<R, N, HD, INTERLEAVED>(tile);
 #pragma unroll
         for (int m = 0; m < M; m++) {
-            a[m] = W[m] + (size_t)max(row_a, 0) * K + 8 * c;
-            b[m] = W[m] + (size_t)max(row_b, 0) * K + 8 * c;
+            a[m] = W[m] + (size_t)rows.x * K + (GROUPED ? 4 : 8) * c;
+            b[m] = W[m] + (size_t)rows.y * K + (GROUPED ? 4 : 8) * c;
         }
     }
-    // the lane's weights of the chunk at kc: its A words for each 32-k span
+    static __device__ __forceinline__ uint4 load8(const weight_t* w) {
+        if constexpr (!GROUPED) return __ldcs(reinterpret_cast<const uint4*>(w));
+        const uint2 lo = __ldcs(reinterpret_cast<const uint2*>(w)), hi = __ldcs(reinterpret_cast<const uint2*>(w + 16));
+        return {lo.x, lo.y, hi.x, hi.y};
+    }
     template <int SPANS>
-    __device__ __forceinline__ void load(int kc, uint4 (&qa)[M][SPANS], uint4 (&qb)[M][SPANS]) const {
+    __device__ __forceinline__ void load(int kc, Chunk<SPANS>& q) const {
 #pragma unroll
         for (int m = 0; m < M; m++)
 #pragma unroll
             for (int s = 0; s < SPANS; s++) {
-                qa[m][s] = __ldcs(reinterpret_cast<const uint4*>(a[m] + kc + 32 * s));
-                qb[m][s] = __ldcs(reinterpret_cast<const uint4*>(b[m] + kc + 32 * s));
+                q.a[m][s] = load8(a[m] + kc + 32 * s);
+                q.b[m][s] = load8(b[m] + kc + 32 * s);
+            }
+    }
+    // acc[m][nt] += the chunk's products with tokens 8 nt .. 8 nt + 7 (hi and lo words from xs)
+    template <int SPANS, int NT, int TT, int KC>
+    __device__ __forceinline__ void products(const Chunk<SPANS>& q, const StagedChunk<TT, KC, GROUPED>& xs,
+                                             float (&acc)[M][NT][4]) const {
+        const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
+#pragma unroll
+        for (int s = 0; s < SPANS; s++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const uint4 h = xs.hi[nt * 8 + r][4 * s + c], l = xs.lo[nt * 8 + r][4 * s + c];
+#pragma unroll
+                for (int m = 0; m < M; m++) {
+                    const uint4 &wa = q.a[m][s], &wb = q.b[m][s];
+                    mma_16816(acc[m][nt], wa.x, wb.x, wa.y, wb.y, h.x, h.y);
+                    mma_16816(acc[m][nt], wa.x, wb.x, wa.y, wb.y, l.x, l.y);
+                    mma_16816(acc[m][nt], wa.z, wb.z, wa.w, wb.w, h.z, h.w);
+                    mma_16816(acc[m][nt], wa.z, wb.z, wa.w, wb.w, l.z, l.w);
+                }
             }
     }
 };
 
-// One chunk's products: acc[m][nt] += the lane's weights (qa, qb) x tokens 8 nt .. 8 nt + 7, whose
-// hi and lo words for entry e of token t `vec(t, e, h, l)` reads from shared memory.
-template <int M, int SPANS, int NT, class Vec>
-__device__ __forceinline__ void chunk_products(const uint4 (&qa)[M][SPANS], const uint4 (&qb)[M][SPANS], Vec vec,
-                                               float (&acc)[M][NT][4]) {
-    const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
+// A tile of M members in quantized format F (quant.cuh): lane (r, c) loads its share of each
+// group of its two rows (F::frag), and each group's four mma (two k halves, hi and lo) sum into
+// `part`, which its scales (F::decode) add to the accumulators, with its minimum times the
+// group's sum of x where F has one (XSUM).
+template <class F, int K, int M_, int R_, int N, int HD, bool INTERLEAVED>
+struct QuantTile {
+    static constexpr int M = M_, R = R_;
+    template <int SPANS>
+    struct Chunk {
+        typename F::Frag a[M][SPANS], b[M][SPANS];
+        int g0;                            // the chunk's first group
+    };
+    typename F::Row a[M], b[M];
+    __device__ __forceinline__ QuantTile(const unsigned char* const (&W)[M], int tile) {
+        const int2 rows = fragment_rows<R, N, HD, INTERLEAVED>(tile);
 #pragma unroll
-    for (int s = 0; s < SPANS; s++)
+        for (int m = 0; m < M; m++) {
+            a[m] = F::row(W[m], N, K, rows.x);
+            b[m] = F::row(W[m], N, K, rows.y);
+        }
+    }
+    template <int SPANS>
+    __device__ __forceinline__ void load(int kc, Chunk<SPANS>& q) const {
+        const int c = threadIdx.x & 3;
+        q.g0 = kc / 32;
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-            uint4 h, l;
-            vec(nt * 8 + r, 4 * s + c, h, l);
+        for (int m = 0; m < M; m++)
+#pragma unroll
+            for (int s = 0; s < SPANS; s++) {
+                q.a[m][s] = F::frag(a[m], q.g0 + s, c);
+                q.b[m][s] = F::frag(b[m], q.g0 + s, c);
+            }
+    }
+    template <int SPANS, int NT, int TT, int KC>
+    __device__ __forceinline__ void products(const Chunk<SPANS>& q, const StagedChunk<TT, KC, true>& xs,
+                                             float (&acc)[M][NT][4]) const {
+        const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
+#pragma unroll
+        for (int s = 0; s < SPANS; s++) {
+            unsigned wa[M][4], wb[M][4];     // rows r and r + 8: the group's codes as A words
+            GroupScale sa[M], sb[M];
 #pragma unroll
             for (int m = 0; m < M; m++) {
-                const uint4 &a = qa[m][s], &b = qb[m][s];
-                mma_16816(acc[m][nt], a.x, b.x, a.y, b.y, h.x, h.y);
-                mma_16816(acc[m][nt], a.x, b.x, a.y, b.y, l.x, l.y);
-                mma_16816(acc[m][nt], a.z, b.z, a.w, b.w, h.z, h.w);
-                mma_16816(acc[m][nt], a.z, b.z, a.w, b.w, l.z, l.w);
+                sa[m] = F::decode(q.a[m][s], c, q.g0 + s, wa[m]);
+                sb[m] = F::decode(q.b[m][s], c, q.g0 + s, wb[m]);
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const uint4 h = xs.hi[nt * 8 + r][4 * s + c], l = xs.lo[nt * 8 + r][4 * s + c];
+                float x0 = 0.0f, x1 = 0.0f;   // the group's sums of x, tokens 8 nt + 2c + {0, 1}
+                if constexpr (F::XSUM) {
+                    x0 = xs.sum[nt * 8 + 2 * c][s];
+                    x1 = xs.sum[nt * 8 + 2 * c + 1][s];
+                }
+#pragma unroll
+                for (int m = 0; m < M; m++) {
+                    float part[4] = {};
+                    mma_16816(part, wa[m][0], wb[m][0], wa[m][1], wb[m][1], h.x, h.y);
+                    mma_16816(part, wa[m][0], wb[m][0], wa[m][1], wb[m][1], l.x, l.y);
+                    if constexpr (F::HALF_SCALES) {   // weights 0-15 and 16-31 scaled apart
+                        add_scaled(acc[m][nt], part, sa[m].lo, sb[m].lo);
+                        part[0] = part[1] = part[2] = part[3] = 0.0f;
+                    }
+                    mma_16816(part, wa[m][2], wb[m][2], wa[m][3], wb[m][3], h.z, h.w);
+                    mma_16816(part, wa[m][2], wb[m][2], wa[m][3], wb[m][3], l.z, l.w);
+                    add_scaled(acc[m][nt], part, sa[m].hi, sb[m].hi);
+                    if constexpr (F::XSUM) {
+                        const float sums[4] = {x0, x1, x0, x1};
+                        add_scaled(acc[m][nt], sums, sa[m].offset, sb[m].offset);
+                    }
+                }
             }
         }
-}
+    }
+};
 
 // acc (slots r and r + 8 of the warp, tokens 8 nt + 2c + {0, 1}) into tile_out [M][R][TT].
 template <int M, int NT, int R, int TT>
@@ -207,8 +355,8 @@ __device__ __forceinline__ void write_tile(const float (&acc)[M][NT][4], float* 
         }
 }
 
-// The block's tile (R slots of each of M members, slot s of member m in rows slot_row(tile, s))
-// against the step's TT vectors as `vectors` stages them chunk by chunk into xs (VectorsFromX,
+// The block's tile (Tile: Bf16Tile or QuantTile, R slots of each of M members) against the
+// step's TT vectors as `vectors` stages them chunk by chunk into xs (VectorsFromX,
 // StagedVectors: times the norm gain where NORMED), over k in [k0, k0 + KS):
 // tile_out[(m R + s) TT + t] = dot product of slot s of member m with token t, and, where NORMED,
 // ss[t] = the sum of x[t]^2 that `vectors` gives (over the block's k, or over all of K where
@@ -217,25 +365,23 @@ __device__ __forceinline__ void write_tile(const float (&acc)[M][NT][4], float* 
 // EARLY: the block waits for the previous kernel (grid_wait_then_release) only once its first
 // chunk's weights are in flight: they are no kernel's output, and the chunk's round trip then
 // overlaps the previous kernel's tail.
-template <int K, int KS, int TT, int KC, int M, int R, int N, int HD, bool INTERLEAVED, int THREADS, bool EARLY,
-          class Vectors>
-__device__ __forceinline__ void gemm_tile(const weight_t* const (&W)[M], int tile, int k0, Vectors& vectors,
-                                          StagedX<TT, KC>& xs, float* tile_out, float* ss) {
+template <int K, int KS, int TT, int KC, int THREADS, bool EARLY, class Tile, class Vectors, class Staged>
+__device__ __forceinline__ void gemm_tile(const Tile& rows, int k0, Vectors& vectors, Staged& xs, float* tile_out,
+                                          float* ss) {
+    constexpr int M = Tile::M, R = Tile::R, SPANS = KC / 32, NT = TT / 8;
     static_assert(K % KS == 0 && KS % KC == 0 && KC % 32 == 0 && TT % 8 == 0 && R == 16 * (THREADS / 32),
                   "gemm tile shape");
     static_assert(FUSELM_SM80, "gemm needs mma.sync on bf16 (sm_80 on); runtime/prefill.py refuses older GPUs");
-    constexpr int SPANS = KC / 32, NT = TT / 8;
-    const TileRows<K, M, R, N, HD, INTERLEAVED> rows(W, tile);
     float acc[M][NT][4] = {};
     for (int kc = k0; kc < k0 + KS; kc += KC) {
-        uint4 qa[M][SPANS], qb[M][SPANS];   // the chunk's weights, in flight while x is staged
-        rows.load(kc, qa, qb);
+        typename Tile::template Chunk<SPANS> q;   // the chunk's weights, in flight while x is staged
+        rows.load(kc, q);
         if constexpr (EARLY)
             if (kc == k0) grid_wait_then_release();   // x is the previous kernel's output
         __syncthreads();                    // the previous chunk's products are done with xs
         vectors.stage(kc, xs);
         __syncthreads();
-        chunk_products(qa, qb, [&](int t, int e, uint4& h, uint4& l) { h = xs.hi[t][e]; l = xs.lo[t][e]; }, acc);
+        rows.products(q, xs, acc);
     }
     __syncthreads();                        // xs is read no more: tile_out may take its place
     write_tile<M, NT, R, TT>(acc, tile_out);

@@ -14,7 +14,7 @@ __device__ __forceinline__ void moe_up_tokens(const float* x, const float* logit
     constexpr int R = 16 * (THREADS / 32), TILES = (I + R - 1) / R;
     static_assert(TT <= THREADS, "route_tokens_to: a thread per token");
     __shared__ union {
-        StagedX<TT, KC> x;                   // the k loop's chunk of the tokens' vectors
+        StagedChunk<TT, KC> x;                   // the k loop's chunk of the tokens' vectors
         float tile[2 * R * TT];               // then [gate, up][R][TT] dot products
     } smem;
     __shared__ float ss[TT];                 // (no norm prologue: unused)
@@ -24,7 +24,8 @@ __device__ __forceinline__ void moe_up_tokens(const float* x, const float* logit
     if (!route_tokens_to<E, TOPK, TT>(logits, e, weight_of)) return;
     const weight_t* const W[2] = {w_gate + (size_t)e * I * D, w_up + (size_t)e * I * D};
     VectorsFromX<D, TT, KC, false, THREADS> vectors{x, nullptr, 0.0f};
-    gemm_tile<D, D, TT, KC, 2, R, I, 0, false, THREADS, false>(W, tile, 0, vectors, smem.x, smem.tile, ss);
+    const Bf16Tile<D, 2, R, I, 0, false> rows(W, tile);
+    gemm_tile<D, D, TT, KC, THREADS, false>(rows, 0, vectors, smem.x, smem.tile, ss);
     for (int i = threadIdx.x; i < R * TT; i += THREADS) {
         const int s = i % R, t = i / R, row = tile * R + s;
         if (row < I) ws[((size_t)e * TT + t) * I + row] = glu(smem.tile[s * TT + t], smem.tile[(R + s) * TT + t]);
@@ -40,7 +41,7 @@ __device__ __forceinline__ void moe_down_tokens(const float* logits, const weigh
     constexpr int R = 16 * (THREADS / 32), TILES = (D + R - 1) / R;
     static_assert(TT <= THREADS, "route_tokens_to: a thread per token");
     __shared__ union {
-        StagedX<TT, KC> x;
+        StagedChunk<TT, KC> x;
         float tile[R * TT];
     } smem;
     __shared__ float ss[TT];
@@ -49,7 +50,8 @@ __device__ __forceinline__ void moe_down_tokens(const float* logits, const weigh
     if (!route_tokens_to<E, TOPK, TT>(logits, e, weight_of)) return;
     const weight_t* const W[1] = {w_down + (size_t)e * D * I};
     VectorsFromX<I, TT, KC, false, THREADS> vectors{ws + (size_t)e * TT * I, nullptr, 0.0f};
-    gemm_tile<I, I, TT, KC, 1, R, D, 0, false, THREADS, false>(W, tile, 0, vectors, smem.x, smem.tile, ss);
+    const Bf16Tile<I, 1, R, D, 0, false> rows(W, tile);
+    gemm_tile<I, I, TT, KC, THREADS, false>(rows, 0, vectors, smem.x, smem.tile, ss);
     for (int i = threadIdx.x; i < R * TT; i += THREADS) {
         const int s = i % R, t = i / R, row = tile * R + s;
         if (row < D && weight_of[t] != 0.0f) atomicAdd(out + t * D + row, weight_of[t] * smem.tile[s * TT + t]);

@@ -4,7 +4,8 @@
 //   load()     that load (streamed past L1 with __ldcs, like bf16 weights),
 //   idot()     the group's dot product with the staged vector (integer formats, below),
 //   dot()      one half of the group's dot product (16 weights) with 16 float input values,
-//   at()       one weight, for the embedding's row gather.
+//   at()       one weight, for the embedding's row gather,
+//   frag(), decode()  a lane's share of a group for the gemm family's tensor cores (below).
 // The integer formats' codes are bytes, so dp2a (idp.cuh) multiplies two of them by two int16
 // values of the vector, staged once per block in shared memory (StagedX), in one instruction.
 // The float path (dot) is the fallback where the staged vector would not fit shared memory.
@@ -92,6 +93,74 @@ __device__ __forceinline__ float sum16(const float (&x)[16]) {
     return s;
 }
 
+// The gemm family (gemm.cuh, QuantTile) feeds a group of 32 to mma as bf16 A words: lane c of a
+// quad takes weights 4c .. 4c + 3 (the first mma's k: weights 0-15) and 16 + 4c .. 19 + 4c (the
+// second's: 16-31), nibble word c's low and high nibbles. frag(row, group, c) loads them raw (in
+// flight while the tokens' vectors are staged), decode(frag, c, group) makes them 4 bf16 pairs of
+// codes with the zero point taken off (small integers: exact in bf16) and the group's GroupScale,
+// applied to the mma's float sums of each group: the products keep float32 accuracy, as the bf16
+// tiles' do.
+struct GroupScale {
+    float lo, hi;      // a weight = scale * code + offset: lo for weights 0-15, hi for 16-31
+    float offset;      // (the minimum of the formats with XSUM; 0 otherwise)
+};
+
+// 4 codes (bytes below 128) minus ZERO as bf16 pairs {bytes 0, 1; bytes 2, 3}, exactly: PRMT puts
+// each byte under 0x43 (the bf16 128 + code), one bf16x2 FMA adds 0xC300 | ZERO, -(128 + ZERO).
+template <int ZERO>
+__device__ __forceinline__ uint2 codes_bf16(unsigned codes) {
+    static_assert(ZERO >= 0 && ZERO < 128, "the zero point of codes below 128");
+    constexpr unsigned ONE = 0x3F803F80u, BIAS = (0xC300u | ZERO) * 0x10001u;
+    return {fma_bf16x2(__byte_perm(codes, 0x43u, 0x4140u), ONE, BIAS),
+            fma_bf16x2(__byte_perm(codes, 0x43u, 0x4342u), ONE, BIAS)};
+}
+
+// Nibble word `word` of a group, with the high bits `extra` above its low and high nibbles, as
+// the lane's A words (decode()).
+template <int ZERO>
+__device__ __forceinline__ void nibble_codes_bf16(unsigned word, uint2 extra, unsigned (&a)[4]) {
+    const uint2 lo = codes_bf16<ZERO>((word & 0x0F0F0F0Fu) | extra.x);
+    const uint2 hi = codes_bf16<ZERO>(((word >> 4) & 0x0F0F0F0Fu) | extra.y);
+    a[0] = lo.x; a[1] = lo.y; a[2] = hi.x; a[3] = hi.y;
+}
+
+// Byte codes, 4 of weights 4c.. in `lo` and 4 of 16 + 4c.. in `hi`, as the lane's A words: signed
+// bytes (Q8_0) or e4m3 (FP8), through float32 (both exact in bf16).
+__device__ __forceinline__ void signed_codes_bf16(unsigned lo, unsigned hi, unsigned (&a)[4]) {
+#pragma unroll
+    for (int i = 0; i < 2; i++) {   // signed codes + 128 are unsigned bytes: flip each sign bit
+        const unsigned w = (i ? hi : lo) ^ 0x80808080u;
+        a[2 * i] = pack_bf16x2(code_minus<128>(w, 0), code_minus<128>(w, 1));
+        a[2 * i + 1] = pack_bf16x2(code_minus<128>(w, 2), code_minus<128>(w, 3));
+    }
+}
+__device__ __forceinline__ void e4m3_codes_bf16(unsigned lo, unsigned hi, unsigned (&a)[4]) {
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        float v[4];
+        e4m3x4_to_f32(i ? hi : lo, v);
+        a[2 * i] = pack_bf16x2(v[0], v[1]);
+        a[2 * i + 1] = pack_bf16x2(v[2], v[3]);
+    }
+}
+
+// Word c of each 16 bytes of a group of 32 byte codes (Q8_0, FP8), streamed.
+__device__ __forceinline__ uint2 byte_words(const unsigned char* q, int g, int c) {
+    const unsigned* w = reinterpret_cast<const unsigned*>(q) + 8 * g + c;
+    return {__ldcs(w), __ldcs(w + 4)};
+}
+// The 16 bytes of which lane c of each quad holds word c, in every lane of the quad (the K-quants'
+// super-block header: a word a lane instead of four, while the loads are in flight).
+__device__ __forceinline__ uint4 quad_words(unsigned word) {
+    const int base = threadIdx.x & 28;
+    return {__shfl_sync(0xffffffffu, word, base), __shfl_sync(0xffffffffu, word, base + 1),
+            __shfl_sync(0xffffffffu, word, base + 2), __shfl_sync(0xffffffffu, word, base + 3)};
+}
+// Word c of a group's 16 bytes of nibbles, streamed.
+__device__ __forceinline__ unsigned nibble_word(const unsigned char* q, int g, int c) {
+    return __ldcs(reinterpret_cast<const unsigned*>(q) + 4 * g + c);
+}
+
 // The nibble of weight k in a row of 4-bit groups.
 __device__ __forceinline__ int nibble_at(const unsigned char* q, int k) {
     const unsigned char b = q[(k >> 5) * 16 + (k & 15)];
@@ -126,6 +195,14 @@ struct Q8_0 {          // codes int8 [N][K], d f16 [N][K/32]
         const Row row_ = row(w, N, K, r);
         return f16_to_f32(row_.d[k / 32]) * (float)(signed char)row_.q[k];
     }
+    struct Frag { uint2 q; f16_t d; };
+    static constexpr bool HALF_SCALES = false;
+    static __device__ __forceinline__ Frag frag(const Row& r, int g, int c) { return {byte_words(r.q, g, c), __ldcs(r.d + g)}; }
+    static __device__ __forceinline__ GroupScale decode(const Frag& f, int, int, unsigned (&a)[4]) {
+        signed_codes_bf16(f.q.x, f.q.y, a);
+        const float d = f16_to_f32(f.d);
+        return {d, d, 0.0f};
+    }
 };
 
 struct Q4_0 {          // nibbles [N][K/2], d f16 [N][K/32]
@@ -147,6 +224,14 @@ struct Q4_0 {          // nibbles [N][K/2], d f16 [N][K/32]
     static __device__ __forceinline__ float at(const unsigned char* w, int N, int K, int r, int k) {
         const Row row_ = row(w, N, K, r);
         return f16_to_f32(row_.d[k / 32]) * (float)(nibble_at(row_.q, k) - 8);
+    }
+    struct Frag { unsigned q; f16_t d; };
+    static constexpr bool HALF_SCALES = false;
+    static __device__ __forceinline__ Frag frag(const Row& r, int g, int c) { return {nibble_word(r.q, g, c), __ldcs(r.d + g)}; }
+    static __device__ __forceinline__ GroupScale decode(const Frag& f, int, int, unsigned (&a)[4]) {
+        nibble_codes_bf16<8>(f.q, {0u, 0u}, a);
+        const float d = f16_to_f32(f.d);
+        return {d, d, 0.0f};
     }
 };
 
@@ -171,6 +256,14 @@ struct Q4_1 {          // nibbles [N][K/2], (d, m) f16 pairs [N][K/32]
         const Row row_ = row(w, N, K, r);
         const unsigned dm = row_.dm[k / 32];
         return fmaf(f16_to_f32(dm & 0xffff), (float)nibble_at(row_.q, k), f16_to_f32(dm >> 16));
+    }
+    struct Frag { unsigned q, dm; };
+    static constexpr bool HALF_SCALES = false;
+    static __device__ __forceinline__ Frag frag(const Row& r, int g, int c) { return {nibble_word(r.q, g, c), __ldcs(r.dm + g)}; }
+    static __device__ __forceinline__ GroupScale decode(const Frag& f, int, int, unsigned (&a)[4]) {
+        nibble_codes_bf16<0>(f.q, {0u, 0u}, a);
+        const float d = f16_to_f32(f.dm & 0xffff);
+        return {d, d, f16_to_f32(f.dm >> 16)};
     }
 };
 
@@ -215,6 +308,17 @@ struct Q4_K {          // nibbles [N][K/2], 16-byte headers [N][K/256]
         q4_k_scale_min(row_.h[k / 256], (k / 32) % 8, scale, min);
         return fmaf(scale, (float)nibble_at(row_.q, k), -min);
     }
+    struct Frag { unsigned q, h; };   // h: word c of the header (quad_words)
+    static constexpr bool HALF_SCALES = false;
+    static __device__ __forceinline__ Frag frag(const Row& r, int g, int c) {
+        return {nibble_word(r.q, g, c), __ldcs(reinterpret_cast<const unsigned*>(r.h + g / 8) + c)};
+    }
+    static __device__ __forceinline__ GroupScale decode(const Frag& f, int, int g, unsigned (&a)[4]) {
+        nibble_codes_bf16<0>(f.q, {0u, 0u}, a);
+        float scale, min;
+        q4_k_scale_min(quad_words(f.h), g % 8, scale, min);
+        return {scale, scale, -min};
+    }
 };
 
 // A fifth bit per code: word h of a group holds, per byte b, the bits of nibble word w's low-half
@@ -253,6 +357,16 @@ struct Q5_0 {          // nibbles [N][K/2], fifth bits [N][K/32] words, d f16 [N
         const Row row_ = row(w, N, K, r);
         return f16_to_f32(row_.d[k / 32]) * (float)((nibble_at(row_.q, k) | (fifth_bit_at(row_.h, k) << 4)) - 16);
     }
+    struct Frag { unsigned q, h; f16_t d; };
+    static constexpr bool HALF_SCALES = false;
+    static __device__ __forceinline__ Frag frag(const Row& r, int g, int c) {
+        return {nibble_word(r.q, g, c), __ldcs(r.h + g), __ldcs(r.d + g)};
+    }
+    static __device__ __forceinline__ GroupScale decode(const Frag& f, int c, int, unsigned (&a)[4]) {
+        nibble_codes_bf16<16>(f.q, FifthBits{f.h}(c), a);
+        const float d = f16_to_f32(f.d);
+        return {d, d, 0.0f};
+    }
 };
 
 struct Q5_1 {          // nibbles [N][K/2], fifth bits [N][K/32] words, (d, m) f16 pairs [N][K/32]
@@ -279,6 +393,16 @@ struct Q5_1 {          // nibbles [N][K/2], fifth bits [N][K/32] words, (d, m) f
         const unsigned dm = row_.dm[k / 32];
         const int code = nibble_at(row_.q, k) | (fifth_bit_at(row_.h, k) << 4);
         return fmaf(f16_to_f32(dm & 0xffff), (float)code, f16_to_f32(dm >> 16));
+    }
+    struct Frag { unsigned q, h, dm; };
+    static constexpr bool HALF_SCALES = false;
+    static __device__ __forceinline__ Frag frag(const Row& r, int g, int c) {
+        return {nibble_word(r.q, g, c), __ldcs(r.h + g), __ldcs(r.dm + g)};
+    }
+    static __device__ __forceinline__ GroupScale decode(const Frag& f, int c, int, unsigned (&a)[4]) {
+        nibble_codes_bf16<0>(f.q, FifthBits{f.h}(c), a);
+        const float d = f16_to_f32(f.dm & 0xffff);
+        return {d, d, f16_to_f32(f.dm >> 16)};
     }
 };
 
@@ -311,6 +435,17 @@ struct Q5_K {          // nibbles [N][K/2], fifth bits [N][K/32] words, Q4_K's h
         q4_k_scale_min(row_.hdr[k / 256], (k / 32) % 8, scale, min);
         return fmaf(scale, (float)(nibble_at(row_.q, k) | (fifth_bit_at(row_.h, k) << 4)), -min);
     }
+    struct Frag { unsigned q, h, hdr; };   // hdr: word c of the header (quad_words)
+    static constexpr bool HALF_SCALES = false;
+    static __device__ __forceinline__ Frag frag(const Row& r, int g, int c) {
+        return {nibble_word(r.q, g, c), __ldcs(r.h + g), __ldcs(reinterpret_cast<const unsigned*>(r.hdr + g / 8) + c)};
+    }
+    static __device__ __forceinline__ GroupScale decode(const Frag& f, int c, int g, unsigned (&a)[4]) {
+        nibble_codes_bf16<0>(f.q, FifthBits{f.h}(c), a);
+        float scale, min;
+        q4_k_scale_min(quad_words(f.hdr), g % 8, scale, min);
+        return {scale, scale, -min};
+    }
 };
 
 struct Q6_K {          // low nibbles [N][K/2], high pairs [N][K/4], int8 scales [N][K/16], d f16 [N][K/256]
@@ -330,11 +465,14 @@ struct Q6_K {          // low nibbles [N][K/2], high pairs [N][K/4], int8 scales
     }
     // Word h of the pairs serves nibble words 2h and 2h + 1: per byte, from bit 0, the pairs of
     // the low half's weight, the high half's, then the next word's two (quant/layout.pack_pairs).
+    // (The pairs of nibble word w from its pairs word shifted down by 4 (w % 2).)
+    static __device__ __forceinline__ uint2 pair_bits(unsigned word) {
+        return {(word & 0x03030303u) << 4, ((word >> 2) & 0x03030303u) << 4};
+    }
     struct HighBits {
         uint2 h;
         __device__ __forceinline__ uint2 operator()(int w) const {
-            const unsigned word = (w < 2 ? h.x : h.y) >> (4 * (w & 1));
-            return {(word & 0x03030303u) << 4, ((word >> 2) & 0x03030303u) << 4};
+            return pair_bits((w < 2 ? h.x : h.y) >> (4 * (w & 1)));
         }
     };
     static __device__ __forceinline__ float idot(const Group& g, const XGroup& x) {
@@ -355,6 +493,17 @@ struct Q6_K {          // low nibbles [N][K/2], high pairs [N][K/4], int8 scales
         const int code = nibble_at(row_.q, k) | (pair << 4);
         const float sc = (float)reinterpret_cast<const signed char*>(row_.s)[k / 16];
         return f16_to_f32(row_.d[k / 256]) * sc * (float)(code - 32);
+    }
+    struct Frag { unsigned q, h; unsigned short s; f16_t d; };   // h: the pairs word of nibble word c
+    static constexpr bool HALF_SCALES = true;   // a scale per 16 weights
+    static __device__ __forceinline__ Frag frag(const Row& r, int g, int c) {
+        return {nibble_word(r.q, g, c), __ldcs(reinterpret_cast<const unsigned*>(r.h + g) + c / 2), __ldcs(r.s + g),
+                __ldcs(r.d + g / 8)};
+    }
+    static __device__ __forceinline__ GroupScale decode(const Frag& f, int c, int, unsigned (&a)[4]) {
+        nibble_codes_bf16<32>(f.q, pair_bits(f.h >> (4 * (c & 1))), a);
+        const float d = f16_to_f32(f.d);
+        return {d * (float)(signed char)(f.s & 0xff), d * (float)(signed char)(f.s >> 8), 0.0f};
     }
 };
 
@@ -385,6 +534,13 @@ struct FP8 {           // e4m3 codes [N][K], float32 scale [N]
         float v[4];
         e4m3x4_to_f32(w[(size_t)r * K + k], v);
         return reinterpret_cast<const float*>(w + (size_t)N * K)[r] * v[0];
+    }
+    struct Frag { uint2 q; float scale; };
+    static constexpr bool HALF_SCALES = false;
+    static __device__ __forceinline__ Frag frag(const Row& r, int g, int c) { return {byte_words(r.q, g, c), r.scale}; }
+    static __device__ __forceinline__ GroupScale decode(const Frag& f, int, int, unsigned (&a)[4]) {
+        e4m3_codes_bf16(f.q.x, f.q.y, a);
+        return {f.scale, f.scale, 0.0f};
     }
 };
 
