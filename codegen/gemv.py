@@ -87,7 +87,7 @@ def generate(spec: KernelSpec) -> KernelSource:
     staged = all(f.integer_codes for f in formats) and staged_fits(vec["K"], ksplit, max_tile)
     name, source = render("gemv.cu.j2", "gemv", shape_name(vec, zips), params=params.decls, **vec, zips=zips,
                           quantized=quantized, staged=staged, threads=tuning.gemv_warps * 32, unroll=unroll, ksplit=ksplit,
-                          min_blocks=tuning.gemv_quant_blocks_per_sm if quantized else 1,
+                          min_blocks=tuning.gemv_quant_blocks_per_sm if quantized and not staged else 1,
                           rows_per_warp=rows_per_warp,
                           max_tile=max_tile, grid=grid)
     return KernelSource(name, "gemv", source, launch.nodes,

@@ -151,11 +151,11 @@ QUANTIZED_MODELS = [("llama-3.1-8b", "q4_k_m"), ("llama-3.2-1b", "q8_0"), ("llam
                     ("llama-3.2-1b", "fp8")]
 
 
-# The quantized GEMVs' registers are capped for gemv_quant_blocks_per_sm = 2 blocks per SM. The
-# float-path kernels (fp8; rows too long to stage the vector) may then spill a little (up to 408
+# The float-path quantized GEMVs (fp8; rows too long to stage the vector) have their registers
+# capped for gemv_quant_blocks_per_sm = 2 blocks per SM, and may then spill a little (up to 408
 # bytes measured in Gemma-2's), which measured faster than one block without spills (8B Q4_K_M
 # 278 -> 328 tok/s: bench/results/2026-12-03-h200-quant-ab-halves.json); the staged-vector kernels
-# of the 8B Q4_K_M spill nothing. Up to this is tolerated.
+# are not capped and spill at most 8 bytes (the 8B Q4_0's O projection). Up to this is tolerated.
 QUANT_TOLERATED_SPILL_BYTES = 512
 
 
