@@ -162,9 +162,11 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
     ttft32 = statistics.median(r[0] for r in results)
     tok_s = statistics.median(r[1] for r in results)
     ablation = step_ablation(engine) if do_profile else None      # at this short context
-    ttft512 = ablation_4k = None
+    ttft512 = ttft4096 = ablation_4k = None
     if not decode_only:
         ttft512, _ = _decode_rate(engine, prompt512, 1)
+        if ctx > 4096:
+            ttft4096, _ = _decode_rate(engine, rng.integers(0, cfg.vocab_size, 4096).tolist(), 1)
     def rate_from(start: int) -> float:   # median decode tok/s of a conversation from `start`
         return statistics.median(_decode_rate(engine, prompt32[:1], tokens, start=start)[1] for _ in range(runs))
     # 4k context, from position 4096 (its graphs were captured above; no further warm-up)
@@ -177,6 +179,10 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
            "ms_per_token": round(1e3 / tok_s, 3), "bytes_per_token": int(bytes_per_token),
            "achieved_GBps": round(bytes_per_token * tok_s / 1e9, 1),
            "ttft_32_ms": round(ttft32 * 1e3, 1), "ttft_512_ms": _round(ttft512, 1e3, 1),
+           "ttft_4096_ms": _round(ttft4096, 1e3, 1),
+           # prompt tokens over the time to the first token (which also takes a decode step)
+           "prefill_tok_s_512": _round(ttft512 and 512 / ttft512, 1, 0),
+           "prefill_tok_s_4096": _round(ttft4096 and 4096 / ttft4096, 1, 0),
            "decode_tok_s_at_4k": _round(tok_s_4k, 1, 1), "ratio_4k": _round(tok_s_4k, 1 / tok_s, 3),
            **({"decode_tok_s_from": tok_s_at} if tok_s_at else {}),
            "compile_cold_s": _round(cold, 1, 2), "compile_warm_s": _round(warm, 1, 2),
@@ -285,7 +291,8 @@ def run(models: list[str], out: str | None = None, tuning=None, **kw) -> dict:
             print(f"    prefill step of {pp['tokens']} tokens: {pp['step_us']} us as a graph; launches alone:")
             for fn, f in sorted(pp["functions"].items(), key=lambda kv: -kv[1]["us"]):
                 rate = f"{f['GBps']:8.1f} GB/s" if f["GBps"] is not None else f"{'-':>8s}     "
-                print(f"      {f['us']:8.1f} us {rate}  {f['launches']:3d} x {fn}")
+                flops = f"{f['TFLOPs']:6.1f} TFLOP/s" if f.get("TFLOPs") else f"{'':14s}"
+                print(f"      {f['us']:8.1f} us {rate} {flops}  {f['launches']:3d} x {fn}")
         if out:   # after every model, so a run cut short keeps what it measured
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             Path(out).write_text(json.dumps(record, indent=1) + "\n")
@@ -298,7 +305,9 @@ def _row(r: dict) -> str:
     s = (f"{r['model']:14s} {r['dtype']:7s} {r['decode_tok_s']:8.1f} tok/s {r['ms_per_token']:7.3f} ms/tok "
          f"{r.get('bandwidth_fraction', 0) * 100:5.1f}% of copy bw | ttft32 {r['ttft_32_ms']} ms")
     if r["ttft_512_ms"] is not None:
-        s += f" ttft512 {r['ttft_512_ms']} ms"
+        s += f" ttft512 {r['ttft_512_ms']} ms ({r['prefill_tok_s_512']:.0f} tok/s)"
+    if r.get("ttft_4096_ms") is not None:
+        s += f" ttft4096 {r['ttft_4096_ms']} ms ({r['prefill_tok_s_4096']:.0f} tok/s)"
     if r["decode_tok_s_at_4k"] is not None:
         s += f" | 4k ctx {r['decode_tok_s_at_4k']} tok/s ({r['ratio_4k'] * 100:.1f}%)"
     if r.get("decode_tok_s_from"):

@@ -72,8 +72,8 @@ def prefill_profile(engine, start: int = 0, reps: int = 10) -> dict:
     graph, then each of its launches timed alone: the step's microseconds, and per kernel function
     its family, launches, microseconds per step and GB/s of the bytes codegen counted (a gemm's
     weights once, its activations for every token; None for the launches before a kernel's last,
-    to which codegen counts none). Leaves those cache rows rewritten (a bench's prompts write
-    them again)."""
+    to which codegen counts none), and for the gemm kernels TFLOP/s (2 x rows x k x tokens per
+    linear). Leaves those cache rows rewritten (a bench's prompts write them again)."""
     import cupy as cp
     import numpy as np
     prefill = engine.batched_prefill
@@ -88,11 +88,23 @@ def prefill_profile(engine, start: int = 0, reps: int = 10) -> dict:
         for k in step.kernels:
             for launch in k.launches:
                 call = next(calls)
-                f = per.setdefault(launch.function, {"family": k.family, "launches": 0, "us": 0.0, "bytes": 0})
+                f = per.setdefault(launch.function, {"family": k.family, "launches": 0, "us": 0.0, "bytes": 0,
+                                                     "flops": 0})
                 f["launches"] += 1
                 f["us"] += _elapsed_us(cp, engine.stream, lambda: call(engine.stream), reps)
-            per[k.launches[-1].function]["bytes"] += k.bytes_read + k.bytes_written
+            last = per[k.launches[-1].function]
+            last["bytes"] += k.bytes_read + k.bytes_written
+            if k.family == "gemm":
+                last["flops"] += gemm_flops(step.G, k.nodes, tokens)
     for f in per.values():
         f["GBps"] = round(f["bytes"] / f["us"] / 1e3, 1) if f["us"] and f["bytes"] else None
+        f["TFLOPs"] = round(f.pop("flops") / f["us"] / 1e6, 1) if f["us"] and f["flops"] else None
         f["us"] = round(f["us"], 1)
     return {"tokens": tokens, "start": start, "step_us": round(whole, 1), "functions": per}
+
+
+def gemm_flops(G, nodes, tokens: int) -> int:
+    """Multiply-adds x 2 of a gemm kernel's linears for a step of `tokens` tokens."""
+    from ..dsl import Kind
+    return sum(2 * tokens * G.nodes[G.nodes[n]["inputs"][1]]["shape"][0] * G.nodes[G.nodes[n]["inputs"][1]]["shape"][1]
+               for n in nodes if G.nodes[n]["kind"] is Kind.LINEAR)
