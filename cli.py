@@ -8,6 +8,8 @@
     fuselm bench [PRESET ...] [--no-fuse]   decode speed vs. the GPU's copy bandwidth
     fuselm trace PRESET [--positions P ...] where a step's time goes between kernels (block timeline)
     fuselm perplexity MODEL TEXT [--ctx N]  llama.cpp's perplexity measure
+    fuselm serve [MODEL] [--host H] [--port P] [--device D] [--ctx N] [--max-waiting N]
+                                            an OpenAI-compatible HTTP server
 
 Adding a subcommand: write `add_arguments(parser)` and `handler(args) -> int` in your own module,
 then add one line to COMMANDS below, importing your module inside a small wrapper so that
@@ -292,6 +294,17 @@ def _perplexity(args: argparse.Namespace) -> int:
     return perplexity.main(args)
 
 
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    from .server import cli as serve_cli
+    serve_cli.add_arguments(p)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """`fuselm serve`: an OpenAI-compatible HTTP server over one model."""
+    from .server import cli as serve_cli
+    return serve_cli.main(args)
+
+
 COMMANDS: dict[str, Command] = {
     "run": Command("generate text from a prompt, or chat", add_run_arguments, run),
     "pull": Command("download the embedded default model (SmolLM2-135M-Instruct)",
@@ -304,6 +317,8 @@ COMMANDS: dict[str, Command] = {
                      _trace_arguments, _trace),
     "perplexity": Command("perplexity of a text file, measured as llama.cpp's llama-perplexity does",
                           _perplexity_arguments, _perplexity),
+    "serve": Command("serve a model over HTTP with OpenAI's API (/v1/chat/completions, /v1/completions)",
+                     _serve_arguments, _serve),
 }
 
 

@@ -1,0 +1,157 @@
+"""The FastAPI app over one loaded model: OpenAI's completion endpoints, models, health, metrics.
+
+    POST /v1/chat/completions   messages through the model's chat template
+    POST /v1/completions        a prompt string continued
+    GET  /v1/models             the one model served
+    GET  /health                200 while the worker runs
+    GET  /metrics               Prometheus text
+
+Handlers validate (schemas, jobs), submit a Job to the Scheduler and turn its events into a JSON
+response or server-sent events ending in `data: [DONE]`. A client that goes away cancels its job.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request, Response
+from fastapi.sse import EventSourceResponse, format_sse_event
+from pydantic import BaseModel
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+
+from .errors import APIError, install_error_handlers
+from .jobs import build_job
+from .metrics import ServerMetrics
+from .replies import ChatReply, CompletionReply, Reply
+from .scheduler import Finished, Piece, QueueFull, Scheduler, Ticket
+from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, ModelCard, ModelList
+
+DONE = format_sse_event(data_str="[DONE]")
+
+
+def served_name(model) -> str:
+    """The id clients name the model by: its file's name without the extension, or its folder's."""
+    path = Path(model.path) if model.path is not None else None
+    if path is None:
+        return "fuselm"
+    return path.stem if path.is_file() else path.name
+
+
+def create_app(model, model_name: str | None = None, max_waiting: int = 16) -> FastAPI:
+    """An ASGI app serving `model` (a fuselm Model) under `model_name` (default: served_name),
+    with at most `max_waiting` requests queued behind the running one. The worker thread starts
+    and stops with the app's lifespan; `app.state.scheduler` is the Scheduler."""
+    name = model_name or served_name(model)
+    metrics = ServerMetrics()
+    scheduler = Scheduler(model, max_waiting, metrics)
+    card = ModelCard(id=name, created=int(time.time()))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.stop()
+
+    app = FastAPI(title="fuselm", lifespan=lifespan)
+    app.state.scheduler = scheduler
+    install_error_handlers(app)
+
+    async def answer(request: Request, body: GenerationRequest, reply: Reply):
+        if body.model != name:
+            raise APIError(404, f"model '{body.model}' is not served here; this server runs '{name}'",
+                           "model", "model_not_found")
+        job = await run_in_threadpool(build_job, model, body)   # the chat template may take a while
+        try:
+            ticket = scheduler.submit(job)
+        except QueueFull as e:
+            raise APIError(503, str(e), code="server_busy", type="server_error") from None
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            # Cancelling is a no-op for a job that ended; the background task also covers a
+            # disconnect that the generator's `finally` does not see.
+            return EventSourceResponse(stream_events(scheduler, ticket, reply, usage),
+                                       background=BackgroundTask(scheduler.cancel, ticket))
+        return await collect(request, scheduler, ticket, reply)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        """A chat completion of `messages`, whole or streamed."""
+        return await answer(request, body, ChatReply(name))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        """A completion of `prompt`, whole or streamed."""
+        return await answer(request, body, CompletionReply(name))
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        """The model this server runs."""
+        return ModelList(data=[card])
+
+    @app.get("/health")
+    async def health():
+        """200 while the worker thread runs, else 503."""
+        if not scheduler.alive:
+            raise APIError(503, "the generation worker is not running", code="worker_down", type="server_error")
+        return {"status": "ok", "model": name}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        """The Prometheus metrics."""
+        return Response(metrics.exposition(), media_type=metrics.content_type)
+
+    return app
+
+
+def _sse(item: BaseModel) -> bytes:
+    return format_sse_event(data_str=item.model_dump_json())
+
+
+async def stream_events(scheduler: Scheduler, ticket: Ticket, reply: Reply, include_usage: bool):
+    """The server-sent events of one streamed request; leaving early cancels its job."""
+    try:
+        opening = reply.opening()
+        if opening is not None:
+            yield _sse(opening)
+        async for event in ticket.events():
+            if isinstance(event, Piece):
+                yield _sse(reply.chunk(event.text))
+            elif isinstance(event, Finished):
+                yield _sse(reply.closing(event))
+                if include_usage:
+                    yield _sse(reply.usage_chunk(event))
+            else:
+                error = APIError(500, event.message, type="server_error")
+                yield format_sse_event(data_str=json.dumps(error.body()))
+        yield DONE
+    finally:
+        scheduler.cancel(ticket)
+
+
+async def _cancel_on_disconnect(request: Request, scheduler: Scheduler, ticket: Ticket) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    scheduler.cancel(ticket)
+
+
+async def collect(request: Request, scheduler: Scheduler, ticket: Ticket, reply: Reply) -> BaseModel:
+    """The whole response of one request; a client that disconnects first cancels its job."""
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, scheduler, ticket))
+    try:
+        parts = []
+        async for event in ticket.events():
+            if isinstance(event, Piece):
+                parts.append(event.text)
+            elif isinstance(event, Finished):
+                return reply.whole("".join(parts), event)
+            else:
+                raise APIError(500, event.message, type="server_error")
+    finally:
+        watcher.cancel()
+        scheduler.cancel(ticket)

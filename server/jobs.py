@@ -1,0 +1,76 @@
+"""A validated request checked against what this engine supports and turned into a generation Job.
+
+Every refusal is an APIError naming the request field: unsupported options, sampling values out of
+range (SamplingParams' own checks, which name the parameter), a prompt the tokenizer or chat
+template refuses, and a prompt plus answer longer than the context.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..errors import FuselmError
+from ..runtime.engine import SamplingError, SamplingParams
+from ..runtime.generate import encode_prompt
+from .errors import APIError
+from .scheduler import Job
+from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
+
+COMPLETION_DEFAULT_TOKENS = 16   # OpenAI's default max_tokens of /v1/completions
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+
+
+def reject_unsupported(body: GenerationRequest) -> None:
+    """APIError 400 for an option OpenAI has that this server does not implement, or a conflict."""
+    if body.n not in (None, 1):
+        raise APIError(400, f"n: only one choice per request is supported, got {body.n}", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name) not in (None, 0):
+            raise APIError(400, f"{name} is not supported yet (use repetition_penalty)", name)
+    wants_logprobs = body.logprobs is not None if isinstance(body, CompletionRequest) else bool(body.logprobs)
+    if wants_logprobs:
+        raise APIError(400, "logprobs are not supported yet", "logprobs")
+    if isinstance(body, ChatCompletionRequest) and body.top_logprobs:
+        raise APIError(400, "top_logprobs is not supported yet", "top_logprobs")
+    if isinstance(body, ChatCompletionRequest) and None not in (body.max_tokens, body.max_completion_tokens) \
+            and body.max_tokens != body.max_completion_tokens:
+        raise APIError(400, "max_tokens and max_completion_tokens differ; give one of them",
+                       "max_completion_tokens")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
+
+
+def sampling_of(body: GenerationRequest, defaults: SamplingParams) -> SamplingParams:
+    """The model's default sampling with the fields the request gives replaced, range-checked."""
+    given = {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name) is not None}
+    try:
+        return dataclasses.replace(defaults, **given).validate()
+    except SamplingError as e:
+        raise APIError(400, str(e), e.param) from None
+
+
+def build_job(model, body: GenerationRequest) -> Job:
+    """The Job for `body` on `model` (a fuselm Model); APIError when the request cannot run.
+    Encodes the prompt (through the chat template for chat), so call it off the event loop."""
+    reject_unsupported(body)
+    sampling = sampling_of(body, model.defaults)
+    if isinstance(body, ChatCompletionRequest):
+        prompt_field, prompt = "messages", [m.as_template_input() for m in body.messages]
+    else:
+        prompt_field, prompt = "prompt", body.prompt
+    try:
+        prompt_tokens = len(encode_prompt(model.tokenizer, prompt))
+    except FuselmError as e:
+        raise APIError(400, str(e), prompt_field) from None
+    room = model.engine.max_context - prompt_tokens
+    if room <= 0:
+        raise APIError(400, f"{prompt_field}: the prompt of {prompt_tokens} tokens leaves no room for an answer "
+                       f"in the context of {model.engine.max_context} tokens", prompt_field,
+                       "context_length_exceeded")
+    max_tokens = body.length
+    if max_tokens is None:
+        max_tokens = min(room, COMPLETION_DEFAULT_TOKENS) if isinstance(body, CompletionRequest) else room
+    elif max_tokens > room:
+        raise APIError(400, f"{body.length_field}: the prompt of {prompt_tokens} tokens plus {max_tokens} new tokens "
+                       f"does not fit the context of {model.engine.max_context} tokens (at most {room} here)",
+                       body.length_field, "context_length_exceeded")
+    return Job(prompt, max_tokens, sampling, tuple(body.stop or ()))

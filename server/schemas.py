@@ -1,0 +1,202 @@
+"""Request and response bodies of the OpenAI API, as far as this server implements it.
+
+Requests are strict (a string is never taken for a number) and refuse unknown fields, so nothing a
+client asks for is silently ignored. Fields OpenAI has but this engine does not implement yet
+(`n` > 1, penalties, logprobs) are declared, so `jobs.reject_unsupported` can name them.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
+
+MAX_STOP_STRINGS = 4   # as OpenAI's API
+
+
+def _stop_list(value):
+    """`stop` as OpenAI allows it, a string or a list of strings, always as a list."""
+    if isinstance(value, str):
+        return [value]
+    if value is not None and not isinstance(value, list):
+        raise ValueError("must be a string or a list of strings")
+    return value
+
+
+def _text_parts(value):
+    """A message's content as OpenAI allows it, a string or a list of text parts, always as parts."""
+    if isinstance(value, str):
+        return [{"type": "text", "text": value}]
+    if not isinstance(value, list):
+        raise ValueError("must be a string or a list of text parts")
+    return value
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    """`stream_options`: whether the stream ends with a chunk holding the usage."""
+    include_usage: bool = False
+
+
+class GenerationRequest(_Strict):
+    """The fields both endpoints share: the model, the length, sampling, stops and streaming."""
+    model: str
+    max_tokens: int | None = Field(None, gt=0)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    n: int | None = None
+    stop: Annotated[list[Annotated[str, Field(min_length=1)]] | None,
+                    BeforeValidator(_stop_list), Field(max_length=MAX_STOP_STRINGS)] = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None   # OpenAI's end-user id; accepted, used for nothing
+
+    @property
+    def length_field(self) -> str:
+        """The field that set the answer's length, for messages about it."""
+        return "max_tokens"
+
+    @property
+    def length(self) -> int | None:
+        """Tokens to generate at most, as the request gave it (None: the endpoint's default)."""
+        return self.max_tokens
+
+
+class TextPart(_Strict):
+    """One part of a message's content; only text is supported."""
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    """One chat message. `developer` is OpenAI's newer name for `system`."""
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[list[TextPart], BeforeValidator(_text_parts)]
+    name: str | None = None
+
+    def as_template_input(self) -> dict:
+        """The message as the chat template takes it: role and content as strings."""
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": "".join(part.text for part in self.content)}
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """`POST /v1/chat/completions`."""
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, gt=0)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    @property
+    def length_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def length(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(GenerationRequest):
+    """`POST /v1/completions`: a prompt string continued."""
+    prompt: str
+    logprobs: int | None = None
+
+
+class Usage(BaseModel):
+    """Token counts of one request."""
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    """The reply of a chat completion."""
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    """The one choice of a chat completion."""
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    """A whole chat completion."""
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    """What a chat chunk adds: the role (first chunk), then content."""
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _given_fields(self) -> dict:
+        """Only the fields set, as OpenAI sends them (the closing chunk's delta is {})."""
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    """The one choice of a chat chunk; finish_reason is set on the last."""
+    index: int = 0
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion."""
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    """The one choice of a completion, or of one of its chunks."""
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    """A whole completion, or one chunk of a streamed one (OpenAI uses the same object for both)."""
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    """One entry of `GET /v1/models`."""
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "fuselm"
+
+
+class ModelList(BaseModel):
+    """`GET /v1/models`: the one model this server runs."""
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
