@@ -59,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"loading {args.model or 'the default model'}", file=sys.stderr)
         model = load(args.model, device=args.device, ctx=args.ctx)
         app = create_app(model, max_waiting=args.max_waiting)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
         print(f"serving {served_name(model)} on {model.device} at {url_of(sock)} (Ctrl-C stops)",
               file=sys.stderr, flush=True)
         server.run(sockets=[sock])

@@ -5,7 +5,8 @@ switches only at request boundaries. Handlers only `submit`, `cancel` and read a
 a batched engine can replace the worker behind the same three calls.
 
 Events cross from the worker thread to the event loop through `loop.call_soon_threadsafe`. A
-cancelled job stops at the next token: the worker checks its flag between tokens.
+cancelled job stops at the next token: the worker checks its flag between tokens. Every ticket
+gets exactly one last event (Finished or Failed), cancelled ones too, so no reader waits forever.
 """
 from __future__ import annotations
 
@@ -56,6 +57,9 @@ class Failed:
 
 
 Event = Piece | Finished | Failed
+
+
+CANCELLED = Failed("the request was cancelled (its client left, or the server is shutting down)")
 
 
 class QueueFull(FuselmError):
@@ -115,9 +119,11 @@ class Scheduler:
         """Cancel every job, waiting or running, and wait for the worker to end."""
         with self._wake:
             self._closing = True
-            for ticket in (*self._waiting, self._running):
-                if ticket is not None:
-                    ticket.cancelled.set()
+            if self._running is not None:
+                self._running.cancelled.set()
+            for ticket in self._waiting:
+                ticket.cancelled.set()
+                ticket.emit(CANCELLED)
             self._waiting.clear()
             self.metrics.waiting.set(0)
             self._wake.notify()
@@ -147,6 +153,7 @@ class Scheduler:
                 self._waiting.remove(ticket)
                 self.metrics.waiting.set(len(self._waiting))
                 self.metrics.finished.labels("cancelled").inc()
+                ticket.emit(CANCELLED)
 
     def _work(self) -> None:
         while True:
@@ -189,6 +196,7 @@ class Scheduler:
         try:
             for piece in pieces:
                 if ticket.cancelled.is_set():
+                    ticket.emit(CANCELLED)
                     return "cancelled"
                 text, stopped = stops.push(piece)
                 if text:

@@ -123,24 +123,6 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    """The one choice of a chat completion."""
-    index: int = 0
-    message: AssistantMessage
-    finish_reason: str
-    logprobs: None = None
-
-
-class ChatCompletion(BaseModel):
-    """A whole chat completion."""
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
 class Delta(BaseModel):
     """What a chat chunk adds: the role (first chunk), then content."""
     role: Literal["assistant"] | None = None
@@ -152,38 +134,54 @@ class Delta(BaseModel):
         return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
 
 
-class ChatChunkChoice(BaseModel):
-    """The one choice of a chat chunk; finish_reason is set on the last."""
+class _Choice(BaseModel):
+    """What every choice holds besides its content: there is one, and no logprobs."""
     index: int = 0
-    delta: Delta
-    finish_reason: str | None = None
     logprobs: None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    """One server-sent event of a streamed chat completion."""
+class ChatChoice(_Choice):
+    """The choice of a whole chat completion."""
+    message: AssistantMessage
+    finish_reason: str
+
+
+class ChatChunkChoice(_Choice):
+    """The choice of a chat chunk; finish_reason is set on the last."""
+    delta: Delta
+    finish_reason: str | None = None
+
+
+class CompletionChoice(_Choice):
+    """The choice of a completion, or of one of its chunks."""
+    text: str
+    finish_reason: str | None = None
+
+
+class _Answer(BaseModel):
+    """What every response object and chunk holds: the request's id, creation time and model."""
     id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+
+
+class ChatCompletion(_Answer):
+    """A whole chat completion."""
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatCompletionChunk(_Answer):
+    """One server-sent event of a streamed chat completion."""
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
 
-class CompletionChoice(BaseModel):
-    """The one choice of a completion, or of one of its chunks."""
-    index: int = 0
-    text: str
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class Completion(BaseModel):
+class Completion(_Answer):
     """A whole completion, or one chunk of a streamed one (OpenAI uses the same object for both)."""
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
