@@ -122,13 +122,18 @@ EXTRA_FLOATS = {"query_pre_attn_scalar": (0.0, 1e6), "attn_logit_softcapping": (
 
 def _check_extra(d: dict, source: str) -> None:
     """The architecture-specific keys, where present: names are strings, layer_types a list of
-    strings, counts integers in range, scales and soft-caps finite numbers in range."""
+    strings, no_rope_layers a list of 0/1 flags and no_rope_layer_interval a positive integer,
+    counts integers in range, scales and soft-caps finite numbers in range."""
     for key in EXTRA_NAMES:
         if d.get(key) is not None and not isinstance(d[key], str):
             raise ConfigError(f"{source}: {key} = {d[key]!r} is not a name")
     types = d.get("layer_types")
     if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
         raise ConfigError(f"{source}: layer_types = {types!r} is not a list of names")
+    flags = d.get("no_rope_layers")
+    if flags is not None and not (isinstance(flags, list) and all(type(f) is int and f in (0, 1) for f in flags)):
+        raise ConfigError(f"{source}: no_rope_layers = {flags!r} is not a list of 0/1 flags")
+    _number(d, source, "no_rope_layer_interval")   # a positive integer where given (any size: modulo)
     for key, high in EXTRA_COUNTS.items():
         value = _number(d, source, key, default=None, low=0)
         if value is not None and value > high:

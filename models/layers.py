@@ -18,6 +18,11 @@ def rmsnorm(g: Graph, x: Value, weight: str, eps: float, **attrs) -> Value:
     return g.op("rmsnorm", x, g.weight(weight, (attrs.get("group") or x.shape[-1],)), eps=eps, **attrs)
 
 
+def embed(g: Graph, cfg: DecoderConfig, ids: Value) -> Value:
+    """The token embeddings [T, hidden] of ids [T] (`model.embed_tokens.weight`)."""
+    return g.op("embedding", g.weight("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)), ids)
+
+
 def step_inputs(g: Graph, cfg: DecoderConfig) -> tuple[Value, Value, Value]:
     """Token ids [T], their positions [T], and the RoPE inverse frequencies [head_dim/2]."""
     ids = g.input("ids", ("T",), "i32")
@@ -38,19 +43,24 @@ def cached_attention(g: Graph, cfg: DecoderConfig, layer: int, q: Value, k: Valu
 
 def self_attention(g: Graph, cfg: DecoderConfig, layer: int, h: Value, pos: Value, inv_freq: Value,
                    qkv_bias: bool = False, o_bias: bool = False, qk_norm_eps: float | None = None,
-                   window: int = 0, **attention_attrs) -> Value:
-    """The attention block of layer `layer` on the normed input h: Q, K, V projections, (Qwen3:
-    an RMSNorm over each head of Q and K when `qk_norm_eps` is given), RoPE, attention over the
-    cache, O projection. The residual add and any norms around it stay with the caller."""
+                   window: int = 0, qk_norm_per_head: bool = True, rope: bool = True,
+                   **attention_attrs) -> Value:
+    """The attention block of layer `layer` on the input h: Q, K, V projections, (when
+    `qk_norm_eps` is given, an RMSNorm of Q and K: over each head (Qwen3), or over the whole
+    projection with `qk_norm_per_head=False` (OLMo 2)), RoPE (unless `rope` is False: SmolLM3's
+    NoPE layers), attention over the cache, O projection. The residual add and any norms around
+    it stay with the caller."""
     p, hd = f"model.layers.{layer}.self_attn", cfg.head_dim
-    q = linear(g, h, f"{p}.q_proj", cfg.num_heads * hd, qkv_bias)
-    k = linear(g, h, f"{p}.k_proj", cfg.num_kv_heads * hd, qkv_bias)
-    v = linear(g, h, f"{p}.v_proj", cfg.num_kv_heads * hd, qkv_bias)
+    q = linear(g, h, f"{p}.q_proj", cfg.num_heads * hd, qkv_bias)      # [T, H * hd]
+    k = linear(g, h, f"{p}.k_proj", cfg.num_kv_heads * hd, qkv_bias)   # [T, KV * hd]
+    v = linear(g, h, f"{p}.v_proj", cfg.num_kv_heads * hd, qkv_bias)   # [T, KV * hd]
     if qk_norm_eps is not None:
-        q = rmsnorm(g, q, f"{p}.q_norm.weight", qk_norm_eps, group=hd)
-        k = rmsnorm(g, k, f"{p}.k_norm.weight", qk_norm_eps, group=hd)
-    q = g.op("rope", q, pos, inv_freq, head_dim=hd)
-    k = g.op("rope", k, pos, inv_freq, head_dim=hd)
+        group = hd if qk_norm_per_head else None
+        q = rmsnorm(g, q, f"{p}.q_norm.weight", qk_norm_eps, group=group)
+        k = rmsnorm(g, k, f"{p}.k_norm.weight", qk_norm_eps, group=group)
+    if rope:
+        q = g.op("rope", q, pos, inv_freq, head_dim=hd)
+        k = g.op("rope", k, pos, inv_freq, head_dim=hd)
     a = cached_attention(g, cfg, layer, q, k, v, pos, window=window, **attention_attrs)
     return linear(g, a, f"{p}.o_proj", cfg.hidden_size, o_bias)
 

@@ -46,6 +46,16 @@ PRESETS: dict[str, dict] = {
                          num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1000000.0,
                          num_local_experts=8, num_experts_per_tok=2, sliding_window=None,
                          tie_word_embeddings=False, max_position_embeddings=32768),
+    "olmo-2-7b": dict(architectures=["Olmo2ForCausalLM"], vocab_size=100352, hidden_size=4096,
+                      intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, rms_norm_eps=1e-6, rope_theta=500000.0,
+                      attention_bias=False, tie_word_embeddings=False, max_position_embeddings=4096),
+    "smollm3-3b": dict(architectures=["SmolLM3ForCausalLM"], vocab_size=128256, hidden_size=2048,
+                       intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                       num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=5000000.0,
+                       no_rope_layer_interval=4, no_rope_layers=[int((i + 1) % 4 != 0) for i in range(36)],
+                       use_sliding_window=False, sliding_window=None, tie_word_embeddings=True,
+                       max_position_embeddings=65536),
 }
 
 

@@ -1,6 +1,6 @@
-"""Qwen2, Qwen3, Gemma 2 and Mixtral: the reference executor against transformers (torch CPU,
-float32) on tiny random configs, and every new architecture's graph through the compiler, the code
-generator and NVRTC.
+"""Qwen2, Qwen3, Gemma 2, Mixtral, OLMo 2 and SmolLM3: the reference executor against transformers
+(torch CPU, float32) on tiny random configs, and every new architecture's graph through the
+compiler, the code generator and NVRTC.
 
 Each case feeds a prompt (logits of every row) and then single-token decode steps through the KV
 cache on both sides; bound ||ours - hf|| / ||hf|| < 1e-4 per step. The worst relative error per
@@ -246,9 +246,111 @@ def test_moe_ffn_routes_to_top_k_only():
         np.testing.assert_allclose(out[t], want, rtol=1e-5)
 
 
+# ---- OLMo 2 ----------------------------------------------------------------------------------------
+
+@given(shape=gqa(), layers=st.integers(1, 3), bias=st.booleans(), tied=st.booleans(),
+       prompt_len=st.integers(1, 7), seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=40)
+def test_olmo2_vs_transformers(h, shape, layers, bias, tied, prompt_len, seed):
+    """Post-norms and the Q/K norms over the whole projection (weights [H * hd] and [KV * hd]:
+    compare() checks every weight's shape against the graph's)."""
+    heads, kv, hd = shape
+    kw = dict(vocab_size=59, hidden_size=heads * hd, intermediate_size=33, num_hidden_layers=layers,
+              num_attention_heads=heads, num_key_value_heads=kv, attention_bias=bias,
+              tie_word_embeddings=tied, rope_theta=500000.0, rms_norm_eps=1e-6)
+    model, weights, cfg = hf_model(h, "Olmo2ForCausalLM", seed, **kw)
+    assert weights["model.layers.0.self_attn.k_norm.weight"].shape == (kv * hd,)
+    assert "model.layers.0.input_layernorm.weight" not in weights
+    compare(h, model, weights, cfg, *tokens(seed, 59, prompt_len), "olmo2")
+
+
+# ---- SmolLM3 ---------------------------------------------------------------------------------------
+
+@given(shape=gqa(), layers=st.integers(1, 6), interval=st.integers(1, 4), listed=st.booleans(),
+       tied=st.booleans(), sliding=st.booleans(), window=st.integers(2, 4), extra=st.integers(0, 3),
+       seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=50)
+def test_smollm3_vs_transformers(h, shape, layers, interval, listed, tied, sliding, window, extra, seed):
+    """NoPE layers from `no_rope_layers` (drawn) or `no_rope_layer_interval`; with
+    `use_sliding_window`, transformers slides on the NoPE layers (its derived layer_types)."""
+    heads, kv, hd = shape
+    flags = np.random.default_rng(seed).integers(0, 2, layers).tolist() if listed else None
+    kw = dict(vocab_size=51, hidden_size=heads * hd, intermediate_size=35, num_hidden_layers=layers,
+              num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=tied,
+              no_rope_layers=flags, no_rope_layer_interval=interval, use_sliding_window=sliding,
+              sliding_window=window if sliding else None, rope_theta=5000000.0, pad_token_id=0)
+    model, weights, cfg = hf_model(h, "SmolLM3ForCausalLM", seed, **kw)
+    def ropes(c):
+        return sum(n.op == "rope" for n in build_graph_of(c).nodes.values())
+
+    assert ropes(cfg) == 2 * sum(model.config.no_rope_layers)     # Q and K of each RoPE layer
+    if not listed:   # a config.json with the interval alone: our rule gives transformers' list
+        assert ropes(dataclasses.replace(cfg, extra={**cfg.extra, "no_rope_layers": None})) == ropes(cfg)
+    check_windows_without_layer_types(model, cfg)
+    compare(h, model, weights, cfg, *tokens(seed, 51, window + extra), "smollm3")
+
+
+def test_smollm3_nope_layers_matter(h):
+    """RoPE on every layer (no_rope_layers all 1) moves the logits far beyond the tolerance."""
+    model, weights, cfg = hf_model(h, "SmolLM3ForCausalLM", 9, vocab_size=40, hidden_size=32,
+                                   intermediate_size=24, num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, no_rope_layer_interval=2, pad_token_id=0)
+    assert model.config.no_rope_layers == [1, 0, 1, 0]
+    prompt, steps = tokens(9, 40, 6)
+    compare(h, model, weights, cfg, prompt, steps, "smollm3")
+    rope_everywhere = dataclasses.replace(cfg, extra={**cfg.extra, "no_rope_layers": [1] * 4})
+    ours = h.ours_prefill_then_decode(rope_everywhere, weights, prompt, steps, graph=build_graph_of(rope_everywhere))
+    theirs = h.hf_prefill_then_decode(model, prompt, steps)
+    assert max(h.rel_err(o, t) for o, t in zip(ours, theirs)) > 100 * TOL
+
+
+@pytest.mark.parametrize("bad,match", [(dict(no_rope_layers=[1, 2]), "not a list of 0/1 flags"),
+                                       (dict(no_rope_layers=[1]), "lists 1 layers, the model has 2"),
+                                       (dict(no_rope_layer_interval=0), "must be a positive integer")])
+def test_smollm3_bad_no_rope_settings_are_config_errors(bad, match):
+    from fuselm.models import ConfigError, DecoderConfig, build_graph
+
+    d = dict(architectures=["SmolLM3ForCausalLM"], vocab_size=10, hidden_size=8, intermediate_size=8,
+             num_hidden_layers=2, num_attention_heads=2, **bad)
+    with pytest.raises(ConfigError, match=match):
+        build_graph(DecoderConfig.from_hf(d, source="config.json"))
+
+
+# ---- checkpoints saved by transformers, through fuselm.load ------------------------------------------
+
+@pytest.mark.parametrize("arch,kw", [("Olmo2ForCausalLM", dict(attention_bias=True)),
+                                     ("SmolLM3ForCausalLM", dict(no_rope_layer_interval=2))])
+def test_saved_checkpoint_generates_transformers_greedy_tokens(h, tmp_path, arch, kw):
+    """save_pretrained's folder (config.json, model.safetensors) loads through fuselm.load on the
+    CPU engine, whose greedy tokens are transformers' (full recompute each step)."""
+    import torch
+    from tokenizers import Tokenizer, models
+
+    import fuselm
+    from fuselm import SamplingParams
+
+    model, _, _ = hf_model(h, arch, 0, vocab_size=48, hidden_size=32, intermediate_size=40,
+                           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=64, pad_token_id=0, bos_token_id=None, eos_token_id=None, **kw)
+    with torch.no_grad():   # tied (SmolLM3): at N(0, 1) the last token's own row wins every step
+        model.model.embed_tokens.weight.mul_(0.1)
+    model.save_pretrained(tmp_path)
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(48)}, unk_token="w0")).save(str(tmp_path / "tokenizer.json"))
+    engine = fuselm.load(tmp_path, device="cpu", progress=False).engine
+    prompt, greedy = [3, 14, 15, 9, 2], SamplingParams()
+    ours = [engine.prefill(prompt, greedy)]
+    while len(ours) < 12:
+        ours.append(engine.decode(ours[-1], greedy))
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert ours == ids[len(prompt):] and len(set(ours)) > 1
+
+
 # ---- presets and the compiler ----------------------------------------------------------------------
 
-NEW = ["qwen2.5-7b", "qwen3-8b", "gemma-2-9b", "mixtral-8x7b"]
+NEW = ["qwen2.5-7b", "qwen3-8b", "gemma-2-9b", "mixtral-8x7b", "olmo-2-7b", "smollm3-3b"]
 
 
 def test_presets_build_with_real_shapes():
@@ -263,7 +365,11 @@ def test_presets_build_with_real_shapes():
         counts[name] = (len(att), sum(1 for n in att if n.attrs["window"]))
         assert all(n.shape[-1] for n in g.sources("weight"))
     assert counts == {"qwen2.5-7b": (28, 0), "qwen3-8b": (36, 0), "gemma-2-9b": (42, 21),
-                      "mixtral-8x7b": (32, 0)}
+                      "mixtral-8x7b": (32, 0), "olmo-2-7b": (32, 0), "smollm3-3b": (36, 0)}
+    smol = build_graph(preset("smollm3-3b"))
+    assert sum(n.op == "rope" for n in smol.nodes.values()) == 2 * 27 and "lm_head.weight" not in smol.nodes
+    olmo = build_graph(preset("olmo-2-7b"))
+    assert olmo.nodes["model.layers.0.self_attn.q_norm.weight"].shape == (4096,)
     gemma = build_graph(preset("gemma-2-9b"))
     att = [n for n in gemma.nodes.values() if n.op == "attention"]
     assert att[0].attrs["scale"] == 256 ** -0.5 and att[0].attrs["softcap"] == 50.0
@@ -283,12 +389,15 @@ def tiny_graph(arch):
           "Qwen3ForCausalLM": dict(head_dim=32, use_sliding_window=True, sliding_window=8,
                                    max_window_layers=2, attention_bias=True),
           "Gemma2ForCausalLM": dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24),
-          "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2)}[arch]
+          "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2),
+          "Olmo2ForCausalLM": dict(attention_bias=True),
+          "SmolLM3ForCausalLM": dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=8)}[arch]
     d = getattr(transformers, arch.replace("ForCausalLM", "Config"))(architectures=[arch], **common, **kw).to_dict()
     return build_graph(DecoderConfig.from_hf(d)), common["vocab_size"]
 
 
-ARCHS = ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "MixtralForCausalLM"]
+ARCHS = ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "MixtralForCausalLM", "Olmo2ForCausalLM",
+         "SmolLM3ForCausalLM"]
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
