@@ -47,6 +47,8 @@ def validation_error(error: dict) -> APIError:
     param, kind = field_path(tuple(error.get("loc", ()))), error.get("type")
     if kind == "json_invalid":
         return APIError(400, f"the request body is not valid JSON ({error.get('ctx', {}).get('error', 'parse error')})")
+    if param is None and kind == "missing":
+        return APIError(400, "the request has no JSON body (send one with Content-Type: application/json)")
     if param is None:
         return APIError(400, "the request body must be a JSON object")
     if kind == "extra_forbidden":

@@ -26,17 +26,18 @@ def reject_unsupported(body: GenerationRequest) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name) not in (None, 0):
             raise APIError(400, f"{name} is not supported yet (use repetition_penalty)", name)
-    wants_logprobs = body.logprobs is not None if isinstance(body, CompletionRequest) else bool(body.logprobs)
-    if wants_logprobs:
-        raise APIError(400, "logprobs are not supported yet", "logprobs")
-    if isinstance(body, ChatCompletionRequest) and body.top_logprobs:
-        raise APIError(400, "top_logprobs is not supported yet", "top_logprobs")
-    if isinstance(body, ChatCompletionRequest) and None not in (body.max_tokens, body.max_completion_tokens) \
-            and body.max_tokens != body.max_completion_tokens:
-        raise APIError(400, "max_tokens and max_completion_tokens differ; give one of them",
-                       "max_completion_tokens")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
+    if isinstance(body, CompletionRequest):
+        if body.logprobs is not None:   # an integer here: even 0 asks for the chosen token's
+            raise APIError(400, "logprobs are not supported yet", "logprobs")
+        return
+    for name in ("logprobs", "top_logprobs"):
+        if getattr(body, name):
+            raise APIError(400, f"{name} is not supported yet", name)
+    if None not in (body.max_tokens, body.max_completion_tokens) and body.max_tokens != body.max_completion_tokens:
+        raise APIError(400, "max_tokens and max_completion_tokens differ; give one of them",
+                       "max_completion_tokens")
 
 
 def sampling_of(body: GenerationRequest, defaults: SamplingParams) -> SamplingParams:

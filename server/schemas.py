@@ -80,7 +80,6 @@ class ChatMessage(_Strict):
     """One chat message. `developer` is OpenAI's newer name for `system`."""
     role: Literal["system", "developer", "user", "assistant"]
     content: Annotated[list[TextPart], BeforeValidator(_text_parts)]
-    name: str | None = None
 
     def as_template_input(self) -> dict:
         """The message as the chat template takes it: role and content as strings."""
