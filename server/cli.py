@@ -6,6 +6,7 @@ clients that connect during the load wait in the listen queue instead of being r
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 
@@ -35,7 +36,8 @@ def listen(host: str, port: int) -> socket.socket:
     try:
         return socket.create_server((host, port), family=family, backlog=128)
     except OSError as e:
-        raise FuselmError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
+        reason = os.strerror(e.errno) if e.errno else str(e)
+        raise FuselmError(f"cannot listen on {host}:{port} ({reason})") from None
 
 
 def url_of(sock: socket.socket) -> str:
