@@ -102,8 +102,10 @@ def test_bench_rows_leave_out_what_a_decode_only_run_did_not_measure():
          "compile_cold_s": None, "compile_warm_s": None, "peak_gpu_GiB": 3.93}
     assert _row(r) == ("llama-3.2-1b   bf16      1322.1 tok/s   0.756 ms/tok  77.7% of copy bw | ttft32 23.5 ms "
                        "| 4k ctx 1152.3 tok/s (87.2%) | 3.93 GiB")
-    full = _row({**r, "ttft_512_ms": 401.5, "compile_cold_s": 2.66, "compile_warm_s": 0.16, "warm_start_s": 0.61})
-    assert "ttft512 401.5 ms" in full and "compile 2.66s cold 0.16s warm | warm start 0.61s" in full
+    full = _row({**r, "ttft_512_ms": 401.5, "compile_cold_s": 2.66, "compile_warm_s": 0.16, "warm_start_s": 0.61,
+                 "prefill_tok_s_512": 1275.0, "ttft_4096_ms": 3010.0, "prefill_tok_s_4096": 1361.0})
+    assert "ttft512 401.5 ms (1275 tok/s) ttft4096 3010.0 ms (1361 tok/s)" in full
+    assert "compile 2.66s cold 0.16s warm | warm start 0.61s" in full
     assert "None" not in full
 
 

@@ -304,10 +304,10 @@ def _row(r: dict) -> str:
     """One model's line of the printed table; what a run did not measure (--decode-only) is left out."""
     s = (f"{r['model']:14s} {r['dtype']:7s} {r['decode_tok_s']:8.1f} tok/s {r['ms_per_token']:7.3f} ms/tok "
          f"{r.get('bandwidth_fraction', 0) * 100:5.1f}% of copy bw | ttft32 {r['ttft_32_ms']} ms")
-    if r["ttft_512_ms"] is not None:
-        s += f" ttft512 {r['ttft_512_ms']} ms ({r['prefill_tok_s_512']:.0f} tok/s)"
-    if r.get("ttft_4096_ms") is not None:
-        s += f" ttft4096 {r['ttft_4096_ms']} ms ({r['prefill_tok_s_4096']:.0f} tok/s)"
+    for n in (512, 4096):   # (records written before these fields have no prefill rates)
+        if r.get(f"ttft_{n}_ms") is not None:
+            rate = r.get(f"prefill_tok_s_{n}")
+            s += f" ttft{n} {r[f'ttft_{n}_ms']} ms" + (f" ({rate:.0f} tok/s)" if rate else "")
     if r["decode_tok_s_at_4k"] is not None:
         s += f" | 4k ctx {r['decode_tok_s_at_4k']} tok/s ({r['ratio_4k'] * 100:.1f}%)"
     if r.get("decode_tok_s_from"):
