@@ -106,5 +106,5 @@ def prefill_profile(engine, start: int = 0, reps: int = 10) -> dict:
 def gemm_flops(G, nodes, tokens: int) -> int:
     """Multiply-adds x 2 of a gemm kernel's linears for a step of `tokens` tokens."""
     from ..dsl import Kind
-    return sum(2 * tokens * G.nodes[G.nodes[n]["inputs"][1]]["shape"][0] * G.nodes[G.nodes[n]["inputs"][1]]["shape"][1]
-               for n in nodes if G.nodes[n]["kind"] is Kind.LINEAR)
+    shapes = [G.nodes[G.nodes[n]["inputs"][1]]["shape"] for n in nodes if G.nodes[n]["kind"] is Kind.LINEAR]
+    return sum(2 * tokens * rows * k for rows, k in shapes)

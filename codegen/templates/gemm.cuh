@@ -105,7 +105,6 @@ struct VectorsFromX {
 template <int K, int TT, int KC>
 struct StagedLayout {
     static constexpr int ENTRIES = StagedChunk<TT, KC>::ENTRIES, SPANS = KC / 32, CHUNK = 2 * TT * ENTRIES;
-    static constexpr int FLOATS_GROUPED = TT * K + TT + TT * (K / 32);   // all of it, GROUPED
     static __device__ __forceinline__ float* sums(float* words) { return words + (size_t)TT * K; }
     static __device__ __forceinline__ const float* sums(const float* words) { return words + (size_t)TT * K; }
     static __device__ __forceinline__ float* group_sums(float* words, int chunk) {

@@ -124,24 +124,22 @@ __device__ __forceinline__ void nibble_codes_bf16(unsigned word, uint2 extra, un
     a[0] = lo.x; a[1] = lo.y; a[2] = hi.x; a[3] = hi.y;
 }
 
-// Byte codes, 4 of weights 4c.. in `lo` and 4 of 16 + 4c.. in `hi`, as the lane's A words: signed
-// bytes (Q8_0) or e4m3 (FP8), through float32 (both exact in bf16).
-__device__ __forceinline__ void signed_codes_bf16(unsigned lo, unsigned hi, unsigned (&a)[4]) {
-#pragma unroll
-    for (int i = 0; i < 2; i++) {   // signed codes + 128 are unsigned bytes: flip each sign bit
-        const unsigned w = (i ? hi : lo) ^ 0x80808080u;
-        a[2 * i] = pack_bf16x2(code_minus<128>(w, 0), code_minus<128>(w, 1));
-        a[2 * i + 1] = pack_bf16x2(code_minus<128>(w, 2), code_minus<128>(w, 3));
-    }
-}
-__device__ __forceinline__ void e4m3_codes_bf16(unsigned lo, unsigned hi, unsigned (&a)[4]) {
+// Byte codes, 4 of weights 4c.. in `lo` and 4 of 16 + 4c.. in `hi`, as the lane's A words,
+// through float32 (`to_floats`: a word's 4 codes as floats; signed bytes and e4m3 are exact in bf16).
+template <class ToFloats>
+__device__ __forceinline__ void byte_codes_bf16(unsigned lo, unsigned hi, unsigned (&a)[4], ToFloats to_floats) {
 #pragma unroll
     for (int i = 0; i < 2; i++) {
         float v[4];
-        e4m3x4_to_f32(i ? hi : lo, v);
+        to_floats(i ? hi : lo, v);
         a[2 * i] = pack_bf16x2(v[0], v[1]);
         a[2 * i + 1] = pack_bf16x2(v[2], v[3]);
     }
+}
+// Q8_0's signed codes: + 128 they are unsigned bytes (each sign bit flipped).
+__device__ __forceinline__ void signed_bytes_to_f32(unsigned w, float (&v)[4]) {
+#pragma unroll
+    for (int k = 0; k < 4; k++) v[k] = code_minus<128>(w ^ 0x80808080u, k);
 }
 
 // Word c of each 16 bytes of a group of 32 byte codes (Q8_0, FP8), streamed.
@@ -199,7 +197,7 @@ struct Q8_0 {          // codes int8 [N][K], d f16 [N][K/32]
     static constexpr bool HALF_SCALES = false;
     static __device__ __forceinline__ Frag frag(const Row& r, int g, int c) { return {byte_words(r.q, g, c), __ldcs(r.d + g)}; }
     static __device__ __forceinline__ GroupScale decode(const Frag& f, int, int, unsigned (&a)[4]) {
-        signed_codes_bf16(f.q.x, f.q.y, a);
+        byte_codes_bf16(f.q.x, f.q.y, a, signed_bytes_to_f32);
         const float d = f16_to_f32(f.d);
         return {d, d, 0.0f};
     }
@@ -539,7 +537,7 @@ struct FP8 {           // e4m3 codes [N][K], float32 scale [N]
     static constexpr bool HALF_SCALES = false;
     static __device__ __forceinline__ Frag frag(const Row& r, int g, int c) { return {byte_words(r.q, g, c), r.scale}; }
     static __device__ __forceinline__ GroupScale decode(const Frag& f, int, int, unsigned (&a)[4]) {
-        e4m3_codes_bf16(f.q.x, f.q.y, a);
+        byte_codes_bf16(f.q.x, f.q.y, a, e4m3x4_to_f32);
         return {f.scale, f.scale, 0.0f};
     }
 };
