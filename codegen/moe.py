@@ -1,11 +1,15 @@
 """The moe family: routed expert FFN in two launches (gate/up of the chosen experts, then down);
-for steps of several tokens, GEMMs per expert over the step's tokens (templates/moe_gemm.cuh)."""
+for steps of several tokens, GEMMs per expert over the step's tokens (templates/moe_gemm.cuh).
+The experts' stacks may be quantized (one format for gate and up, one for down): a token's GEMVs
+then take the float path of templates/quant.cuh, the step's GEMMs the quantized tiles."""
 from __future__ import annotations
 
 import networkx as nx
 
 from ..compiler.kernels import ScheduledKernel
+from ..errors import FuselmError
 from . import cexpr, gemm
+from .gemv import weight_format
 from .kernel import KernelSource, KernelSpec, Launch
 from .params import Params
 from .render import render
@@ -13,6 +17,9 @@ from .tuning import SMEM_STATIC, Tuning
 
 THREADS = 256    # one row per warp
 UNROLL = 4
+# Steps of quantized experts: at 64 tokens ptxas spills 332 bytes in the Q4_K gate/up kernel;
+# Mixtral's bf16 prefill measured the same with steps of 32 only (docs/performance.md).
+QUANT_MAX_TOKENS = 32
 
 
 def _shapes(G: nx.DiGraph, launch: ScheduledKernel) -> tuple[str, int, int, int]:
@@ -28,12 +35,29 @@ def unsupported(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, tuning: Tun
     _, _, I, D = _shapes(G, launch)
     if tokens > tuning.gemm_warps * 32:
         return f"{tokens} tokens per step need a thread each to route them; its blocks have {tuning.gemm_warps * 32}"
-    for what, K, members in (("gate/up", D, 2), ("down", I, 1)):
+    n, *_ = _shapes(G, launch)
+    up_format, down_format = (f is not None for f in _formats(G, n))
+    if (up_format or down_format) and tokens > QUANT_MAX_TOKENS:
+        return (f"quantized experts take steps of at most {QUANT_MAX_TOKENS} tokens (at {tokens} their "
+                f"gate/up tiles spill registers)")
+    for what, K, members, grouped in (("gate/up", D, 2, up_format), ("down", I, 1, down_format)):
         if K % 32:
             return f"its {what} rows of {K} weights are not a multiple of 32"
-        if (need := gemm.smem_bytes(K, members, tokens, tuning) + 4 * tokens) > SMEM_STATIC:   # + the routing weights
+        need = gemm.smem_bytes(K, members, tokens, tuning, grouped) + 4 * tokens   # + the routing weights
+        if need > SMEM_STATIC:
             return f"its {what} GEMMs at {tokens} tokens per step need {need} bytes of shared memory; at most {SMEM_STATIC}"
     return None
+
+
+def _formats(G: nx.DiGraph, n: str) -> tuple[str | None, str | None]:
+    """The C++ structs of the formats of moe node n's gate/up and down stacks (None: bf16); a
+    FuselmError naming them when gate and up differ (one tile reads one format)."""
+    _, _, w_gate, w_up, w_down = G.nodes[n]["inputs"]
+    gate, up, down = (weight_format(G, w) for w in (w_gate, w_up, w_down))
+    if gate.name != up.name:
+        raise FuselmError(f"the experts' gate and up ({w_gate}, {w_up}) are in formats {gate.name} and "
+                          f"{up.name}: the moe kernels read them in one")
+    return tuple(None if f.name == "bf16" else f.c_struct for f in (gate, down))
 
 
 def generate(spec: KernelSpec) -> KernelSource:
@@ -47,7 +71,10 @@ def generate(spec: KernelSpec) -> KernelSource:
     top_k = d["attrs"]["top_k"]
     if E > 64:
         raise ValueError(f"{n}: the moe kernel routes at most 64 experts, got {E}")
+    up_format, down_format = _formats(G, n)
     ctx = {"E": E, "I": I, "D": D, "top_k": top_k, "tokens": tokens,
+           "up_format": up_format, "down_format": down_format, "quant_unroll": tuning.gemv_quant_unroll,
+           "up_bytes": weight_format(G, w_gate).nbytes((I, D)), "down_bytes": weight_format(G, w_down).nbytes((D, I)),
            "x": params.ref(x), "logits": params.ref(logits), "w_gate": params.ref(w_gate),
            "w_up": params.ref(w_up), "w_down": params.ref(w_down), "out": params.ref(n, written=True),
            "ws": params.extra("float*", "workspace"),
@@ -60,7 +87,8 @@ def generate(spec: KernelSpec) -> KernelSource:
         ctx |= {"threads": tuning.gemm_warps * 32, "kc_up": gemm.chunk(D), "kc_down": gemm.chunk(I),
                 "grid_up": E * -(-I // gemm.slots(tuning)), "grid_down": E * -(-D // gemm.slots(tuning))}
         workspace = E * tokens * I
-    name, source = render("moe.cu.j2", "moe", f"e{E}_top{top_k}_d{D}_i{I}", params=params.decls, **ctx)
+    formats = "" if not (up_format or down_format) else f"_{(up_format or 'bf16').lower()}+{(down_format or 'bf16').lower()}"
+    name, source = render("moe.cu.j2", "moe", f"e{E}_top{top_k}_d{D}_i{I}{formats}", params=params.decls, **ctx)
     launches = [Launch(f"{name}_up", (ctx["grid_up"], 1), ctx["threads"], params.values),
                 Launch(f"{name}_down", (ctx["grid_down"], 1), ctx["threads"], params.values)]
     return KernelSource(name, "moe", source, launch.nodes, launches, launch.layer, workspace_floats=workspace)

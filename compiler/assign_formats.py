@@ -1,8 +1,9 @@
 """Pass: the format each weight is held in on the GPU (quant/formats.py), as node attribute "format".
 
 The checkpoint decides it (a GGUF's block types, or --quant), the graph does not; the kernels
-read it (codegen/gemv.py, rowwise.py) and the fusion passes never look at it. Only weights that
-GEMVs and embeddings read may be quantized: their kernels have a reader per format.
+read it (codegen/gemv.py, rowwise.py, moe.py) and the fusion passes never look at it. Only weights
+that GEMVs, embeddings and the experts of a MoE read may be quantized: their kernels have a reader
+per format.
 
 Before: a lowered graph. After: the same graph, weights named in `formats` carrying their format.
 """
@@ -16,7 +17,14 @@ from ..dsl import Kind
 from ..errors import FuselmError
 from ..quant.formats import format_of
 
-QUANTIZABLE = (Kind.LINEAR, Kind.EMBEDDING)   # kinds of op that read a quantized weight
+# The kinds of op that read a quantized weight, and at which of their inputs
+QUANTIZABLE = {Kind.LINEAR: (1,), Kind.EMBEDDING: (0,), Kind.MOE: (2, 3, 4)}
+
+
+def _reads_quantized(G: nx.DiGraph, reader: str, weight: str) -> bool:
+    """Whether op `reader` has a quantized reader for its input `weight`."""
+    d = G.nodes[reader]
+    return d["inputs"].index(weight) in QUANTIZABLE.get(d["kind"], ())
 
 
 def assign_formats(G: nx.DiGraph, formats: Mapping[str, str]) -> nx.DiGraph:
@@ -35,23 +43,22 @@ def assign_formats(G: nx.DiGraph, formats: Mapping[str, str]) -> nx.DiGraph:
             raise FuselmError(f"weight '{name}' of shape {shape} cannot be held as {f.name} "
                               f"(rows of a multiple of {f.block} weights)")
         for reader in H.successors(name):
-            d = H.nodes[reader]
-            if d["kind"] not in QUANTIZABLE or d["inputs"].index(name) != (0 if d["kind"] is Kind.EMBEDDING else 1):
-                raise FuselmError(f"weight '{name}' is read by '{reader}' ({d['op']}), which has no {f.name} reader")
+            if not _reads_quantized(H, reader, name):
+                raise FuselmError(f"weight '{name}' is read by '{reader}' ({H.nodes[reader]['op']}), "
+                                  f"which has no {f.name} reader")
         H.nodes[name]["format"] = f.name
     return H
 
 
 def quantizable_weights(G: nx.DiGraph) -> set[str]:
     """The weights of a lowered graph that every reader could read quantized: the matrices of
-    GEMVs (input 1 of a linear) and embedding tables (input 0)."""
+    GEMVs (input 1 of a linear), embedding tables (input 0) and the expert stacks of a MoE."""
     out = set()
     for name, d in G.nodes(data=True):
-        if d["op"] != "weight" or len(d["shape"]) != 2:
+        if d["op"] != "weight" or len(d["shape"]) not in (2, 3):
             continue
-        readers = [G.nodes[r] for r in G.successors(name)]
-        if readers and all(r["kind"] in QUANTIZABLE and r["inputs"].index(name) == (0 if r["kind"] is Kind.EMBEDDING else 1)
-                           for r in readers):
+        readers = list(G.successors(name))
+        if readers and all(_reads_quantized(G, r, name) for r in readers):
             out.add(name)
     return out
 

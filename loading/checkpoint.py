@@ -11,6 +11,7 @@ from tqdm import tqdm
 from ..dsl import Graph
 from ..errors import FuselmError
 from ..models.config import DecoderConfig
+from ..quant.layout import stack_experts
 from .gguf_config import config_from_gguf, generation_from_gguf
 from .gguf_store import GGUFStore, read_gguf
 from .gguf_tokenizer import tokenizer_from_gguf
@@ -89,9 +90,25 @@ def _checked(ckpt: Checkpoint) -> Checkpoint:
 
 
 def gpu_formats(ckpt: Checkpoint, graph: Graph) -> dict[str, str]:
-    """The quantized formats `ckpt`'s tensors keep on the GPU (from headers only), by weight name."""
+    """The quantized formats `ckpt`'s tensors keep on the GPU (from headers only), by weight name;
+    a stack of experts ("*" in its name) keeps one where all its experts are in it."""
     from ..compiler.assign_formats import quantizable_shapes
-    return {n: f for n in quantizable_shapes(graph) if (f := ckpt.tensors.gpu_format(n))}
+    return {n: f for n, shape in quantizable_shapes(graph).items() if (f := _gpu_format(ckpt, n, shape))}
+
+
+def _experts(name: str, shape: tuple) -> list[str]:
+    """The tensor names of a stack of experts' weight node ("*" runs over 0 .. E-1, models/mixtral.py)."""
+    return [name.replace("*", str(e)) for e in range(shape[0])]
+
+
+def _gpu_format(ckpt: Checkpoint, name: str, shape: tuple) -> str | None:
+    if "*" not in name:
+        return ckpt.tensors.gpu_format(name)
+    available = set(ckpt.tensors.names())
+    if not all(n in available for n in _experts(name, shape)):
+        return None          # iter_weights names the missing one
+    formats = {ckpt.tensors.gpu_format(n) for n in _experts(name, shape)}
+    return formats.pop() if len(formats) == 1 else None
 
 
 def load_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, progress: bool = True,
@@ -114,14 +131,18 @@ def iter_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, keep_quantize
         from ..compiler.assign_formats import quantizable_shapes
         quantizable = set(quantizable_shapes(graph))
     for node in graph.sources("weight"):
+        stack = "*" in node.name   # a stack over experts (see _experts)
         if node.name in quantizable:
-            _load_one(ckpt, node.name, node.shape, available, None)           # present, right shape
-            if (q := ckpt.tensors.quantized(node.name)) is not None:
-                yield node.name, q
+            names = _experts(node.name, node.shape) if stack else [node.name]
+            for n in names:
+                _load_one(ckpt, n, node.shape[1:] if stack else node.shape, available, None)   # present, right shape
+            if _gpu_format(ckpt, node.name, node.shape):
+                parts = [ckpt.tensors.quantized(n) for n in names]
+                yield node.name, stack_experts(parts) if stack else parts[0]
                 continue
-        if "*" in node.name:   # a stack over experts: "*" runs over 0 .. E-1 (see models/mixtral.py)
-            yield node.name, np.stack([_load_one(ckpt, node.name.replace("*", str(e)), node.shape[1:],
-                                                 available, dtype) for e in range(node.shape[0])])
+        if stack:
+            yield node.name, np.stack([_load_one(ckpt, n, node.shape[1:], available, dtype)
+                                       for n in _experts(node.name, node.shape)])
             continue
         yield node.name, _load_one(ckpt, node.name, node.shape, available, dtype)
 

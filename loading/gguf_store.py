@@ -168,9 +168,9 @@ class GGUFStore(TensorStore):
     def gpu_format(self, name: str) -> str | None:
         """The GPU format (quant/formats.py) that tensor `name` keeps, from its header, or None."""
         from ..quant.formats import GGUF_FORMATS
-        t, expert = self._tensor(name)
+        t, _ = self._tensor(name)
         fmt = GGUF_FORMATS.get(Q(t.tensor_type).name)
-        ok = fmt is not None and expert is None and fmt.fits(self.shape(name))
+        ok = fmt is not None and fmt.fits(self.shape(name))
         return fmt.name if ok else None
 
     def quantized(self, name: str):
@@ -180,9 +180,9 @@ class GGUFStore(TensorStore):
         fmt = self.gpu_format(name)
         if fmt is None:
             return None
-        t, _ = self._tensor(name)
+        t, expert = self._tensor(name)
         shape = self.shape(name)
-        raw = np.asarray(t.data).reshape(shape[0], -1)
+        raw = np.asarray(t.data if expert is None else t.data[expert]).reshape(shape[0], -1)
         proj = name.split(".")[-2]
         if proj in self._heads and name.startswith("model.layers."):
             raw = unpermute_rope_rows(raw, self._heads[proj])     # whole rows of blocks move

@@ -17,6 +17,9 @@ row-major over the N rows (layout.py writes and reads them):
 |        | int8 scale per 16 (K/16), d f16 per 256 (K/128) |                                 |
 | fp8    | e4m3 codes (K), a float32 scale per row (4)     | scale * e4m3(code)              |
 
+A stack of experts' matrices [E, N, K] (a mixture of experts) is E such buffers one after another,
+expert e's at e * nbytes([N, K]).
+
 Nibbles of a group of 32 take 16 bytes: byte i holds weight i (low nibble) and weight i + 16
 (high nibble), GGUF's Q4_0 order, so one lane's 16-byte load is one group. A fifth or sixth bit
 is laid out to line up with the nibbles' bytes (layout.pack_bits, pack_pairs). Every section keeps
@@ -57,8 +60,9 @@ class Format:
         return 8 * self.bytes_per_block / self.block
 
     def fits(self, shape: tuple[int, ...]) -> bool:
-        """Whether a weight of `shape` can be held in this format (rows a multiple of the block)."""
-        return len(shape) == 2 and shape[-1] % self.block == 0
+        """Whether a weight of `shape` can be held in this format: a matrix, or a stack of experts'
+        matrices, whose rows are a multiple of the block."""
+        return len(shape) in (2, 3) and shape[-1] % self.block == 0
 
 
 BF16 = Format("bf16", "Bf16", None, 1, 2)

@@ -14,9 +14,13 @@ _E4M3 = np.arange(256, dtype=np.uint8)
 E4M3_STD = float(_E4M3[(_E4M3 & 0x7F) != 0x7F].view(ml_dtypes.float8_e4m3fn).astype(np.float64).std())
 
 
-def from_gguf(fmt: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
-    """Tensor `shape` = [N, K] whose GGUF blocks of type `fmt` are `raw` (uint8, N rows of
-    K / block blocks), in our layout. ValueError when the bytes do not make N * K / block blocks."""
+def from_gguf(fmt: str, raw: np.ndarray, shape: tuple[int, ...]) -> QuantizedWeight:
+    """Tensor `shape` = [N, K] (or a stack of experts' [E, N, K]) whose GGUF blocks of type `fmt`
+    are `raw` (uint8, N rows of K / block blocks, per expert), in our layout. ValueError when the
+    bytes do not make N * K / block blocks."""
+    if len(shape) == 3:
+        raw = np.ascontiguousarray(raw, np.uint8).reshape(shape[0], -1)
+        return stack_experts([from_gguf(fmt, r, shape[1:]) for r in raw])
     f = FORMATS[fmt]
     N, K = shape
     per_block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[f.gguf_type]][1]   # bytes of a GGUF block
@@ -172,6 +176,26 @@ def from_fp8(codes: np.ndarray, scale: np.ndarray) -> QuantizedWeight:
     return QuantizedWeight("fp8", (N, K), data)
 
 
+def stack_experts(experts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Experts' matrices of one format and shape [N, K] as one stack [E, N, K] (formats.py)."""
+    first = experts[0]
+    if any(e.format != first.format or e.shape != first.shape for e in experts):
+        raise ValueError("experts of a stack must share one format and shape")
+    parts = [e.data for e in experts]
+    if isinstance(first.data, np.ndarray):
+        data = np.concatenate(parts)
+    else:                                   # made on the GPU (random_weight with cupy)
+        import cupy
+        data = cupy.concatenate(parts)
+    return QuantizedWeight(first.format, (len(experts), *first.shape), data)
+
+
+def expert(w: QuantizedWeight, e: int) -> QuantizedWeight:
+    """Expert e's matrix [N, K] of a stack [E, N, K] (a view of its bytes)."""
+    n = FORMATS[w.format].nbytes(w.shape[1:])
+    return QuantizedWeight(w.format, w.shape[1:], w.data[e * n: (e + 1) * n])
+
+
 def sections(w: QuantizedWeight) -> list:
     """The sections of `w`'s buffer (numpy or cupy), each [N, bytes per row]."""
     N, K = w.shape
@@ -186,7 +210,11 @@ def sections(w: QuantizedWeight) -> list:
 def random_weight(fmt: str, shape: tuple[int, int], std: float, xp=np, seed: int | None = None) -> QuantizedWeight:
     """A weight of `shape` in format `fmt` with random codes and scales such that its weights
     have about `std` for standard deviation, centred near 0, made by `xp` (numpy, or cupy to
-    make it on the GPU): benchmarks and tests of real shapes without any file."""
+    make it on the GPU): benchmarks and tests of real shapes without any file. A 3-d shape is a
+    stack of experts' matrices."""
+    if len(shape) == 3:
+        return stack_experts([random_weight(fmt, shape[1:], std, xp, None if seed is None else seed * 1009 + e)
+                              for e in range(shape[0])])
     N, K = shape
     rs = xp.random.RandomState(seed)
     data = rs.randint(0, 256, FORMATS[fmt].nbytes(shape), dtype=xp.int32).astype(xp.uint8)
@@ -224,7 +252,9 @@ def random_weight(fmt: str, shape: tuple[int, int], std: float, xp=np, seed: int
 
 
 def dequantize(w: QuantizedWeight) -> np.ndarray:
-    """float32 [N, K] of a weight in our layout (the formulas of formats.py)."""
+    """float32 [N, K] (or [E, N, K]) of a weight in our layout (the formulas of formats.py)."""
+    if len(w.shape) == 3:
+        return np.stack([dequantize(expert(w, e)) for e in range(w.shape[0])])
     N, K = w.shape
     s = sections(w)
     f = w.format

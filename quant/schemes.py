@@ -7,8 +7,8 @@ import re
 from .formats import FORMATS
 
 # llama.cpp's Q4_K_M (Q5_K_M): Q4_K (Q5_K) everywhere, Q6_K for the LM head, and for V and the
-# MLP's down projection in the layers it gives more bits (the first and last eighth, every third
-# between).
+# MLP's down projection (the experts' w2 in a MoE) in the layers it gives more bits (the first and
+# last eighth, every third between).
 SCHEMES = ("q4_k_m", "q5_k_m", "q4_k", "q5_k", "q6_k", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "fp8")
 
 
@@ -28,7 +28,7 @@ def scheme_formats(scheme: str, weights: dict[str, tuple[int, ...]]) -> dict[str
         if scheme in ("q4_k_m", "q5_k_m"):
             m = re.match(r"model\.layers\.(\d+)\.", name)
             wants_more = name.startswith("lm_head") or (
-                m and re.search(r"(v_proj|down_proj)\.weight$", name) and _more_bits(int(m[1]), layers))
+                m and re.search(r"(v_proj|down_proj|experts\.\*\.w2)\.weight$", name) and _more_bits(int(m[1]), layers))
             fmt = "q6_k" if wants_more else scheme[:4]
         if FORMATS[fmt].fits(shape):
             out[name] = fmt

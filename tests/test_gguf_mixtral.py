@@ -160,3 +160,22 @@ def test_bad_expert_tensors_fail_in_one_line(tmp_path, mixtral, case):
         open_checkpoint(path)
     msg = str(e.value)
     assert "\n" not in msg and "bad.gguf" in msg and tensor in msg and "expert_count" in msg, msg
+
+
+@pytest.mark.parametrize("layout", ["stacked", "per_expert"])
+def test_quantized_expert_stacks_stay_quantized(tmp_path, mixtral, layout):
+    """Kept quantized (as the GPU engine loads), each projection's experts become one stack in
+    their GGUF format, expert after expert (quant/formats.py), whose dequantization is exactly the
+    dequantizing load of the same file."""
+    from fuselm.quant.formats import QuantizedWeight
+    from fuselm.quant.layout import dequantize
+    ckpt = open_checkpoint(write_gguf(tmp_path / "q.gguf", mixtral[1], layout, Q.Q8_0))
+    graph = build_graph(ckpt.config)
+    kept = load_weights(ckpt, graph, progress=False, keep_quantized=True)
+    plain = load_weights(ckpt, graph, progress=False)
+    stacks = [n for n in kept if "*" in n]
+    assert len(stacks) == 6
+    for name in stacks:
+        w = kept[name]
+        assert isinstance(w, QuantizedWeight) and w.format == "q8_0" and w.shape == plain[name].shape, name
+        np.testing.assert_array_equal(dequantize(w), plain[name], err_msg=name)

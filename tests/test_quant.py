@@ -187,7 +187,7 @@ PREFILL_TOLERATED_SPILL_BYTES = 160
 QUANTIZED_PREFILLS = [("llama-3.1-8b", "q4_k_m"), ("llama-3.1-8b", "q6_k"), ("llama-3.2-1b", "q8_0"),
                       ("llama-3.2-1b", "q4_0"), ("llama-3.2-1b", "q4_1"), ("llama-3.2-1b", "q5_0"),
                       ("llama-3.2-1b", "q5_1"), ("llama-3.2-1b", "q5_k_m"), ("llama-3.2-1b", "fp8"),
-                      ("gemma-2-9b", "q4_k_m")]
+                      ("gemma-2-9b", "q4_k_m"), ("mixtral-8x7b", "q4_k_m")]
 
 
 @pytest.mark.parametrize("name,scheme", QUANTIZED_PREFILLS, ids=[f"{n}-{s}" for n, s in QUANTIZED_PREFILLS])
@@ -209,6 +209,21 @@ def test_quantized_prefill_modules_compile(name, scheme):
         too_much = {f: report[f] for f in functions if report[f] > PREFILL_TOLERATED_SPILL_BYTES
                     or (report[f] and not f.startswith("gemm"))}
         assert not too_much, f"{name} {scheme}, steps of {step.tokens}: prefill kernels spill: {too_much}"
+
+
+def test_expert_stacks_are_quantizable_and_read_in_one_format():
+    """A MoE's expert stacks take formats (kernel names carry them); gate and up in two formats
+    are refused naming both (one tile reads one format)."""
+    cfg = {**TINY, "architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2}
+    graph = build_graph(DecoderConfig.from_hf(cfg))
+    names = quantizable_weights(to_networkx(graph))
+    stacks = sorted(n for n in names if "*" in n)
+    assert len(stacks) == 3 * cfg["num_hidden_layers"]
+    program = build_program(graph, 256, compile=False, formats={n: "q4_k" for n in names})
+    assert any(k.family == "moe" and "q4_k" in k.name for k in program.decode.kernels)
+    mixed = {n: "q6_k" if n.endswith("w3.weight") else "q4_k" for n in stacks}
+    with pytest.raises(FuselmError, match=r"gate and up .* formats q4_k and q6_k"):
+        build_program(graph, 256, compile=False, formats=mixed)
 
 
 def write_fp8_folder(folder, per_row: bool = True):

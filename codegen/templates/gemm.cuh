@@ -62,27 +62,46 @@ __device__ __forceinline__ void split_entry(float (&v)[8], const weight_t* gain,
     split_bf16x2(v[6], v[7], h.w, l.w);
 }
 
+// The sum of a group of 32 values of x whose entry (8 values, `v` where `on`) the calling lane
+// holds, the other three entries in the neighbouring lanes of its quad (every lane calls it).
+__device__ __forceinline__ float group_sum(const float (&v)[8], bool on) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; k++) sum += on ? v[k] : 0.0f;
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    return sum + __shfl_xor_sync(0xffffffffu, sum, 2);
+}
+
 // gemm_tile's chunks of the tokens' vectors, converted by the block itself from x [TT, K] (the
 // MoE kernels, whose vectors differ per expert): each of the tile's blocks converts them again.
-template <int K, int TT, int KC, bool IS_NORMED, int THREADS>
+// GROUPED: in the quantized tiles' order, with the group sums (StagedChunk).
+template <int K, int TT, int KC, bool IS_NORMED, int THREADS, bool GROUPED = false>
 struct VectorsFromX {
     static constexpr bool NORMED = IS_NORMED;
     static constexpr int ENTRIES = StagedChunk<TT, KC>::ENTRIES;
     static constexpr int GROUPS = (TT * ENTRIES + THREADS - 1) / THREADS;   // staged entries per thread
-    static_assert(THREADS % ENTRIES == 0, "a thread stages entries of one column e");
+    static_assert(THREADS % ENTRIES == 0 && ENTRIES % 4 == 0, "a thread stages entries of one column e");
     const float* x;
     const weight_t* gain;
     float gain_offset;
     float sumsq[GROUPS] = {};
 
-    __device__ __forceinline__ void stage(int kc, StagedChunk<TT, KC>& xs) {
+    __device__ __forceinline__ void stage(int kc, StagedChunk<TT, KC, GROUPED>& xs) {
 #pragma unroll
-        for (int i = 0; i < GROUPS; i++) {
+        for (int i = 0; i < GROUPS; i++) {   // every lane runs every round: group_sum's shuffles
             const int g = threadIdx.x + i * THREADS, t = g / ENTRIES, e = g % ENTRIES;
-            if (g < TT * ENTRIES) {
-                float v[8];
+            const bool on = g < TT * ENTRIES;
+            float v[8];
+            if (on) {
+                uint4 h, l;
                 load_f32x8(x + (size_t)t * K, kc + 8 * e, v);
-                split_entry<NORMED>(v, gain, gain_offset, kc + 8 * e, sumsq[i], xs.hi[t][e], xs.lo[t][e]);
+                split_entry<NORMED>(v, gain, gain_offset, kc + 8 * e, sumsq[i], h, l);
+                store_entry<GROUPED>(xs.hi[t], e, h);
+                store_entry<GROUPED>(xs.lo[t], e, l);
+            }
+            if constexpr (GROUPED) {
+                const float sum = group_sum(v, on);
+                if (on && e % 4 == 0) xs.sum[t][e / 4] = sum;
             }
         }
     }
@@ -172,11 +191,7 @@ __device__ __forceinline__ void stage_vectors(const float* x, const weight_t* ga
             store_entry<GROUPED>(chunk + (TT + t) * ENTRIES, g % ENTRIES, l);
         }
         if constexpr (GROUPED) {
-            float sum = 0.0f;
-#pragma unroll
-            for (int k = 0; k < 8; k++) sum += on ? v[i][k] : 0.0f;
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const float sum = group_sum(v[i], on);
             if (on && g % 4 == 0)
                 Layout::group_sums(words, g / ENTRIES)[t * Layout::SPANS + (g % ENTRIES) / 4] = sum;
         }

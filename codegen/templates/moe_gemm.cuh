@@ -4,27 +4,55 @@
 #include "gemm.cuh"
 #include "moe.cuh"
 
+// One expert's M matrices [N rows][K] from stacks of E: bf16 (F = void; a stack is [E][N][K]
+// elements) or in quantized format F (a stack is E buffers of EXPERT_BYTES, quant/formats.py), as
+// the gemm tile that reads them and whether it takes its vectors GROUPED.
+template <class F, int K, int M, int R, int N, long long EXPERT_BYTES>
+struct ExpertTile {
+    static constexpr bool GROUPED = true;
+    using Tile = QuantTile<F, K, M, R, N, 0, false>;
+    static __device__ __forceinline__ Tile of(const unsigned char* const (&stacks)[M], int e, int tile) {
+        const unsigned char* W[M];
+#pragma unroll
+        for (int m = 0; m < M; m++) W[m] = stacks[m] + (size_t)e * EXPERT_BYTES;
+        return Tile(W, tile);
+    }
+};
+template <int K, int M, int R, int N, long long EXPERT_BYTES>
+struct ExpertTile<void, K, M, R, N, EXPERT_BYTES> {
+    static constexpr bool GROUPED = false;
+    using Tile = Bf16Tile<K, M, R, N, 0, false>;
+    static __device__ __forceinline__ Tile of(const weight_t* const (&stacks)[M], int e, int tile) {
+        const weight_t* W[M];
+#pragma unroll
+        for (int m = 0; m < M; m++) W[m] = stacks[m] + (size_t)e * N * K;
+        return Tile(W, tile);
+    }
+};
+
 // Batched prefill, gate and up: block (expert e, tile of R = 16 x warps rows), in a grid of E x
 // ceil(I / R) blocks, writes glu(gate, up) of every token of the step into the workspace ws
 // [E][TT][I]; an expert no token chose is skipped. The blocks also zero out [TT][D], which
-// moe_down_tokens adds into.
-template <int E, int TOPK, int I, int D, int TT, int KC, int THREADS, class Glu>
-__device__ __forceinline__ void moe_up_tokens(const float* x, const float* logits, const weight_t* w_gate,
-                                              const weight_t* w_up, float* ws, float* out, Glu glu) {
+// moe_down_tokens adds into. F, EXPERT_BYTES: the experts' format (ExpertTile); W their pointers.
+template <int E, int TOPK, int I, int D, int TT, int KC, int THREADS, class F, long long EXPERT_BYTES, class W,
+          class Glu>
+__device__ __forceinline__ void moe_up_tokens(const float* x, const float* logits, const W* w_gate, const W* w_up,
+                                              float* ws, float* out, Glu glu) {
     constexpr int R = 16 * (THREADS / 32), TILES = (I + R - 1) / R;
+    using Experts = ExpertTile<F, D, 2, R, I, EXPERT_BYTES>;
     static_assert(TT <= THREADS, "route_tokens_to: a thread per token");
     __shared__ union {
-        StagedChunk<TT, KC> x;                   // the k loop's chunk of the tokens' vectors
-        float tile[2 * R * TT];               // then [gate, up][R][TT] dot products
+        StagedChunk<TT, KC, Experts::GROUPED> x;   // the k loop's chunk of the tokens' vectors
+        float tile[2 * R * TT];                    // then [gate, up][R][TT] dot products
     } smem;
     __shared__ float ss[TT];                 // (no norm prologue: unused)
     __shared__ float weight_of[TT];
     const int e = blockIdx.x / TILES, tile = blockIdx.x % TILES;
     for (int i = blockIdx.x * THREADS + threadIdx.x; i < TT * D; i += gridDim.x * THREADS) out[i] = 0.0f;
     if (!route_tokens_to<E, TOPK, TT>(logits, e, weight_of)) return;
-    const weight_t* const W[2] = {w_gate + (size_t)e * I * D, w_up + (size_t)e * I * D};
-    VectorsFromX<D, TT, KC, false, THREADS> vectors{x, nullptr, 0.0f};
-    const Bf16Tile<D, 2, R, I, 0, false> rows(W, tile);
+    const W* const stacks[2] = {w_gate, w_up};
+    VectorsFromX<D, TT, KC, false, THREADS, Experts::GROUPED> vectors{x, nullptr, 0.0f};
+    const auto rows = Experts::of(stacks, e, tile);
     gemm_tile<D, D, TT, KC, THREADS, false>(rows, 0, vectors, smem.x, smem.tile, ss);
     for (int i = threadIdx.x; i < R * TT; i += THREADS) {
         const int s = i % R, t = i / R, row = tile * R + s;
@@ -35,22 +63,22 @@ __device__ __forceinline__ void moe_up_tokens(const float* x, const float* logit
 // Batched prefill, down: block (expert e, tile of R rows) adds each token's product, times its
 // weight for e, into out. Only tokens that chose e add (at most TOPK terms per output, so with
 // TOPK 2 the sum is the same in either order).
-template <int E, int TOPK, int I, int D, int TT, int KC, int THREADS>
-__device__ __forceinline__ void moe_down_tokens(const float* logits, const weight_t* w_down, const float* ws,
-                                                float* out) {
+template <int E, int TOPK, int I, int D, int TT, int KC, int THREADS, class F, long long EXPERT_BYTES, class W>
+__device__ __forceinline__ void moe_down_tokens(const float* logits, const W* w_down, const float* ws, float* out) {
     constexpr int R = 16 * (THREADS / 32), TILES = (D + R - 1) / R;
+    using Experts = ExpertTile<F, I, 1, R, D, EXPERT_BYTES>;
     static_assert(TT <= THREADS, "route_tokens_to: a thread per token");
     __shared__ union {
-        StagedChunk<TT, KC> x;
+        StagedChunk<TT, KC, Experts::GROUPED> x;
         float tile[R * TT];
     } smem;
     __shared__ float ss[TT];
     __shared__ float weight_of[TT];
     const int e = blockIdx.x / TILES, tile = blockIdx.x % TILES;
     if (!route_tokens_to<E, TOPK, TT>(logits, e, weight_of)) return;
-    const weight_t* const W[1] = {w_down + (size_t)e * D * I};
-    VectorsFromX<I, TT, KC, false, THREADS> vectors{ws + (size_t)e * TT * I, nullptr, 0.0f};
-    const Bf16Tile<I, 1, R, D, 0, false> rows(W, tile);
+    const W* const stacks[1] = {w_down};
+    VectorsFromX<I, TT, KC, false, THREADS, Experts::GROUPED> vectors{ws + (size_t)e * TT * I, nullptr, 0.0f};
+    const auto rows = Experts::of(stacks, e, tile);
     gemm_tile<I, I, TT, KC, THREADS, false>(rows, 0, vectors, smem.x, smem.tile, ss);
     for (int i = threadIdx.x; i < R * TT; i += THREADS) {
         const int s = i % R, t = i / R, row = tile * R + s;
