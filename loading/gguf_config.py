@@ -13,7 +13,7 @@ from .gguf_store import metadata
 # Mistral model (llama.cpp converts Mistral as llama) stays LlamaForCausalLM: the same graph. One
 # with experts (`llama.expert_count`, or a router tensor `ffn_gate_inp`) is Mixtral's.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM"}
+                 "gemma2": "Gemma2ForCausalLM", "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 
 
 def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> dict:
@@ -50,14 +50,16 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> dict:
         "attention_bias": "blk.0.attn_q.bias" in names and arch != "qwen2",
     }
     # head_dim: key_length when written (Qwen3, Gemma 2, any head_dim != hidden/heads); llama's
-    # rope.dimension_count is the full head dim (no partial rotary in this family)
+    # (and SmolLM3's) rope.dimension_count is the full head dim (no partial rotary in this family)
     head_dim = metadata(reader, f"{arch}.attention.key_length")
-    if head_dim is None and arch == "llama":
+    if head_dim is None and arch in ("llama", "smollm3"):
         head_dim = metadata(reader, f"{arch}.rope.dimension_count")
     if head_dim is not None:
         cfg["head_dim"] = head_dim
     if arch == "gemma2":
         cfg.update(_gemma2_keys(cfg, key, metadata(reader, f"{arch}.attention.sliding_window")))
+    if arch == "smollm3":   # llama.cpp writes no NoPE keys: it fixes every 4th layer as NoPE
+        cfg["no_rope_layer_interval"] = 4
     if arch == "llama" and (metadata(reader, "llama.expert_count") or "blk.0.ffn_gate_inp.weight" in names):
         cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
                    num_local_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"))

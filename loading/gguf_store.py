@@ -4,7 +4,10 @@ GGUF lists dims innermost-first (the reverse of numpy). What llama.cpp's convert
 architecture (`general.architecture`), and we undo:
 - llama: the rows of each Q and K head are reordered so that RoPE pairs (2i, 2i+1) sit together; we
   restore the Hugging Face order, where the pairs are (i, i + head_dim/2), which our RoPE expects.
-  qwen2, qwen3 and gemma2 are converted without that permutation (their converters do not call it).
+  smollm3 (a Llama subclass in the converter) is permuted the same way; qwen2, qwen3, gemma2 and
+  olmo2 are converted without that permutation (their converters do not call it).
+- olmo2: no norm before the blocks; `post_attention_norm` / `post_ffw_norm` are the norms after
+  them, and `attn_q_norm` / `attn_k_norm` span the whole Q / K projection.
 - gemma2: every `*norm.weight` is stored with the 1 of Gemma's (1 + w) RMSNorm already added; we
   subtract it so the graph's (1 + w) norm sees Hugging Face's w. Gemma's `ffn_norm` is the norm
   before the MLP (pre_feedforward_layernorm), not Llama's post_attention_layernorm.
@@ -45,8 +48,11 @@ _ARCH_BLOCK_NAMES = {
     "gemma2": {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                "post_attention_norm": "post_attention_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
+    "olmo2": {**_BLOCK_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+              "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    "smollm3": _BLOCK_NAMES,
 }
-PERMUTED_QK = {"llama"}          # archs whose converter reorders Q/K rows for llama.cpp's RoPE
+PERMUTED_QK = {"llama", "smollm3"}          # archs whose converter reorders Q/K rows for llama.cpp's RoPE
 NORM_PLUS_ONE = {"gemma2"}       # archs whose converter stores norm weights as 1 + w
 
 
