@@ -13,7 +13,8 @@ from .gguf_store import metadata
 # Mistral model (llama.cpp converts Mistral as llama) stays LlamaForCausalLM: the same graph. One
 # with experts (`llama.expert_count`, or a router tensor `ffn_gate_inp`) is Mixtral's.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                 "smollm3": "SmolLM3ForCausalLM"}
 
 
 def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> dict:
@@ -56,8 +57,8 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> dict:
         head_dim = metadata(reader, f"{arch}.rope.dimension_count")
     if head_dim is not None:
         cfg["head_dim"] = head_dim
-    if arch == "gemma2":
-        cfg.update(_gemma2_keys(cfg, key, metadata(reader, f"{arch}.attention.sliding_window")))
+    if arch in ("gemma2", "gemma3"):
+        cfg.update(_gemma_keys(cfg, key, metadata(reader, f"{arch}.attention.sliding_window"), arch))
     if arch == "smollm3":   # llama.cpp writes no NoPE keys: it fixes every 4th layer as NoPE
         cfg["no_rope_layer_interval"] = 4
     if arch == "llama" and (metadata(reader, "llama.expert_count") or "blk.0.ffn_gate_inp.weight" in names):
@@ -76,20 +77,30 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> dict:
     return cfg
 
 
-def _gemma2_keys(cfg: dict, key, window) -> dict:
-    """Gemma 2's soft-caps, window and query scale. llama.cpp's converter writes both soft-caps and
-    the window; it does not write query_pre_attn_scalar: llama.cpp scales queries by head_dim^-0.5,
-    except for the 27B (46 layers), where it uses (hidden/heads)^-0.5, as its config does."""
+# llama.cpp's fixed choices where a Gemma GGUF has no key: the layer count of the model whose
+# queries scale by (hidden/heads)^-0.5 rather than head_dim^-0.5 (the 27Bs), and Gemma 3's layout
+# (every 6th layer full, the sliding ones with RoPE base 10000)
+_GEMMA_WIDE_QUERY_LAYERS = {"gemma2": 46, "gemma3": 62}
+_GEMMA3_FIXED = {"sliding_window_pattern": 6, "rope_local_base_freq": 10000.0}
+
+
+def _gemma_keys(cfg: dict, key, window, arch: str) -> dict:
+    """Gemma 2/3's soft-caps, window and query scale (and Gemma 3's layer layout). llama.cpp's
+    converter writes the soft-caps (Gemma 2) and the window; it does not write
+    query_pre_attn_scalar: llama.cpp scales queries by head_dim^-0.5, except for the 27Bs
+    (_GEMMA_WIDE_QUERY_LAYERS), where it uses (hidden/heads)^-0.5, as their configs do."""
     sizes = [cfg.get(k) for k in ("hidden_size", "num_attention_heads", "num_hidden_layers")]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes):
         return {}   # DecoderConfig.from_hf names the bad key
     hidden, heads, layers = sizes
     hd = cfg.get("head_dim") or hidden // heads
-    scalar = hidden // heads if layers == 46 else hd
+    scalar = hidden // heads if layers == _GEMMA_WIDE_QUERY_LAYERS[arch] else hd
     out = {"attn_logit_softcapping": key("attn_logit_softcapping", 0.0) or None,
            "final_logit_softcapping": key("final_logit_softcapping", 0.0) or None,
            "query_pre_attn_scalar": scalar, "hidden_activation": "gelu_pytorch_tanh",
            "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6)}
+    if arch == "gemma3":
+        out.update(_GEMMA3_FIXED)
     if window:
         out["sliding_window"] = window
     return out

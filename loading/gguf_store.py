@@ -8,9 +8,10 @@ architecture (`general.architecture`), and we undo:
   olmo2 are converted without that permutation (their converters do not call it).
 - olmo2: no norm before the blocks; `post_attention_norm` / `post_ffw_norm` are the norms after
   them, and `attn_q_norm` / `attn_k_norm` span the whole Q / K projection.
-- gemma2: every `*norm.weight` is stored with the 1 of Gemma's (1 + w) RMSNorm already added; we
-  subtract it so the graph's (1 + w) norm sees Hugging Face's w. Gemma's `ffn_norm` is the norm
-  before the MLP (pre_feedforward_layernorm), not Llama's post_attention_layernorm.
+- gemma2, gemma3: every `*norm.weight` (Gemma 3's Q/K norms too) is stored with the 1 of Gemma's
+  (1 + w) RMSNorm already added; we subtract it so the graph's (1 + w) norm sees Hugging Face's w.
+  Gemma's `ffn_norm` is the norm before the MLP (pre_feedforward_layernorm), not Llama's
+  post_attention_layernorm.
 - llama with `llama.expert_count` (Mixtral): the router `ffn_gate_inp` is block_sparse_moe.gate;
   the experts are either one tensor each (`blk.N.ffn_gate.E.weight`, older files) or one 3-D stack
   per projection (`blk.N.ffn_gate_exps.weight`, numpy shape [E, rows, cols]). A stack is listed
@@ -48,12 +49,15 @@ _ARCH_BLOCK_NAMES = {
     "gemma2": {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                "post_attention_norm": "post_attention_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
+    "gemma3": {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+               "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
     "olmo2": {**_BLOCK_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
               "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
     "smollm3": _BLOCK_NAMES,
 }
 PERMUTED_QK = {"llama", "smollm3"}          # archs whose converter reorders Q/K rows for llama.cpp's RoPE
-NORM_PLUS_ONE = {"gemma2"}       # archs whose converter stores norm weights as 1 + w
+NORM_PLUS_ONE = {"gemma2", "gemma3"}       # archs whose converter stores norm weights as 1 + w
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str:

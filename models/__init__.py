@@ -4,7 +4,7 @@ from __future__ import annotations
 from functools import partial
 
 from ..dsl import Graph
-from . import gemma2, llama, mixtral, olmo2, qwen3, smollm3
+from . import gemma2, gemma3, llama, mixtral, olmo2, qwen3, smollm3
 from .config import ConfigError, DecoderConfig, rope_inv_freq
 
 ARCHITECTURES = {
@@ -13,6 +13,7 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": partial(llama.build, qkv_bias=True),   # Llama + bias on Q, K, V only
     "Qwen3ForCausalLM": qwen3.build,
     "Gemma2ForCausalLM": gemma2.build,
+    "Gemma3ForCausalLM": gemma3.build,
     "MixtralForCausalLM": mixtral.build,
     "Olmo2ForCausalLM": olmo2.build,
     "SmolLM3ForCausalLM": smollm3.build,

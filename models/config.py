@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import numpy as np
@@ -51,6 +51,8 @@ class DecoderConfig:
         _check_extra(d, source)
         heads, hidden = number("num_attention_heads", required=True), number("hidden_size", required=True)
         rope_parameters = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
+        if isinstance(rope_parameters.get("full_attention"), dict):   # transformers 5, per layer type:
+            rope_parameters = rope_parameters["full_attention"]        # the full layers' are the model's
         window = d.get("use_sliding_window", True) and number("sliding_window", default=0, low=0)
         cfg = cls(
             architecture=archs[0],
@@ -169,6 +171,23 @@ def _scaling_in(params: dict | None) -> dict | None:
     if params and params.get("rope_type", "default") != "default":
         return params
     return None
+
+
+def rope_inv_freq_of(cfg: DecoderConfig, params: dict) -> np.ndarray:
+    """RoPE inverse frequencies [head_dim/2] for one set of RoPE parameters (`rope_theta`, default
+    cfg's, and a `rope_type` with its keys), such as transformers 5 nests per layer type under
+    `rope_parameters`; a bad base or scaling is a ConfigError naming cfg.source."""
+    if not isinstance(params, dict):
+        raise ConfigError(f"{cfg.source}: RoPE parameters {params!r} are not an object")
+    theta = _number(params, cfg.source, "rope_theta", float, cfg.rope_theta)
+    low, high = FLOAT_RANGES["rope_theta"]
+    if not (math.isfinite(theta) and low < theta <= high):
+        raise ConfigError(f"{cfg.source}: rope_theta = {theta!r} is out of range ({low:g} < rope_theta <= {high:g})")
+    kind = params.get("rope_type", params.get("type", "default"))
+    try:
+        return rope_inv_freq(replace(cfg, rope_theta=theta, rope_scaling=None if kind == "default" else params))
+    except ConfigError as e:
+        raise ConfigError(f"{cfg.source}: {e}") from None
 
 
 def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:

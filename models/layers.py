@@ -44,20 +44,21 @@ def cached_attention(g: Graph, cfg: DecoderConfig, layer: int, q: Value, k: Valu
 def self_attention(g: Graph, cfg: DecoderConfig, layer: int, h: Value, pos: Value, inv_freq: Value,
                    qkv_bias: bool = False, o_bias: bool = False, qk_norm_eps: float | None = None,
                    window: int = 0, qk_norm_per_head: bool = True, rope: bool = True,
-                   **attention_attrs) -> Value:
+                   qk_norm_offset: float = 0.0, **attention_attrs) -> Value:
     """The attention block of layer `layer` on the input h: Q, K, V projections, (when
-    `qk_norm_eps` is given, an RMSNorm of Q and K: over each head (Qwen3), or over the whole
-    projection with `qk_norm_per_head=False` (OLMo 2)), RoPE (unless `rope` is False: SmolLM3's
-    NoPE layers), attention over the cache, O projection. The residual add and any norms around
-    it stay with the caller."""
+    `qk_norm_eps` is given, an RMSNorm of Q and K: over each head (Qwen3; Gemma 3 with
+    `qk_norm_offset=1`, its (1 + w) norm), or over the whole projection with
+    `qk_norm_per_head=False` (OLMo 2)), RoPE (unless `rope` is False: SmolLM3's NoPE layers),
+    attention over the cache, O projection. The residual add and any norms around it stay with
+    the caller."""
     p, hd = f"model.layers.{layer}.self_attn", cfg.head_dim
     q = linear(g, h, f"{p}.q_proj", cfg.num_heads * hd, qkv_bias)      # [T, H * hd]
     k = linear(g, h, f"{p}.k_proj", cfg.num_kv_heads * hd, qkv_bias)   # [T, KV * hd]
     v = linear(g, h, f"{p}.v_proj", cfg.num_kv_heads * hd, qkv_bias)   # [T, KV * hd]
     if qk_norm_eps is not None:
         group = hd if qk_norm_per_head else None
-        q = rmsnorm(g, q, f"{p}.q_norm.weight", qk_norm_eps, group=group)
-        k = rmsnorm(g, k, f"{p}.k_norm.weight", qk_norm_eps, group=group)
+        q = rmsnorm(g, q, f"{p}.q_norm.weight", qk_norm_eps, group=group, offset=qk_norm_offset)
+        k = rmsnorm(g, k, f"{p}.k_norm.weight", qk_norm_eps, group=group, offset=qk_norm_offset)
     if rope:
         q = g.op("rope", q, pos, inv_freq, head_dim=hd)
         k = g.op("rope", k, pos, inv_freq, head_dim=hd)
@@ -79,6 +80,30 @@ def lm_head(g: Graph, cfg: DecoderConfig, x: Value, tied: bool | None = None) ->
     """Logits; `tied` overrides cfg.tie_word_embeddings (for architectures whose default is True)."""
     name = "model.embed_tokens" if (cfg.tie_word_embeddings if tied is None else tied) else "lm_head"
     return linear(g, x, name, cfg.vocab_size)
+
+
+def gemma_decoder(g: Graph, cfg: DecoderConfig, ids: Value, attend) -> Value:
+    """The logits of Gemma's decoder (2 and 3) over the token ids: the embedding scaled by
+    sqrt(hidden), then per layer x += post_norm(attend(i, input_norm(x))) and
+    x += post_ff_norm(mlp(pre_ff_norm(x))), all norms (1 + w); a GELU-tanh GLU; the final norm,
+    the LM head (tied unless the config says otherwise) and the final soft-cap where set.
+    `attend(i, h)` is layer i's attention block, which is where the versions differ."""
+    eps, ex = cfg.rms_norm_eps, cfg.extra
+    act = activation(ex.get("hidden_activation") or ex.get("hidden_act") or "gelu_pytorch_tanh")
+
+    def norm(x, name):
+        return rmsnorm(g, x, name, eps, offset=1.0)
+
+    x = g.op("scale", embed(g, cfg, ids), factor=embed_scale(cfg))
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        x = x + norm(attend(i, norm(x, f"{p}.input_layernorm.weight")), f"{p}.post_attention_layernorm.weight")
+        h = norm(x, f"{p}.pre_feedforward_layernorm.weight")
+        x = x + norm(glu_mlp(g, cfg, i, h, act), f"{p}.post_feedforward_layernorm.weight")
+    logits = lm_head(g, cfg, norm(x, "model.norm.weight"), tied=ex.get("tie_word_embeddings", True))
+    if ex.get("final_logit_softcapping"):
+        logits = g.op("softcap", logits, cap=float(ex["final_logit_softcapping"]))
+    return logits
 
 
 

@@ -5,6 +5,11 @@ from .config import DecoderConfig
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
+# Gemma 3 4B-27B: every 6th layer full (RoPE base 1e6, linear x8), the others a 1024-token window
+_GEMMA3 = dict(rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+               rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window=1024,
+               sliding_window_pattern=6, query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh",
+               tie_word_embeddings=True, max_position_embeddings=131072)
 
 PRESETS: dict[str, dict] = {
     "smollm2-135m": dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
@@ -41,6 +46,12 @@ PRESETS: dict[str, dict] = {
                        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
                        sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                        tie_word_embeddings=True, max_position_embeddings=8192),
+    "gemma-3-12b": dict(architectures=["Gemma3ForCausalLM"], vocab_size=262208, hidden_size=3840,
+                        intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+                        num_key_value_heads=8, head_dim=256, **_GEMMA3),
+    "gemma-3-27b": dict(architectures=["Gemma3ForCausalLM"], vocab_size=262208, hidden_size=5376,
+                        intermediate_size=21504, num_hidden_layers=62, num_attention_heads=32,
+                        num_key_value_heads=16, head_dim=128, **{**_GEMMA3, "query_pre_attn_scalar": 168}),
     "mixtral-8x7b": dict(architectures=["MixtralForCausalLM"], vocab_size=32000, hidden_size=4096,
                          intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1000000.0,

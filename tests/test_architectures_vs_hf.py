@@ -34,6 +34,13 @@ def report_worst():
             print(f"  {kind:<34} {err:.2e}")
 
 
+def hf_config_class(arch: str):
+    """transformers' config class of a CausalLM class (Gemma 3's text model has its own)."""
+    import transformers
+
+    return getattr(transformers, {"Gemma3ForCausalLM": "Gemma3TextConfig"}.get(arch, arch.replace("ForCausalLM", "Config")))
+
+
 def hf_model(h, arch: str, seed: int, **kw):
     """A tiny float32 HF model of `arch` with random weights; its weights under checkpoint names
     (what the Hub's safetensors files hold) and fuselm's DecoderConfig from its config dict."""
@@ -42,8 +49,7 @@ def hf_model(h, arch: str, seed: int, **kw):
 
     from fuselm.models import DecoderConfig
 
-    hf_cfg = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
-        architectures=[arch], attn_implementation="eager", **kw)
+    hf_cfg = hf_config_class(arch)(architectures=[arch], attn_implementation="eager", **kw)
     if arch == "MixtralForCausalLM":
         hf_cfg._experts_implementation = "eager"   # torch._grouped_mm wants 16-byte strides
     torch.manual_seed(seed)
@@ -177,7 +183,7 @@ def test_gemma2_vs_transformers(h, shape, layers, tied, attn_cap, final_cap, qpa
 def test_gemma2_each_feature_matters(h, monkeypatch):
     """Soft-capping, the window, the query scalar and the embedding scale each move the logits far
     beyond the tolerance when left out: the comparisons above see them."""
-    from fuselm.models import gemma2
+    from fuselm.models import gemma2, layers
 
     model, weights, cfg = hf_model(
         h, "Gemma2ForCausalLM", 11, vocab_size=50, hidden_size=32, head_dim=8, intermediate_size=24,
@@ -194,7 +200,7 @@ def test_gemma2_each_feature_matters(h, monkeypatch):
     for change in [dict(attn_logit_softcapping=None), dict(final_logit_softcapping=None),
                    dict(layer_types=["full_attention"] * 2), dict(query_pre_attn_scalar=8)]:
         assert moved(dataclasses.replace(cfg, extra={**cfg.extra, **change})) > 100 * TOL, change
-    monkeypatch.setattr(gemma2, "embed_scale", lambda c: 1.0)
+    monkeypatch.setattr(layers, "embed_scale", lambda c: 1.0)
     assert moved(cfg) > 100 * TOL, "embedding scale"
 
 
@@ -212,6 +218,88 @@ def test_gemma_embed_scale_rounds_like_transformers():
                 got = embed_scale(dataclasses.replace(base, extra={key: name}))
                 assert got == torch.tensor(d ** 0.5).to(dt).item(), (d, name, key)
     assert embed_scale(dataclasses.replace(base, hidden_size=3584, extra={"dtype": "bfloat16"})) == 59.75
+
+
+# ---- Gemma 3 ---------------------------------------------------------------------------------------
+
+@given(shape=gqa(hds=(2, 4, 8)), layers=st.integers(1, 4), pattern=st.integers(1, 3), listed=st.booleans(),
+       tied=st.sampled_from([True, True, False]), final_cap=st.sampled_from([None, 3.0]),
+       qpas=st.sampled_from([None, 3, 32]), scaling=st.sampled_from([None, 8.0]), window=st.integers(2, 5),
+       extra=st.integers(0, 3), seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=40)
+def test_gemma3_vs_transformers(h, shape, layers, pattern, listed, tied, final_cap, qpas, scaling, window,
+                                extra, seed):
+    """Per-head (1 + w) Q/K norms, sliding layers from the pattern (or drawn layer_types), the local
+    RoPE base on them and the linear scaling on the full ones. The config goes in the Hub's older
+    form (rope_theta, rope_local_base_freq, rope_scaling) and comes out of transformers 5 nested
+    by layer type: fuselm reads the latter here, the former in test_gemma3_reads_both_config_forms."""
+    heads, kv, hd = shape
+    types = None
+    if listed:
+        types = [("full_attention", "sliding_attention")[int(b)]
+                 for b in np.random.default_rng(seed).integers(0, 2, layers)]
+    kw = dict(vocab_size=61, hidden_size=heads * hd * 2, head_dim=hd, intermediate_size=29,
+              num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+              tie_word_embeddings=tied, final_logit_softcapping=final_cap, query_pre_attn_scalar=qpas or hd,
+              sliding_window=window, sliding_window_pattern=pattern, layer_types=types, rope_theta=1000.0,
+              rope_local_base_freq=10.0, rope_scaling={"rope_type": "linear", "factor": scaling} if scaling else None)
+    model, weights, cfg = hf_model(h, "Gemma3ForCausalLM", seed, **kw)
+    assert weights["model.layers.0.self_attn.q_norm.weight"].shape == (hd,)
+    if not listed:   # an older config.json: the pattern must give transformers' layer_types
+        check_windows_without_layer_types(model, cfg)
+    compare(h, model, weights, cfg, *tokens(seed, 61, window + extra), "gemma3")
+
+
+def test_gemma3_reads_both_config_forms():
+    """The Hub's config.json (rope_theta, rope_local_base_freq, rope_scaling, sliding_window_pattern)
+    and transformers 5's (rope_parameters by layer type, layer_types) give the same graph."""
+    import transformers
+
+    from fuselm.models import DecoderConfig, build_graph
+
+    old = dict(architectures=["Gemma3ForCausalLM"], vocab_size=40, hidden_size=32, head_dim=8,
+               intermediate_size=24, num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=2,
+               rope_theta=1000.0, rope_local_base_freq=10.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
+               sliding_window=3, sliding_window_pattern=3, query_pre_attn_scalar=8)
+    new = transformers.Gemma3TextConfig(**old).to_dict()
+    assert "rope_local_base_freq" not in new and "full_attention" in new["rope_parameters"]
+    graphs = [build_graph(DecoderConfig.from_hf(d)) for d in (old, new)]
+    for name in ("rope.inv_freq", "rope.local_inv_freq"):
+        np.testing.assert_array_equal(graphs[0].constants[name], graphs[1].constants[name])
+    windows = [[n.attrs["window"] for n in g.sources("attention")] for g in graphs]
+    assert windows[0] == windows[1] == [3, 3, 0, 3, 3, 0, 3]
+    freq = graphs[0].constants
+    assert np.allclose(freq["rope.inv_freq"] * 8, 1000.0 ** -(np.arange(0, 8, 2) / 8))
+    assert np.allclose(freq["rope.local_inv_freq"], 10.0 ** -(np.arange(0, 8, 2) / 8))
+
+
+def test_gemma3_each_feature_matters(h):
+    """The Q/K norms' 1 + w, the local RoPE base and the global scaling each move the logits."""
+    from fuselm.models import gemma3
+
+    model, weights, cfg = hf_model(
+        h, "Gemma3ForCausalLM", 13, vocab_size=50, hidden_size=32, head_dim=8, intermediate_size=24,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
+        sliding_window_pattern=3, rope_theta=1000.0, rope_local_base_freq=10.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0})
+    prompt, steps = tokens(13, 50, 7)
+    compare(h, model, weights, cfg, prompt, steps, "gemma3")
+    theirs = h.hf_prefill_then_decode(model, prompt, steps)
+    rope = cfg.extra["rope_parameters"]
+
+    def moved(c, graph=None):
+        ours = h.ours_prefill_then_decode(c, weights, prompt, steps, graph=graph or gemma3.build(c))
+        return max(h.rel_err(o, t) for o, t in zip(ours, theirs))
+
+    for change in [dict(rope_parameters={**rope, "sliding_attention": rope["full_attention"]}),
+                   dict(layer_types=["full_attention"] * 3)]:
+        assert moved(dataclasses.replace(cfg, extra={**cfg.extra, **change})) > 100 * TOL, change
+    assert moved(dataclasses.replace(cfg, rope_scaling=None)) > 100 * TOL, "global scaling"
+    graph = gemma3.build(cfg)
+    for n in graph.nodes.values():
+        if n.op == "rmsnorm" and "q_norm" in n.inputs[1]:
+            n.attrs["offset"] = 0.0
+    assert moved(cfg, graph) > 100 * TOL, "q_norm offset"
 
 
 # ---- Mixtral ---------------------------------------------------------------------------------------
@@ -350,7 +438,8 @@ def test_saved_checkpoint_generates_transformers_greedy_tokens(h, tmp_path, arch
 
 # ---- presets and the compiler ----------------------------------------------------------------------
 
-NEW = ["qwen2.5-7b", "qwen3-8b", "gemma-2-9b", "mixtral-8x7b", "olmo-2-7b", "smollm3-3b"]
+NEW = ["qwen2.5-7b", "qwen3-8b", "gemma-2-9b", "mixtral-8x7b", "olmo-2-7b", "smollm3-3b", "gemma-3-12b",
+       "gemma-3-27b"]
 
 
 def test_presets_build_with_real_shapes():
@@ -365,7 +454,8 @@ def test_presets_build_with_real_shapes():
         counts[name] = (len(att), sum(1 for n in att if n.attrs["window"]))
         assert all(n.shape[-1] for n in g.sources("weight"))
     assert counts == {"qwen2.5-7b": (28, 0), "qwen3-8b": (36, 0), "gemma-2-9b": (42, 21),
-                      "mixtral-8x7b": (32, 0), "olmo-2-7b": (32, 0), "smollm3-3b": (36, 0)}
+                      "mixtral-8x7b": (32, 0), "olmo-2-7b": (32, 0), "smollm3-3b": (36, 0),
+                      "gemma-3-12b": (48, 40), "gemma-3-27b": (62, 52)}
     smol = build_graph(preset("smollm3-3b"))
     assert sum(n.op == "rope" for n in smol.nodes.values()) == 2 * 27 and "lm_head.weight" not in smol.nodes
     olmo = build_graph(preset("olmo-2-7b"))
@@ -374,6 +464,11 @@ def test_presets_build_with_real_shapes():
     att = [n for n in gemma.nodes.values() if n.op == "attention"]
     assert att[0].attrs["scale"] == 256 ** -0.5 and att[0].attrs["softcap"] == 50.0
     assert "lm_head.weight" not in gemma.nodes
+    g3 = build_graph(preset("gemma-3-27b"))
+    att = [n for n in g3.nodes.values() if n.op == "attention"]
+    assert att[0].attrs["scale"] == 168 ** -0.5 and att[0].attrs["softcap"] == 0.0 and att[5].attrs["window"] == 0
+    assert g3.constants["rope.local_inv_freq"][1] == np.float32(10000.0 ** (-2 / 128))
+    assert g3.constants["rope.inv_freq"][1] == np.float32(1e6 ** (-2 / 128) / 8)
 
 
 def tiny_graph(arch):
@@ -389,15 +484,17 @@ def tiny_graph(arch):
           "Qwen3ForCausalLM": dict(head_dim=32, use_sliding_window=True, sliding_window=8,
                                    max_window_layers=2, attention_bias=True),
           "Gemma2ForCausalLM": dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24),
+          "Gemma3ForCausalLM": dict(head_dim=16, sliding_window=8, sliding_window_pattern=2,
+                                    rope_scaling={"rope_type": "linear", "factor": 8.0}),
           "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2),
           "Olmo2ForCausalLM": dict(attention_bias=True),
           "SmolLM3ForCausalLM": dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=8)}[arch]
-    d = getattr(transformers, arch.replace("ForCausalLM", "Config"))(architectures=[arch], **common, **kw).to_dict()
+    d = hf_config_class(arch)(architectures=[arch], **common, **kw).to_dict()
     return build_graph(DecoderConfig.from_hf(d)), common["vocab_size"]
 
 
 ARCHS = ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "MixtralForCausalLM", "Olmo2ForCausalLM",
-         "SmolLM3ForCausalLM"]
+         "SmolLM3ForCausalLM", "Gemma3ForCausalLM"]
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])

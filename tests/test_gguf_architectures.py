@@ -41,14 +41,19 @@ SPECS = {
                                                     hidden_activation="gelu_pytorch_tanh")),
     "mistral": dict(cls="Mistral", tie=False, cfg=dict(num_attention_heads=4, num_key_value_heads=2,
                                                        sliding_window=None)),
+    # 6 layers: llama.cpp's fixed pattern makes layer 5 full, 0-4 slide with RoPE base 10000
+    "gemma3": dict(cls="Gemma3", tie=True, cfg=dict(num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                                                    num_hidden_layers=6, query_pre_attn_scalar=256,
+                                                    sliding_window=4, hidden_activation="gelu_pytorch_tanh")),
     "olmo2": dict(cls="Olmo2", tie=False, cfg=dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True)),
     # 4 layers: llama.cpp's fixed NoPE step of 4 makes layer 3 NoPE
     "smollm3": dict(cls="SmolLM3", tie=True, cfg=dict(num_attention_heads=4, num_key_value_heads=2,
                                                       num_hidden_layers=4, no_rope_layer_interval=4)),
 }
 GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "mistral": "llama", "olmo2": "olmo2",
-             "smollm3": "smollm3"}
-HF_READS = {"qwen2", "qwen3", "gemma2", "mistral"}   # archs transformers' GGUF loader can map
+             "smollm3": "smollm3", "gemma3": "gemma3"}
+HF_READS = {"qwen2", "qwen3", "gemma2", "mistral", "gemma3"}   # archs transformers' GGUF loader can map
+GEMMA = {"gemma2", "gemma3"}
 PERMUTED = {"llama", "smollm3"}                     # archs whose converter reorders Q/K rows
 
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -67,23 +72,24 @@ def gguf_name(hf: str, arch: str) -> str:
     if hf in _GLOBAL:
         return _GLOBAL[hf]
     _, _, layer, *rest = hf.split(".")
-    table = {"gemma2": _GEMMA_LAYER, "olmo2": _OLMO2_LAYER}.get(arch, _LAYER)
+    table = {"gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER, "olmo2": _OLMO2_LAYER}.get(arch, _LAYER)
     return f"blk.{layer}.{table['.'.join(rest[:-1])]}.{rest[-1]}"
 
 
 def tiny_model(h, kind: str, seed: int = 0):
     spec = SPECS[kind]
     kw = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=64,
-              rms_norm_eps=1e-5 if kind != "gemma2" else 1e-6, rope_theta=5000.0, tie_word_embeddings=spec["tie"],
+              rms_norm_eps=1e-5 if kind not in GEMMA else 1e-6, rope_theta=5000.0, tie_word_embeddings=spec["tie"],
               bos_token_id=259, eos_token_id=260, pad_token_id=0)
-    cfg = getattr(transformers, f"{spec['cls']}Config")(**{**kw, **spec["cfg"]})
+    config_class = "Gemma3TextConfig" if kind == "gemma3" else f"{spec['cls']}Config"
+    cfg = getattr(transformers, config_class)(**{**kw, **spec["cfg"]})
     torch.manual_seed(seed)
     model = getattr(transformers, f"{spec['cls']}ForCausalLM")(cfg).eval()
     h.randomize_(model, seed)
     return model
 
 
-def write_gguf(path, model, kind: str, qtype=Q.F32, softcaps=None, name=None):
+def write_gguf(path, model, kind: str, qtype=Q.F32, softcaps=None, name=None, linear_rope=None):
     """`model` as llama.cpp's converter writes it for `kind`; 2-D matrices stored as `qtype`."""
     cfg, arch = model.config, GGUF_ARCH[kind]
     w = gguf_writer(path, arch, name or ("Mistral 7B Instruct v0.3" if kind == "mistral" else f"tiny-{kind}"),
@@ -91,7 +97,7 @@ def write_gguf(path, model, kind: str, qtype=Q.F32, softcaps=None, name=None):
                     embedding_length=cfg.hidden_size, feed_forward_length=cfg.intermediate_size,
                     head_count=cfg.num_attention_heads, head_count_kv=cfg.num_key_value_heads,
                     rope_freq_base=5000.0, layer_norm_rms_eps=cfg.rms_norm_eps, vocab_size=V)
-    if kind in ("qwen3", "gemma2"):
+    if kind in ("qwen3", "gemma2", "gemma3"):
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
     if arch in PERMUTED:
@@ -101,13 +107,18 @@ def write_gguf(path, model, kind: str, qtype=Q.F32, softcaps=None, name=None):
         w.add_attn_logit_softcapping(attn_cap)
         w.add_final_logit_softcapping(final_cap)
         w.add_sliding_window(cfg.sliding_window)
+    if kind == "gemma3":
+        w.add_sliding_window(cfg.sliding_window)
+    if linear_rope:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(linear_rope)
     for name, t in model.state_dict().items():
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
         a = t.float().numpy().copy()
         if arch in PERMUTED and ("q_proj" in name or "k_proj" in name):
             a = llama_cpp_order(a, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
-        if arch == "gemma2" and name.endswith("norm.weight"):
+        if arch in GEMMA and name.endswith("norm.weight"):
             a = a + 1   # the converter stores Gemma's norm weights as 1 + w
         if a.ndim == 2 and qtype != Q.F32:
             w.add_tensor(gguf_name(name, arch), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
@@ -129,6 +140,7 @@ def hf_logits(model) -> np.ndarray:
 
 
 EXPECTED_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                  "gemma3": "Gemma3ForCausalLM",
                   "mistral": "LlamaForCausalLM", "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 
 
@@ -225,13 +237,34 @@ def test_gemma2_metadata_keys(h, tmp_path):
     assert [n.attrs["cap"] for n in graph.sources("softcap")] == [17.25]
 
 
-@pytest.mark.parametrize("layers,scalar", [(26, 128), (46, 144)])
-def test_gemma2_query_scale_follows_llama_cpp(tmp_path, layers, scalar):
-    """No query_pre_attn_scalar in GGUF: llama.cpp uses head_dim, but hidden/heads for the 27B (46 layers)."""
+def test_gemma3_layout_and_scaling(h, tmp_path):
+    """Gemma 3: llama.cpp's fixed layout (every 6th layer full, local RoPE base 10000) and the
+    linear scaling of the full layers from rope.scaling.*; against the source model with that scaling."""
+    model = tiny_model(h, "gemma3")
+    cfg = model.config
+    cfg.rope_parameters["full_attention"] = {"rope_type": "linear", "factor": 8.0, "rope_theta": 5000.0}
+    scaled = transformers.Gemma3ForCausalLM(cfg).eval()
+    scaled.load_state_dict(model.state_dict())
+    ckpt = open_checkpoint(write_gguf(tmp_path / "g.gguf", scaled, "gemma3", linear_rope=8.0))
+    ours = ckpt.config
+    assert ours.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert ours.extra["sliding_window_pattern"] == 6 and ours.extra["query_pre_attn_scalar"] == 256
+    graph = build_graph(ours)
+    assert [n.attrs["window"] for n in graph.sources("attention")] == [4] * 5 + [0]
+    rel = h.rel_err(our_logits(ckpt), hf_logits(scaled))
+    print(f"\ngemma3 with linear RoPE scaling vs source model: {rel:.1e}")
+    assert rel < 1e-4
+
+
+@pytest.mark.parametrize("arch,layers,scalar", [("gemma2", 26, 128), ("gemma2", 46, 144), ("gemma3", 48, 128),
+                                                ("gemma3", 62, 144)])
+def test_gemma_query_scale_follows_llama_cpp(tmp_path, arch, layers, scalar):
+    """No query_pre_attn_scalar in GGUF: llama.cpp uses head_dim, but hidden/heads for the 27Bs
+    (Gemma 2: 46 layers, Gemma 3: 62)."""
     from fuselm.loading.gguf_config import config_from_gguf
     from fuselm.loading.gguf_store import read_gguf
     path = tmp_path / "g.gguf"
-    w = gguf.GGUFWriter(str(path), "gemma2")
+    w = gguf.GGUFWriter(str(path), arch)
     for add, value in (("block_count", layers), ("embedding_length", 4608), ("feed_forward_length", 36864),
                        ("head_count", 32), ("head_count_kv", 16), ("key_length", 128), ("value_length", 128),
                        ("vocab_size", 256000)):
