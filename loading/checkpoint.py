@@ -10,12 +10,14 @@ from tqdm import tqdm
 
 from ..dsl import Graph
 from ..errors import FuselmError
+from ..models import checkpoint_rows
 from ..models.config import DecoderConfig
 from ..quant.layout import stack_experts
 from .gguf_config import config_from_gguf, generation_from_gguf
 from .gguf_store import GGUFStore, read_gguf
 from .gguf_tokenizer import tokenizer_from_gguf
 from .json_file import read_object
+from .row_views import RowViews
 from .safetensors_store import open_safetensors_folder
 from .tensor_store import TensorStore
 from .tokenizer import TextTokenizer
@@ -70,10 +72,13 @@ def _open_gguf(path: Path) -> Checkpoint:
 
 
 def _checked(ckpt: Checkpoint) -> Checkpoint:
-    """The checkpoint, once its config agrees with its tokenizer and its tensors' headers: every id
+    """The checkpoint (its tensors seen through the architecture's row views, if it has any:
+    models.checkpoint_rows), once its config agrees with its tokenizer and its tensors' headers: every id
     the tokenizer makes has a row in the embedding, which has the config's shape, and the config's
     layer count is the tensors'. A mismatch is a corrupt file, named here before any weight is read."""
     cfg, where = ckpt.config, ckpt.path
+    if views := checkpoint_rows(cfg):
+        ckpt.tensors = RowViews(ckpt.tensors, views)
     if ckpt.tokenizer.vocab_size > cfg.vocab_size:
         raise FuselmError(f"{where}: the tokenizer has {ckpt.tokenizer.vocab_size} tokens but vocab_size "
                           f"is {cfg.vocab_size}")

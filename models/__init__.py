@@ -4,7 +4,7 @@ from __future__ import annotations
 from functools import partial
 
 from ..dsl import Graph
-from . import gemma2, gemma3, llama, mixtral, olmo2, qwen3, smollm3
+from . import gemma2, gemma3, llama, mixtral, olmo2, phi3, qwen3, smollm3
 from .config import ConfigError, DecoderConfig, rope_inv_freq
 
 ARCHITECTURES = {
@@ -17,7 +17,17 @@ ARCHITECTURES = {
     "MixtralForCausalLM": mixtral.build,
     "Olmo2ForCausalLM": olmo2.build,
     "SmolLM3ForCausalLM": smollm3.build,
+    "Phi3ForCausalLM": phi3.build,
 }
+# Architectures whose graph reads some weights as rows of a checkpoint tensor (fused projections)
+CHECKPOINT_ROWS = {"Phi3ForCausalLM": phi3.checkpoint_rows}
+
+
+def checkpoint_rows(cfg: DecoderConfig) -> dict:
+    """Graph weight -> (checkpoint tensor, row indices) for the weights `cfg`'s architecture reads as
+    rows of another tensor; {} for most."""
+    rows = CHECKPOINT_ROWS.get(cfg.architecture)
+    return rows(cfg) if rows else {}
 
 
 def build_graph(cfg: DecoderConfig) -> Graph:
@@ -33,4 +43,4 @@ def build_graph(cfg: DecoderConfig) -> Graph:
         raise ConfigError(where + str(e)) from None
 
 
-__all__ = ["ARCHITECTURES", "ConfigError", "DecoderConfig", "build_graph", "rope_inv_freq"]
+__all__ = ["ARCHITECTURES", "ConfigError", "DecoderConfig", "build_graph", "checkpoint_rows", "rope_inv_freq"]

@@ -190,10 +190,48 @@ def rope_inv_freq_of(cfg: DecoderConfig, params: dict) -> np.ndarray:
         raise ConfigError(f"{cfg.source}: {e}") from None
 
 
-def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:
-    """Inverse frequencies [head_dim/2] of RoPE, with Llama-3.1 ("llama3") or linear scaling."""
-    hd = cfg.head_dim
-    inv = 1.0 / cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
+def rotary_dims(cfg: DecoderConfig) -> int:
+    """How many dimensions of each head RoPE rotates: head_dim x `partial_rotary_factor` (top level,
+    or under transformers 5's rope_parameters; Phi-4-mini: 0.75), the first ones of the head."""
+    nested = cfg.extra.get("rope_parameters") if isinstance(cfg.extra.get("rope_parameters"), dict) else {}
+    raw = cfg.extra.get("partial_rotary_factor", nested.get("partial_rotary_factor", 1.0))
+    if isinstance(raw, bool) or not isinstance(raw, numbers.Real) or not 0 < raw <= 1:
+        raise ConfigError(f"partial_rotary_factor = {raw!r} is not a number in (0, 1]")
+    dims = int(cfg.head_dim * raw)
+    if dims < 2 or dims % 2:
+        raise ConfigError(f"partial_rotary_factor {raw!r} rotates {dims} of {cfg.head_dim} dimensions (not a "
+                          "positive even number)")
+    return dims
+
+
+def rope_original_context(cfg: DecoderConfig) -> int:
+    """The context the model was pretrained at, before RoPE scaling stretched it (LongRoPE's switch)."""
+    sc = cfg.rope_scaling or {}
+    return int(sc.get("original_max_position_embeddings") or cfg.extra.get("original_max_position_embeddings")
+               or cfg.max_position_embeddings)
+
+
+def rope_attention_factor(cfg: DecoderConfig) -> float:
+    """LongRoPE's factor on the rotated dimensions of Q and K (1 for other RoPE types): the config's
+    `attention_factor`, else sqrt(1 + ln(s) / ln(original context)) with s = `factor`, else
+    max_position_embeddings / original context, as transformers computes it."""
+    sc = cfg.rope_scaling or {}
+    if sc.get("rope_type", sc.get("type")) != "longrope":
+        return 1.0
+    if sc.get("attention_factor") is not None:
+        return float(sc["attention_factor"])
+    original = rope_original_context(cfg)
+    s = float(sc.get("factor") or cfg.max_position_embeddings / original)
+    return 1.0 if s <= 1 else math.sqrt(1 + math.log(s) / math.log(original))
+
+
+def rope_inv_freq(cfg: DecoderConfig, context: int | None = None) -> np.ndarray:
+    """Inverse frequencies [rotary_dims/2] of RoPE (head_dim/2 unless partial rotary), with Llama-3.1
+    ("llama3"), linear or LongRoPE scaling. LongRoPE divides by its `long_factor` when `context`
+    (the positions an engine is built for) exceeds the original context, else by `short_factor`,
+    as transformers does for a sequence of that length."""
+    rot = rotary_dims(cfg)
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, rot, 2, dtype=np.float64) / rot)
     sc = cfg.rope_scaling or {}
     if not isinstance(sc, dict):
         raise ConfigError(f"rope_scaling {sc!r} is not an object")
@@ -222,6 +260,13 @@ def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:
         smooth = (old / wavelen - lo) / (hi - lo)
         medium = (wavelen >= old / hi) & (wavelen <= old / lo)
         inv = np.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    elif kind == "longrope":
+        key = "long_factor" if context and context > rope_original_context(cfg) else "short_factor"
+        factors = sc.get(key)
+        if (not isinstance(factors, list) or len(factors) != len(inv)
+                or not all(isinstance(f, numbers.Real) and not isinstance(f, bool) and 0 < f < 1e8 for f in factors)):
+            raise ConfigError(f"rope_scaling {key} = {factors!r} is not {len(inv)} positive numbers")
+        inv = inv / np.asarray(factors, np.float64)
     elif kind not in (None, "default"):
-        raise ConfigError(f"rope_scaling type '{kind}' is not supported (supported: linear, llama3)")
+        raise ConfigError(f"rope_scaling type '{kind}' is not supported (supported: linear, llama3, longrope)")
     return inv.astype(np.float32)

@@ -23,11 +23,12 @@ def embed(g: Graph, cfg: DecoderConfig, ids: Value) -> Value:
     return g.op("embedding", g.weight("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)), ids)
 
 
-def step_inputs(g: Graph, cfg: DecoderConfig) -> tuple[Value, Value, Value]:
-    """Token ids [T], their positions [T], and the RoPE inverse frequencies [head_dim/2]."""
+def step_inputs(g: Graph, cfg: DecoderConfig, inv_freq: bool = True) -> tuple[Value, Value, Value | None]:
+    """Token ids [T], their positions [T], and the RoPE inverse frequencies [head_dim/2] (None
+    with `inv_freq=False`: for a model that lays out its own)."""
     ids = g.input("ids", ("T",), "i32")
     pos = g.input("pos", ("T",), "i32")
-    return ids, pos, g.constant("rope.inv_freq", rope_inv_freq(cfg))
+    return ids, pos, g.constant("rope.inv_freq", rope_inv_freq(cfg)) if inv_freq else None
 
 
 def cached_attention(g: Graph, cfg: DecoderConfig, layer: int, q: Value, k: Value, v: Value,
@@ -44,12 +45,13 @@ def cached_attention(g: Graph, cfg: DecoderConfig, layer: int, q: Value, k: Valu
 def self_attention(g: Graph, cfg: DecoderConfig, layer: int, h: Value, pos: Value, inv_freq: Value,
                    qkv_bias: bool = False, o_bias: bool = False, qk_norm_eps: float | None = None,
                    window: int = 0, qk_norm_per_head: bool = True, rope: bool = True,
-                   qk_norm_offset: float = 0.0, **attention_attrs) -> Value:
+                   qk_norm_offset: float = 0.0, q_scale: Value | None = None, **attention_attrs) -> Value:
     """The attention block of layer `layer` on the input h: Q, K, V projections, (when
     `qk_norm_eps` is given, an RMSNorm of Q and K: over each head (Qwen3; Gemma 3 with
     `qk_norm_offset=1`, its (1 + w) norm), or over the whole projection with
     `qk_norm_per_head=False` (OLMo 2)), RoPE (unless `rope` is False: SmolLM3's NoPE layers),
-    attention over the cache, O projection. The residual add and any norms around it stay with
+    Q times `q_scale` [H * hd] where given (Phi-3's LongRoPE factor), attention over the cache,
+    O projection. The residual add and any norms around it stay with
     the caller."""
     p, hd = f"model.layers.{layer}.self_attn", cfg.head_dim
     q = linear(g, h, f"{p}.q_proj", cfg.num_heads * hd, qkv_bias)      # [T, H * hd]
@@ -62,6 +64,8 @@ def self_attention(g: Graph, cfg: DecoderConfig, layer: int, h: Value, pos: Valu
     if rope:
         q = g.op("rope", q, pos, inv_freq, head_dim=hd)
         k = g.op("rope", k, pos, inv_freq, head_dim=hd)
+    if q_scale is not None:
+        q = q * q_scale
     a = cached_attention(g, cfg, layer, q, k, v, pos, window=window, **attention_attrs)
     return linear(g, a, f"{p}.o_proj", cfg.hidden_size, o_bias)
 

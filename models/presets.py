@@ -52,6 +52,13 @@ PRESETS: dict[str, dict] = {
     "gemma-3-27b": dict(architectures=["Gemma3ForCausalLM"], vocab_size=262208, hidden_size=5376,
                         intermediate_size=21504, num_hidden_layers=62, num_attention_heads=32,
                         num_key_value_heads=16, head_dim=128, **{**_GEMMA3, "query_pre_attn_scalar": 168}),
+    # LongRoPE's factors here are placeholders (1.0 short, 2.0 long): they change values, not shapes
+    "phi-4-mini": dict(architectures=["Phi3ForCausalLM"], vocab_size=200064, hidden_size=3072,
+                       intermediate_size=8192, num_hidden_layers=32, num_attention_heads=24,
+                       num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=10000.0, partial_rotary_factor=0.75,
+                       rope_scaling={"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48},
+                       original_max_position_embeddings=4096, max_position_embeddings=131072,
+                       sliding_window=None, tie_word_embeddings=True, hidden_act="silu"),
     "mixtral-8x7b": dict(architectures=["MixtralForCausalLM"], vocab_size=32000, hidden_size=4096,
                          intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1000000.0,

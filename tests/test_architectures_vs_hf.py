@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 import pytest
 from hub_names import mixtral_checkpoint_names
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 TOL = 1e-4
 WORST: dict[str, float] = {}
@@ -302,6 +302,78 @@ def test_gemma3_each_feature_matters(h):
     assert moved(cfg, graph) > 100 * TOL, "q_norm offset"
 
 
+# ---- Phi-3 / Phi-4-mini ----------------------------------------------------------------------------
+
+def phi3_weights(cfg, weights):
+    """The HF state dict as fuselm's graph reads it: the fused projections as their row views."""
+    from fuselm.models import checkpoint_rows
+
+    views = checkpoint_rows(cfg)
+    fused = {src for src, _ in views.values()}
+    return {**{k: v for k, v in weights.items() if k not in fused},
+            **{name: weights[src][rows] for name, (src, rows) in views.items()}}
+
+
+@given(shape=gqa(hds=(4, 8, 16)), layers=st.integers(1, 3), partial=st.sampled_from([1.0, 0.75, 0.5]),
+       longrope=st.sampled_from([None, "short", "long"]), window=st.sampled_from([None, 3]),
+       tied=st.booleans(), prompt_len=st.integers(3, 7), seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=40)
+def test_phi3_vs_transformers(h, shape, layers, partial, longrope, window, tied, prompt_len, seed):
+    """Fused qkv / gate_up, partial rotary and LongRoPE. transformers picks LongRoPE's factors per
+    forward pass (long once a sequence passes original_max_position_embeddings): "short" keeps every
+    position within it, "long" sets it below the prompt so that every pass uses the long ones, and
+    the graph is built for a context beyond it."""
+    from fuselm.models import phi3
+
+    heads, kv, hd = shape
+    assume(int(hd * partial) % 2 == 0)
+    rng = np.random.default_rng(seed)
+    pairs = int(hd * partial) // 2
+    kw = dict(vocab_size=57, hidden_size=heads * hd, intermediate_size=27, num_hidden_layers=layers,
+              num_attention_heads=heads, num_key_value_heads=kv, partial_rotary_factor=partial,
+              sliding_window=window, tie_word_embeddings=tied, rope_theta=10000.0, max_position_embeddings=64,
+              pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    context = None
+    if longrope:
+        original = 2 if longrope == "long" else 16
+        kw.update(original_max_position_embeddings=original,
+                  rope_scaling={"type": "longrope", "short_factor": rng.uniform(1, 4, pairs).tolist(),
+                                "long_factor": rng.uniform(1, 4, pairs).tolist()})
+        context = 32 if longrope == "long" else None
+    model, weights, cfg = hf_model(h, "Phi3ForCausalLM", seed, **kw)
+    graph = phi3.build(cfg, context)
+    compare(h, model, phi3_weights(cfg, weights), cfg, *tokens(seed, 57, prompt_len), "phi3", graph=graph)
+
+
+def test_phi3_each_feature_matters(h):
+    """The head reordering, the long factors and the attention factor each move the logits."""
+    from fuselm.models import phi3
+
+    factors = [1.0, 1.5, 2.0, 4.0, 3.0, 8.0]
+    model, weights, cfg = hf_model(
+        h, "Phi3ForCausalLM", 3, vocab_size=50, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, partial_rotary_factor=0.75, max_position_embeddings=64,
+        original_max_position_embeddings=2, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+        rope_scaling={"type": "longrope", "short_factor": factors[::-1], "long_factor": factors})
+    prompt, steps = tokens(3, 50, 6)
+    ours = phi3_weights(cfg, weights)
+    compare(h, model, ours, cfg, prompt, steps, "phi3", graph=phi3.build(cfg, 32))
+    theirs = h.hf_prefill_then_decode(model, prompt, steps)
+
+    def moved(c, w=ours, context=32):
+        got = h.ours_prefill_then_decode(c, w, prompt, steps, graph=phi3.build(c, context))
+        return max(h.rel_err(o, t) for o, t in zip(got, theirs))
+
+    assert moved(cfg, context=None) > 100 * TOL, "long factors"
+    unordered = dict(ours)   # Q and K rows in the checkpoint's own order
+    for i in range(2):
+        qkv, p = weights[f"model.layers.{i}.self_attn.qkv_proj.weight"], f"model.layers.{i}.self_attn"
+        unordered[f"{p}.q_proj.weight"], unordered[f"{p}.k_proj.weight"] = qkv[:32], qkv[32:48]
+    assert moved(cfg, unordered) > 100 * TOL, "head order"
+    plain = dataclasses.replace(cfg, rope_scaling={**cfg.rope_scaling, "attention_factor": 1.0})
+    assert moved(plain) > 100 * TOL, "attention factor"
+
+
 # ---- Mixtral ---------------------------------------------------------------------------------------
 
 @given(shape=gqa(hds=(2, 4, 6)), layers=st.integers(1, 2), experts=st.integers(2, 5),
@@ -407,7 +479,11 @@ def test_smollm3_bad_no_rope_settings_are_config_errors(bad, match):
 # ---- checkpoints saved by transformers, through fuselm.load ------------------------------------------
 
 @pytest.mark.parametrize("arch,kw", [("Olmo2ForCausalLM", dict(attention_bias=True)),
-                                     ("SmolLM3ForCausalLM", dict(no_rope_layer_interval=2))])
+                                     ("SmolLM3ForCausalLM", dict(no_rope_layer_interval=2)),
+                                     ("Gemma3ForCausalLM", dict(head_dim=8, sliding_window=4, sliding_window_pattern=2)),
+                                     ("Phi3ForCausalLM", dict(partial_rotary_factor=0.75, original_max_position_embeddings=64,
+                                                              rope_scaling={"type": "longrope", "short_factor": [2.0] * 3,
+                                                                            "long_factor": [4.0] * 3}))])
 def test_saved_checkpoint_generates_transformers_greedy_tokens(h, tmp_path, arch, kw):
     """save_pretrained's folder (config.json, model.safetensors) loads through fuselm.load on the
     CPU engine, whose greedy tokens are transformers' (full recompute each step)."""
@@ -439,7 +515,7 @@ def test_saved_checkpoint_generates_transformers_greedy_tokens(h, tmp_path, arch
 # ---- presets and the compiler ----------------------------------------------------------------------
 
 NEW = ["qwen2.5-7b", "qwen3-8b", "gemma-2-9b", "mixtral-8x7b", "olmo-2-7b", "smollm3-3b", "gemma-3-12b",
-       "gemma-3-27b"]
+       "gemma-3-27b", "phi-4-mini"]
 
 
 def test_presets_build_with_real_shapes():
@@ -455,7 +531,7 @@ def test_presets_build_with_real_shapes():
         assert all(n.shape[-1] for n in g.sources("weight"))
     assert counts == {"qwen2.5-7b": (28, 0), "qwen3-8b": (36, 0), "gemma-2-9b": (42, 21),
                       "mixtral-8x7b": (32, 0), "olmo-2-7b": (32, 0), "smollm3-3b": (36, 0),
-                      "gemma-3-12b": (48, 40), "gemma-3-27b": (62, 52)}
+                      "gemma-3-12b": (48, 40), "gemma-3-27b": (62, 52), "phi-4-mini": (32, 0)}
     smol = build_graph(preset("smollm3-3b"))
     assert sum(n.op == "rope" for n in smol.nodes.values()) == 2 * 27 and "lm_head.weight" not in smol.nodes
     olmo = build_graph(preset("olmo-2-7b"))
@@ -464,6 +540,10 @@ def test_presets_build_with_real_shapes():
     att = [n for n in gemma.nodes.values() if n.op == "attention"]
     assert att[0].attrs["scale"] == 256 ** -0.5 and att[0].attrs["softcap"] == 50.0
     assert "lm_head.weight" not in gemma.nodes
+    phi = build_graph(preset("phi-4-mini"))
+    assert phi.nodes["model.layers.0.self_attn.q_proj.weight"].shape == (3072, 3072)
+    assert np.count_nonzero(phi.constants["rope.inv_freq"]) == 48 and phi.constants["rope.inv_freq"].shape == (64,)
+    assert phi.constants["rope.q_scale"].max() == pytest.approx(1 + np.log(32) / np.log(4096))
     g3 = build_graph(preset("gemma-3-27b"))
     att = [n for n in g3.nodes.values() if n.op == "attention"]
     assert att[0].attrs["scale"] == 168 ** -0.5 and att[0].attrs["softcap"] == 0.0 and att[5].attrs["window"] == 0
@@ -486,6 +566,9 @@ def tiny_graph(arch):
           "Gemma2ForCausalLM": dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24),
           "Gemma3ForCausalLM": dict(head_dim=16, sliding_window=8, sliding_window_pattern=2,
                                     rope_scaling={"rope_type": "linear", "factor": 8.0}),
+          "Phi3ForCausalLM": dict(partial_rotary_factor=0.75, original_max_position_embeddings=16,
+                                  max_position_embeddings=64, sliding_window=8,
+                                  rope_scaling={"type": "longrope", "short_factor": [1.5] * 6, "long_factor": [3.0] * 6}),
           "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2),
           "Olmo2ForCausalLM": dict(attention_bias=True),
           "SmolLM3ForCausalLM": dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=8)}[arch]
@@ -494,7 +577,7 @@ def tiny_graph(arch):
 
 
 ARCHS = ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "MixtralForCausalLM", "Olmo2ForCausalLM",
-         "SmolLM3ForCausalLM", "Gemma3ForCausalLM"]
+         "SmolLM3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"]
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
