@@ -115,7 +115,8 @@ def build_program(graph: Graph, ctx: int, target: Target | None = None, tuning: 
 def prefill_steps(graph: Graph, ctx: int, target: Target, tuning: Tuning, fuse: bool = True,
                   sizes: tuple[int, ...] | None = None, formats=None) -> list[PrefillStep] | str:
     """The prefill steps of `graph` for each of `sizes` tokens (default tuning.prefill_tokens)
-    that it has kernels for (sizes whose tiles do not fit are left out), or why it has none."""
+    that it has kernels for (sizes whose tiles do not fit are left out), or why it has none (the
+    smallest size's reason: the one no step size gets around)."""
     if target.capability < 80:
         return "the gemm kernels need tensor cores with bf16 (sm_80 on)"
     steps, why = [], None
@@ -126,7 +127,7 @@ def prefill_steps(graph: Graph, ctx: int, target: Target, tuning: Tuning, fuse: 
         try:
             steps.append(PrefillStep(tokens, G, generate(G, ctx=ctx, target=target, tuning=tuning, tokens=tokens)))
         except FuselmError as e:
-            why = why or str(e)
+            why = str(e)
     return steps or why
 
 

@@ -24,7 +24,7 @@ def generate(G: nx.DiGraph, ctx: int, target: Target | None = None, tuning: Tuni
     in their gemm form, attention one block per KV head and token; see prefill_unsupported), on
     `target` with `tuning` (default: the H200 and the default tuning)."""
     target, tuning = target or Target(), tuning or Tuning()
-    if tokens > 1 and (why := prefill_unsupported(G, tokens, tuning)):
+    if tokens > 1 and (why := prefill_unsupported(G, tokens, tuning, target)):
         raise FuselmError(f"no steps of {tokens} tokens: {why}")
     out = []
     for launch in G.graph["schedule"]:
@@ -35,11 +35,13 @@ def generate(G: nx.DiGraph, ctx: int, target: Target | None = None, tuning: Tuni
     return out
 
 
-def prefill_unsupported(G: nx.DiGraph, tokens: int, tuning: Tuning | None = None) -> str | None:
-    """Why the compiled graph `G` cannot run steps of `tokens` tokens (generate(tokens > 1)), or None."""
+def prefill_unsupported(G: nx.DiGraph, tokens: int, tuning: Tuning | None = None,
+                        target: Target | None = None) -> str | None:
+    """Why the compiled graph `G` cannot run steps of `tokens` tokens (generate(tokens > 1)) on
+    `target` (default: the H200), or None."""
     for launch in G.graph["schedule"]:
         family = {"gemv": gemm, "moe": moe}.get(launch.family)
-        if family and (why := family.unsupported(G, launch, tokens, tuning or Tuning())):
+        if family and (why := family.unsupported(G, launch, tokens, tuning or Tuning(), target or Target())):
             return f"{launch.kernel}: {why}"
     return None
 

@@ -13,6 +13,12 @@ reach the tensor cores as bf16 integers (exact), and each group's sums are scale
 (templates/gemm.cuh, QuantTile), so the products keep the accuracy of the bf16 tiles' and each
 weight byte streams once per step. Their kernels stage the vectors in the codes' order.
 
+On Hopper (sm_90) a kernel whose weights are all bf16 takes the `wgmma` form
+(templates/gemm_wgmma.cuh): the vectors staged once in bf16 (no lo half: the accuracy of a bf16
+transformers run), tiles of 128 weight rows x the step's tokens multiplied by warpgroup tensor
+cores, both operands pipelined through shared memory with cp.async, STAGES slots deep. Other
+GPUs, and quantized weights, take the mma.sync form.
+
 A block walks its k in chunks, one memory round trip each, so a kernel lasts at least its chunks'
 round trips however many blocks run. Where a kernel has few tiles (short outputs: the O and down
 projections) and long rows, split-K cuts that chain: `splits` blocks share a tile, each over a
@@ -26,9 +32,13 @@ from .gemv import format_groups, input_vector, shape_name, weight_format, zip_co
 from .kernel import KernelSource, KernelSpec, Launch
 from .params import Params
 from .render import render
-from .tuning import SMEM_STATIC, Tuning
+from .tuning import SMEM_STATIC, Target, Tuning
 
 STAGE_THREADS = 256
+WGMMA_ROWS = 128            # weight rows per wgmma tile: two warpgroups of 64
+WGMMA_THREADS = 256
+WGMMA_MAX_TOKENS = 256      # the widest wgmma (m64n256k16)
+WGMMA_MAX_STAGES = 8
 
 
 def slots(tuning: Tuning) -> int:
@@ -66,13 +76,47 @@ def grouped(G: nx.DiGraph, launch: ScheduledKernel) -> bool:
     return any(weight_format(G, G.nodes[l]["inputs"][1]).name != "bf16" for l in linears)
 
 
-def unsupported(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, tuning: Tuning) -> str | None:
-    """Why this gemv kernel has no gemm form for steps of `tokens` tokens, or None: its rows must
-    be whole 32-weight spans (a warp's load of a span), the members of each zip set one format
-    (a tile's mma reads one), and its tile and staged chunk must fit the static shared memory."""
+def _input_width(G: nx.DiGraph, launch: ScheduledKernel) -> int:
     prologue, linears, _ = gemv_parts(G, launch.nodes)
     x = G.nodes[prologue]["inputs"][0] if prologue else G.nodes[linears[0]]["inputs"][0]
-    K = G.nodes[x]["shape"][-1]
+    return G.nodes[x]["shape"][-1]
+
+
+def wgmma_form(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, target: Target) -> bool:
+    """Whether this gemv kernel takes the wgmma form for steps of `tokens` tokens: on sm_90, with
+    every weight bf16, rows of whole 16-byte chunks, a multiple of 32 tokens up to 256, and each
+    zip set's members dividing the 128 rows of a tile evenly (1, 2 or 4)."""
+    return (target.capability == 90 and not grouped(G, launch) and _input_width(G, launch) % 8 == 0
+            and tokens % 32 == 0 and tokens <= WGMMA_MAX_TOKENS
+            and all(len(z.linears) in (1, 2, 4) for z in zip_sets(G, launch.nodes)))
+
+
+def wgmma_stages(tokens: int, target: Target) -> int:
+    """Pipeline slots of a wgmma tile: as many as the device's shared memory per block holds
+    (less 1 kB for the alignment and the static arrays), at most WGMMA_MAX_STAGES."""
+    slot = (WGMMA_ROWS + tokens) * 128
+    return min(WGMMA_MAX_STAGES, (target.smem_per_block - 2048 - 4 * tokens) // slot)
+
+
+def wgmma_splits(K: int, tiles: int, target: Target, tuning: Tuning) -> int:
+    """Blocks per tile of a wgmma kernel (split-K), one block per SM: the split that finishes
+    the tiles' work in the fewest waves per unit of work, each slice at least gemm_min_chunks
+    slots of 64 k and at most 16 slices; a split costs 10% (its slabs' round trip), so ties
+    stay unsplit."""
+    slots = K // 64 if K % 64 == 0 else 1        # rows of part slots stay whole
+    fitting = [s for s in range(1, 17) if slots % s == 0 and slots // s >= tuning.gemm_min_chunks] or [1]
+    return min(fitting, key=lambda s: -(-tiles * s // target.sms) / s * (1.1 if s > 1 else 1.0))
+
+
+def unsupported(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, tuning: Tuning,
+                target: Target | None = None) -> str | None:
+    """Why this gemv kernel has no gemm form for steps of `tokens` tokens on `target`, or None:
+    the wgmma form takes any shape it covers (wgmma_form); otherwise its rows must be whole
+    32-weight spans (a warp's load of a span), the members of each zip set one format (a tile's
+    mma reads one), and its tile and staged chunk must fit the static shared memory."""
+    if wgmma_form(G, launch, tokens, target or Target()):
+        return None
+    K = _input_width(G, launch)
     if K % 32:
         return f"its rows of {K} weights are not a multiple of 32"
     sets = zip_sets(G, launch.nodes)
@@ -89,31 +133,42 @@ def unsupported(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, tuning: Tun
 
 
 def generate(spec: KernelSpec) -> KernelSource:
-    """One gemm kernel for steps of spec.tokens tokens (a multiple of 8) and the launch staging
-    its vectors. Where it splits K it needs runtime buffers shared by every gemm launch of the
+    """One gemm kernel for steps of spec.tokens tokens (a multiple of 8), in its wgmma form where
+    it has one (wgmma_form), and the launch staging its vectors. Where it splits K it needs runtime buffers shared by every gemm launch of the
     step: `slab_floats` of float32 slabs ("gemm_slabs") and `tile_counts` zeroed counts
-    ("gemm_counts"); and always `staged_floats` of "gemm_x", the staged vectors (bf16 hi and lo
-    words, one float a weight), then a float per token, the sums of squares, and where the
-    weights are quantized (grouped), a float per group of 32 and token, the vectors' sums."""
-    G, launch, tokens, tuning = spec.G, spec.launch, spec.tokens, spec.tuning
+    ("gemm_counts"); and always `staged_floats` of "gemm_x", the staged vectors (bf16 words: in
+    the wgmma form half a float a value, else hi and lo, one float), then a float per token, the
+    sums of squares, and where the weights are quantized (grouped), a float per group of 32 and
+    token, the vectors' sums."""
+    G, launch, tokens, tuning, target = spec.G, spec.launch, spec.tokens, spec.tuning, spec.target
+    wgmma = wgmma_form(G, launch, tokens, target)
     params = Params(G)
     vec = input_vector(G, launch, params)
-    zips, grid = zip_contexts(G, launch, params, lambda members, pairs: slots(tuning), batched=True)
+    K = vec["K"]
+    rows = (lambda members, pairs: WGMMA_ROWS // members) if wgmma else (lambda members, pairs: slots(tuning))
+    zips, grid = zip_contexts(G, launch, params, rows, batched=True)
     max_tile = max(z.R * len(z.members) for z in zips)
-    split = splits(vec["K"], grid, tuning)
+    split = wgmma_splits(K, grid, target, tuning) if wgmma else splits(K, grid, tuning)
     slabs = counts = None
     if split > 1:
         slabs, counts = params.extra("float*", "gemm_slabs"), params.extra("unsigned*", "gemm_counts")
     tile_floats = split * (max_tile * tokens + tokens)    # a tile's slabs: dot products and sums of squares
     staged_x = params.extra("float*", "gemm_x")
-    threads = tuning.gemm_warps * 32
     group_order = grouped(G, launch)
+    if wgmma:
+        stages = wgmma_stages(tokens, target)
+        threads, smem = WGMMA_THREADS, stages * (WGMMA_ROWS + tokens) * 128 + 1024
+        staged = tokens * K // 2 + tokens
+    else:
+        stages, threads, smem = 0, tuning.gemm_warps * 32, 0
+        staged = tokens * K + tokens + (tokens * K // 32 if group_order else 0)
     name, source = render("gemm.cu.j2", "gemm", shape_name(vec, zips, tokens), params=params.decls, **vec,
-                          zips=zips, threads=threads, tokens=tokens, kc=chunk(vec["K"]), max_tile=max_tile,
+                          zips=zips, threads=threads, tokens=tokens, kc=0 if wgmma else chunk(K), max_tile=max_tile,
                           grid=grid, splits=split, slabs=slabs, counts=counts, tile_slab_floats=tile_floats,
-                          staged_x=staged_x, stage_threads=STAGE_THREADS, grouped=str(group_order).lower())
+                          staged_x=staged_x, stage_threads=STAGE_THREADS, grouped=str(group_order).lower(),
+                          wgmma=wgmma, stages=stages)
     launches = [Launch(f"{name}_stage", (tokens, 1), STAGE_THREADS, params.values),
-                Launch(name, (grid, split), threads, params.values)]
+                Launch(name, (grid, split), threads, params.values, smem=smem)]
     return KernelSource(name, "gemm", source, launch.nodes, launches, launch.layer,
                         slab_floats=grid * tile_floats if split > 1 else 0, tile_counts=grid if split > 1 else 0,
-                        staged_floats=tokens * vec["K"] + tokens + (tokens * vec["K"] // 32 if group_order else 0))
+                        staged_floats=staged)

@@ -27,6 +27,7 @@ class Launch:
     grid: tuple[int, int]     # ("T" in the schedule becomes the token count at run time)
     block: int
     args: list[str]           # graph value names, or runtime buffers such as "workspace"
+    smem: int = 0             # bytes of dynamic shared memory
 
 
 @dataclass

@@ -29,9 +29,10 @@ def _shapes(G: nx.DiGraph, launch: ScheduledKernel) -> tuple[str, int, int, int]
     return n, E, I, D
 
 
-def unsupported(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, tuning: Tuning) -> str | None:
+def unsupported(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, tuning: Tuning, target=None) -> str | None:
     """Why this moe kernel has no form for steps of `tokens` tokens, or None: its GEMMs' rows must
-    be whole 32-weight spans, and their staged chunks and tiles fit the static shared memory."""
+    be whole 32-weight spans, and their staged chunks and tiles fit the static shared memory (on
+    any `target`: the moe tiles are mma.sync's)."""
     _, _, I, D = _shapes(G, launch)
     if tokens > tuning.gemm_warps * 32:
         return f"{tokens} tokens per step need a thread each to route them; its blocks have {tuning.gemm_warps * 32}"

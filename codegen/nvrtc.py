@@ -19,7 +19,10 @@ def cache_dir() -> Path:
 
 
 def options(arch: str, weight_dtype: str = "bf16", verbose: bool = False) -> list[str]:
-    """NVRTC options for `arch`; verbose adds ptxas's resource report to the log."""
+    """NVRTC options for `arch` (sm_90 compiles as sm_90a, whose wgmma the prefill gemms use; the
+    cubin runs on sm_90 only, as every cubin of an exact arch does); verbose adds ptxas's
+    resource report to the log."""
+    arch = "sm_90a" if arch == "sm_90" else arch
     opts = [f"--gpu-architecture={arch}", "--std=c++17", f"-DFUSELM_WEIGHT_F16={int(weight_dtype == 'f16')}"]
     return opts + (["--ptxas-options=-v"] if verbose else [])
 

@@ -21,10 +21,12 @@ SMEM_STATIC = 48 * 1024   # static shared memory a kernel may declare (CUDA's li
 
 @dataclass(frozen=True)
 class Target:
-    """The GPU kernels are generated for: its architecture (NVRTC's --gpu-architecture) and its
-    SM count, which sizes split-K and the attention split's wave."""
+    """The GPU kernels are generated for: its architecture (NVRTC's --gpu-architecture), its SM
+    count, which sizes split-K and the attention split's wave, and the shared memory a block may
+    opt into, which sets the wgmma gemm's pipeline depth."""
     arch: str = "sm_90"
     sms: int = 132          # the H200's: the default when inspecting without a GPU
+    smem_per_block: int = 232448
 
     def __post_init__(self):
         if not (self.arch.startswith("sm_") and self.arch[3:].rstrip("a").isdigit()):
@@ -42,8 +44,9 @@ class Target:
         """The current CUDA device's architecture and SM count."""
         import cupy
         device = cupy.cuda.Device()
-        sms = cupy.cuda.runtime.getDeviceProperties(device.id)["multiProcessorCount"]
-        return cls(f"sm_{device.compute_capability}", int(sms))
+        props = cupy.cuda.runtime.getDeviceProperties(device.id)
+        return cls(f"sm_{device.compute_capability}", int(props["multiProcessorCount"]),
+                   int(props["sharedMemPerBlockOptin"]))
 
 
 # name -> (low, high, what it is); a power of two where the name is in POWERS_OF_TWO
@@ -57,7 +60,7 @@ _RANGES = {
     "gemv_quant_blocks_per_sm": (1, 8, "float-path quantized GEMV blocks each SM must hold (registers capped to fit)"),
     "gemm_warps": (1, 8, "warps per gemm block, 16 rows of the tile each"),
     "gemm_blocks": (1, 1 << 16, "blocks a gemm splits its k to reach"),
-    "gemm_min_chunks": (1, 1 << 10, "chunks of k a gemm's split slice keeps at least"),
+    "gemm_min_chunks": (1, 1 << 10, "chunks of k (wgmma: 64-k slots) a gemm's split slice keeps at least"),
     "attn_warps": (1, 32, "warps per attention split block"),
     "attn_rows": (1, 32, "cache rows per lane of the split's CUDA-core pass, at most"),
     "attn_combine_warps": (1, 32, "warps per attention combine block"),
@@ -69,7 +72,7 @@ _RANGES = {
     "sampler_blocks": (1, 1024, "blocks sharing the sampler's pass over the vocabulary"),
 }
 POWERS_OF_TWO = {"gemv_warps"}
-PREFILL_STEP_RANGE = (8, 64)   # tokens a prefill step may take, a multiple of 8 (the mma's token tile)
+PREFILL_STEP_RANGE = (8, 256)   # tokens a prefill step may take, a multiple of 8 (the mma's token tile)
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,7 @@ class Tuning:
     attn_single_rows: int = 4
     attn_wide_warps: int = 9
     sampler_blocks: int = 32        # one block took 26 us a token
-    prefill_tokens: tuple[int, ...] = (64, 32)   # prefill step sizes, largest first: a module each
+    prefill_tokens: tuple[int, ...] = (256, 64, 32)   # prefill step sizes, largest first: a module each
 
     def __post_init__(self):
         for name, (low, high, what) in _RANGES.items():
@@ -114,7 +117,7 @@ class Tuning:
     @classmethod
     def parse(cls, text: str, base: "Tuning | None" = None) -> "Tuning":
         """`base` (the defaults) with "name=value,name=value" applied; prefill_tokens takes sizes
-        joined by "/" (prefill_tokens=64/32)."""
+        joined by "/" (prefill_tokens=256/64/32)."""
         known = {f.name for f in fields(cls)}
         changes = {}
         for item in filter(None, (s.strip() for s in text.split(","))):

@@ -45,7 +45,7 @@ class PdlLaunch:
 
     _driver = None
 
-    def __init__(self, function, grid: tuple[int, int], block: int, args: tuple):
+    def __init__(self, function, grid: tuple[int, int], block: int, args: tuple, smem: int = 0):
         if PdlLaunch._driver is None:
             lib = ctypes.CDLL("libcuda.so.1")
             lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p,
@@ -55,7 +55,7 @@ class PdlLaunch:
         self.function = ctypes.c_void_p(getattr(function, "kernel", function).ptr)   # RawKernel or Function
         self.attr = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
         self.attr.value[0] = 1                       # programmaticStreamSerializationAllowed (an int at offset 0)
-        self.config = LaunchConfig(grid[0], grid[1], 1, block, 1, 1, 0, None, ctypes.pointer(self.attr), 1)
+        self.config = LaunchConfig(grid[0], grid[1], 1, block, 1, 1, smem, None, ctypes.pointer(self.attr), 1)
         self.buffers = args                                           # kept alive with the launch
         self.values = [ctypes.c_void_p(a.data.ptr) for a in args]     # every argument is a buffer
         self.params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(v) for v in self.values])
@@ -72,13 +72,16 @@ class PdlLaunch:
 def bind_launch(module, launch, buffer_of, pdl: bool, tokens: int = 1):
     """`launch` (codegen's Launch) of `module` with its arguments resolved once by `buffer_of`
     (graph value -> device array) and "T" in its grid read as `tokens`: a call taking the stream,
-    launched with PDL when `pdl`."""
+    launched with PDL when `pdl`. A launch with more dynamic shared memory than the default 48 kB
+    opts its function into that much first."""
     fn = module.get_function(launch.function)
     grid = tuple(tokens if g == "T" else g for g in launch.grid)
     args = tuple(buffer_of(a) for a in launch.args)
+    if launch.smem > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = launch.smem
     if pdl:
-        return PdlLaunch(fn, grid, launch.block, args)
-    return lambda stream: fn(grid, (launch.block,), args, stream=stream)
+        return PdlLaunch(fn, grid, launch.block, args, launch.smem)
+    return lambda stream: fn(grid, (launch.block,), args, stream=stream, shared_mem=launch.smem)
 
 
 def arena_view(cupy, arena, G, store: str):

@@ -110,8 +110,8 @@ def test_module_compiles_and_gemv_and_attention_kernels_do_not_spill(kernels_of,
     assert not spilling, f"{name} {arch}: gemv or attention kernels spill (bytes stored + loaded): {spilling}"
 
 
-PREFILL_UNSUPPORTED = {"tiny-hidden36": "rows of 36 weights are not a multiple of 32",
-                       "tiny-headdim40": "rows of 200 weights are not a multiple of 32"}
+# on sm_90 the wgmma gemm takes rows of any multiple of 8 weights (tiny-headdim40's 200 too)
+PREFILL_UNSUPPORTED = {"tiny-hidden36": "rows of 36 weights are not a multiple of 32"}
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
@@ -128,6 +128,9 @@ def test_prefill_module_compiles_and_does_not_spill(name, fuse, tokens):
     why = prefill_unsupported(G, tokens)
     if name in PREFILL_UNSUPPORTED:
         assert why and PREFILL_UNSUPPORTED[name] in why
+        return
+    if "num_local_experts" in cfg.extra and tokens > 128:   # the moe blocks route a token a thread
+        assert why and "a thread each to route them" in why
         return
     assert why is None
     ks = generate(G, ctx=min(cfg.max_position_embeddings, 4096), tokens=tokens)

@@ -138,7 +138,7 @@ def test_bench_records_the_tuning_it_ran_under():
     """A bench record's "tuning" lists the values that differ from the defaults (an A/B's side)."""
     from fuselm.codegen import Tuning
     assert Tuning().changed() == {}
-    assert Tuning.parse("gemv_warps=4,prefill_tokens=32/64").changed() == {"gemv_warps": 4}
+    assert Tuning.parse("gemv_warps=4,prefill_tokens=32/64/256").changed() == {"gemv_warps": 4}
     assert Tuning.parse("prefill_tokens=32").changed() == {"prefill_tokens": (32,)}
 
 
@@ -170,11 +170,11 @@ def test_prefill_steps_fit_the_context():
 
 def test_tuning_values_are_checked(monkeypatch):
     """Every tuning value is range-checked where it is made (Tuning(), parse, $FUSELM_TUNE), with
-    a one-line error naming it; prefill step sizes are distinct multiples of 8 up to 64."""
+    a one-line error naming it; prefill step sizes are distinct multiples of 8 up to 256."""
     from fuselm.codegen import Tuning
     assert Tuning.parse("prefill_tokens=32/64/32").prefill_tokens == (64, 32)
     for bad, message in (("prefill_tokens=48/20", "prefill_tokens=48/20: distinct step sizes"),
-                         ("prefill_tokens=128", "prefill_tokens=128: distinct"),
+                         ("prefill_tokens=512", "prefill_tokens=512: distinct"),
                          ("attn_warps=64", "attn_warps=64: warps per attention split block must be an integer from 1 to 32"),
                          ("gemm_blocks=lots", "'gemm_blocks=lots': the value must be an integer"),
                          ("bogus=1", "'bogus=1': expected name=value"), ("gemv_warps", "'gemv_warps': expected")):

@@ -156,28 +156,32 @@ def bf16_finite(bits: np.ndarray) -> bool:
 PREFILL_ARCHS = {"LlamaForCausalLM": {}, **ARCH_TINY}
 
 
+@pytest.mark.parametrize("sizes", [(64, 32), (256, 32)], ids=["64+32", "256+32"])
 @pytest.mark.parametrize("split_k", ["default", "every-tile"])
 @pytest.mark.parametrize("arch", sorted(PREFILL_ARCHS))
-def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k):
-    """A 77-token prompt through the batched prefill (a step of every size it has, 64 + 32 by
-    default, the last one padded; its arena and runtime buffers poisoned with NaN first) leaves
-    the caches that one-token decode steps leave, and the logits of the prompt's last token match
+def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k, sizes):
+    """A 289-token prompt through the batched prefill (a step of every size it has of `sizes`:
+    256 + 32 on Hopper's wgmma gemms, or 64s + 32; the last one padded; its arena and runtime
+    buffers poisoned with NaN first) leaves the caches that one-token decode steps leave (bf16
+    vectors in the wgmma gemms, as a bf16 transformers run has them), and the logits of the prompt's last token match
     the numpy reference run over the whole prompt (bf16 KV cache on both sides); the decode steps
     after it agree too. "every-tile": every gemm kernel splits its K as far as it goes (at these
     sizes the default splits none; the real-shape tests run the default splits)."""
     import cupy as cp
 
     from fuselm.codegen import Tuning
-    tuning = Tuning(gemm_blocks=1 << 16, gemm_min_chunks=1) if split_k == "every-tile" else Tuning()
+    tuning = Tuning(prefill_tokens=sizes, **(dict(gemm_blocks=1 << 16, gemm_min_chunks=1)
+                                              if split_k == "every-tile" else {}))
     rng = np.random.default_rng()
     cfg = DecoderConfig.from_hf({**TINY, "architectures": [arch], **PREFILL_ARCHS[arch]})
     graph = build_graph(cfg)
     weights = random_weights(graph, rng)
-    prompt = rng.integers(0, cfg.vocab_size, 77).tolist()
-    batched = engine_for(graph, weights, ctx=256, tuning=tuning)
-    stepped = engine_for(graph, weights, ctx=256, batched_prefill=False)
+    n = 289
+    prompt = rng.integers(0, cfg.vocab_size, n).tolist()
+    batched = engine_for(graph, weights, ctx=512, tuning=tuning)
+    stepped = engine_for(graph, weights, ctx=512, batched_prefill=False)
     assert batched.batched_prefill is not None and stepped.batched_prefill is None
-    assert set(batched.batched_prefill.plan(76, 0)) == set(batched.batched_prefill.sizes)
+    assert set(batched.batched_prefill.plan(n - 1, 0)) == set(batched.batched_prefill.sizes)
     with batched.stream:
         batched.batched_prefill.arena.view(cp.float32).fill(cp.nan)
         batched.batched_prefill.workspace.fill(cp.nan)     # Mixtral's experts' activations
@@ -193,8 +197,8 @@ def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k
     assert all(np.isfinite(a[n]).all() for n in a) and cache_err < 5e-3, f"caches differ: {cache_err:.2e}"
     out = next(iter(graph.outputs))
     with bf16_kv_cache():
-        ref = run_graph(graph, weights, {"ids": np.array(prompt, np.int32), "pos": np.arange(77, dtype=np.int32)},
-                        new_state(graph, 256))[out][-1]
+        ref = run_graph(graph, weights, {"ids": np.array(prompt, np.int32), "pos": np.arange(n, dtype=np.int32)},
+                        new_state(graph, 512))[out][-1]
     errs = [rel(batched.logits(), ref), rel(batched.logits(), stepped.logits())]
     for t in rng.integers(0, cfg.vocab_size, 8):
         batched.decode(int(t), SamplingParams())
@@ -207,7 +211,7 @@ def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k
 
 def test_batched_prefill_of_a_long_prompt_at_real_shapes():
     """SmolLM2's shapes, a 700-token prompt: the per-token attention walks several passes of the
-    cache, and eleven steps of the 64-token graph replay one CUDA graph (with split-K gemms);
+    cache, and three steps of the 256-token graph replay one CUDA graph (with split-K gemms);
     caches and logits as one-token steps leave them, and a second run leaves the same bits (its
     last token's decode step includes GEMVs whose rows four warps share). Before the second run the
     caches are poisoned with bf16 NaN, and the decode and prefill arenas (the logits among them) and

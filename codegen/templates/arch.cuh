@@ -23,3 +23,10 @@
 #else
 #define FUSELM_SM90 0
 #endif
+
+// sm_90a (Hopper's arch-specific features): wgmma, the warpgroup tensor-core instructions.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FUSELM_SM90A 1
+#else
+#define FUSELM_SM90A 0
+#endif

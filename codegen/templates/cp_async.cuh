@@ -12,9 +12,32 @@ __device__ __forceinline__ void cp_async_16_cg(void* dst, const void* src) {
 #endif
 }
 
+// As cp_async_16_cg where `full`, else 16 zero bytes into `dst` (src is not read).
+__device__ __forceinline__ void cp_async_16_cg_or_zero(void* dst, const void* src, bool full) {
+#if FUSELM_SM80
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "r"(full ? 16 : 0) : "memory");
+#endif
+}
+
 // Wait for every copy this thread started; other threads' copies need a barrier after it.
 __device__ __forceinline__ void cp_async_wait_all() {
 #if FUSELM_SM80
     asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
+// Waits until at most N of this thread's committed cp.async groups are still copying.
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() {
+#if FUSELM_SM80
+    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+#endif
+}
+
+// Closes the group of cp.async issued since the last commit (an empty group is fine).
+__device__ __forceinline__ void cp_async_commit() {
+#if FUSELM_SM80
+    asm volatile("cp.async.commit_group;" ::: "memory");
 #endif
 }

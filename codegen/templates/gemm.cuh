@@ -164,6 +164,15 @@ struct StagedVectors {
     }
 };
 
+// A stage block's share of one token's vector x [K]: entries threadIdx.x + THREADS i (k 8 e ..
+// 8 e + 8), all loaded before any is used (one round trip, not one each).
+template <int K, int THREADS, int PER>
+__device__ __forceinline__ void load_entries(const float* x, float (&v)[PER][8]) {
+#pragma unroll
+    for (int i = 0; i < PER; i++)
+        if (i * THREADS + threadIdx.x < K / 8) load_f32x8(x, 8 * (i * THREADS + threadIdx.x), v[i]);
+}
+
 // The stage kernel's block t: token t's vector as StagedVectors reads it, and its sum of squares
 // (and GROUPED, each group's sum). A thread loads all its entries before converting any (one round
 // trip, not one each); the 4 entries of a group are 4 neighbouring threads'.
@@ -175,9 +184,7 @@ __device__ __forceinline__ void stage_vectors(const float* x, const weight_t* ga
     uint4* staged = reinterpret_cast<uint4*>(words);
     const int t = blockIdx.x;
     float v[PER][8];
-#pragma unroll
-    for (int i = 0; i < PER; i++)
-        if (i * THREADS + threadIdx.x < K / 8) load_f32x8(x + (size_t)t * K, 8 * (i * THREADS + threadIdx.x), v[i]);
+    load_entries<K, THREADS>(x + (size_t)t * K, v);
     float sumsq = 0.0f;
 #pragma unroll
     for (int i = 0; i < PER; i++) {   // every lane runs every round: the group sums' shuffles
