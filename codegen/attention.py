@@ -153,10 +153,30 @@ class Layout:
         return WideSplit(per_head * self.split_pass.chunk, per_head * p.chunk, p, warps)
 
 
+def prefill_rows(layout: Layout, tokens: int, tuning: Tuning) -> tuple[Pass, int, int] | None:
+    """The batched prefill's tensor-core pass over several tokens at once: (pass, tokens a block
+    takes, warps), or None where the layout has no MmaPass (then a block per KV head and token).
+    A block takes the most tokens, a power of two dividing the step, whose query heads fill at
+    most the mma's 16 rows (the 8B's 4 heads per KV head: 4 tokens, each cache row loaded once for
+    them), with as many warps of attn_single_warps as their softmax states leave shared memory."""
+    if not mma_fits(layout.head_dim, layout.group, layout.target):
+        return None
+    per = 1
+    while layout.group * per * 2 <= 16 and tokens % (per * 2) == 0:
+        per *= 2
+    warps = tuning.attn_single_warps
+    while warps > 1 and 4 * warps * layout.group * per * (layout.head_dim + 6) > SMEM_STATIC:
+        warps //= 2
+    chunk = warps * (2048 // layout.head_dim)                                                  # MmaPass::CHUNK
+    return Pass(f"MmaPass<{layout.kv}, {layout.head_dim}, {warps}, {layout.group}, false, {per}>", chunk,
+                on_tensor_cores=True), per, warps
+
+
 def generate(spec: KernelSpec) -> KernelSource:
     """The attention kernels of one ATTENTION node over a KV cache of spec.ctx rows: for decode
     the split and combine launches with their variants by position (the split's records go
-    through the runtime's "workspace"); for a prefill step the prefill kernel alone."""
+    through the runtime's "workspace"); for a prefill step the prefill kernel alone (prefill_rows:
+    several tokens a block on tensor cores, else a block per KV head and token)."""
     G, launch, ctx, tokens, tuning = spec.G, spec.launch, spec.ctx, spec.tokens, spec.tuning
     params = Params(G)
     (n,) = launch.nodes
@@ -184,6 +204,7 @@ def generate(spec: KernelSpec) -> KernelSource:
     threads, single_threads = layout.split_warps * 32, layout.single_warps * 32
     combine_threads = tuning.attn_combine_warps * 32
     single_until = min(layout.single_until, ctx)
+    rows = prefill_rows(layout, tokens, tuning) if tokens > 1 else None
     name, source = render(
         "attention.cu.j2", "attention", f"h{H}_kv{KV}_d{hd}", params=params.decls, H=H, KV=KV, HD=hd,
         chunk=split.chunk, split_pass=split.type, nchunk=nchunk, window=int(a.get("window") or 0),
@@ -193,11 +214,12 @@ def generate(spec: KernelSpec) -> KernelSource:
         single_pass=layout.single_pass.type, q=params.ref(q), kc=params.ref(kc), vc=params.ref(vc),
         pos=params.ref(pos), out=params.ref(n, written=True),
         ws=params.extra("float*", "workspace") if tokens == 1 else None,   # the split's records
-        tokens=tokens, wide=wide)
+        tokens=tokens, wide=wide, rows=rows and {"pass_": rows[0].type, "tokens": rows[1], "threads": rows[2] * 32})
     args = params.values
     if tokens > 1:
-        return KernelSource(name, "attention", source, launch.nodes,
-                            [Launch(f"{name}_prefill", (KV, "T"), single_threads, args)], launch.layer)
+        grid, threads = ((KV, tokens // rows[1]), rows[2] * 32) if rows else ((KV, "T"), single_threads)
+        return KernelSource(name, "attention", source, launch.nodes, [Launch(f"{name}_prefill", grid, threads, args)],
+                            launch.layer, passes={"prefill": rows[0] if rows else layout.single_pass})
     split_launches = [Launch(f"{name}_split", (KV, nchunk), threads, args),
                       Launch(f"{name}_combine", (H, 1), combine_threads, args)]
     variants = []

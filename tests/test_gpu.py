@@ -153,7 +153,9 @@ def bf16_finite(bits: np.ndarray) -> bool:
     return bool(((bits & 0x7F80) != 0x7F80).all())
 
 
-PREFILL_ARCHS = {"LlamaForCausalLM": {}, **ARCH_TINY}
+# Mistral's window on the tensor-core prefill pass (head size 64, 4 tokens a block), not LanePass's
+PREFILL_ARCHS = {"LlamaForCausalLM": {}, **ARCH_TINY,
+                 "MistralForCausalLM": dict(sliding_window=8, head_dim=64, num_attention_heads=4, num_key_value_heads=1)}
 
 
 @pytest.mark.parametrize("sizes", [(64, 32), (256, 32)], ids=["64+32", "256+32"])

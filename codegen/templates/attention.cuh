@@ -71,6 +71,35 @@ __device__ __forceinline__ void attention_single(const float* q, const bf16_t* k
     });
 }
 
+// Batched prefill on tensor cores: block (KV head, y) takes TOKENS consecutive tokens of the step,
+// from its token TOKENS y (q, pos_p and o point at the step's first), every (token, head) pair an
+// A row of the pass (MmaPass with TOKENS), and walks the cache rows up to the last one's position
+// once for all of them. The step's own rows were written by the kernel before: it waits first.
+template <int H, int KV, int HD, class P, int TOKENS>
+__device__ __forceinline__ void attention_prefill_rows(const float* q, const bf16_t* kc, const bf16_t* vc,
+                                                       const int* pos_p, int window, float scale, float softcap,
+                                                       float* o) {
+    constexpr int G = H / KV;
+    grid_wait_then_release();
+    const int t0 = blockIdx.y * TOKENS, first = pos_p[t0], last = pos_p[t0 + TOKENS - 1];
+    const int lo = window > 0 ? max(0, first - window + 1) : 0;
+    P pass;
+    pass.set_rows(first, window);
+    int base = lo / P::CHUNK * P::CHUNK;
+    pass.load(kc, vc, base, lo, min(base + P::CHUNK, last + 1), -1);
+    pass.load_queries(q + (size_t)t0 * H * HD, scale);
+    typename P::State st, part;
+    pass.softmax(softcap, st);
+    for (base += P::CHUNK; base <= last; base += P::CHUNK) {
+        pass.load(kc, vc, base, base, min(base + P::CHUNK, last + 1), -1);
+        pass.softmax(softcap, part);
+        st.merge(part);
+    }
+    P::block_merge(st, [&](int row, int d, float, float l, float a) {
+        o[(size_t)(t0 + row / G) * H * HD + (blockIdx.x * G + row % G) * HD + d] = a / l;
+    });
+}
+
 // Merge the chunks c0 .. c1 of query head blockIdx.x (the ones the split kernel filled). At long
 // contexts there are dozens of chunks, so each warp takes every WARPS-th chunk, GROUP at a time
 // with all their loads issued together (4 dims per lane), keeps a running softmax state, and

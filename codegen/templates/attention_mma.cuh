@@ -28,10 +28,15 @@
 // the V rows. The queries, small and in L2, would otherwise queue behind the block's 64 kB of
 // rows, and the scores could start only once every row was in; this way the scores and the
 // softmax run while V streams in (docs/perf-notes.md: LATE_V).
-template <int KV, int HD, int WARPS, int G, bool LATE_V = false>
+// TOKENS > 1 (batched prefill): the A operand's rows are the G query heads of TOKENS consecutive
+// tokens (row r: token r / G, head r % G), so each cache row a block loads serves TOKENS tokens;
+// row r's scores are masked past its own token's position (and before its window), set_rows.
+template <int KV, int HD, int WARPS, int G, bool LATE_V = false, int TOKENS = 1>
 struct MmaPass {
     static_assert(HD == 64 || HD == 128, "MmaPass: head size 64 or 128");
     static_assert(G <= 8, "MmaPass: at most 8 query heads per KV head");
+    static constexpr int ROWS = G * TOKENS;      // A rows in use: (token, head) pairs
+    static_assert(ROWS <= 16, "MmaPass: at most 16 query rows (heads x tokens) per block");
     // mma.sync on bf16 needs sm_80: said at compile time (codegen picks LanePass below it) instead
     // of failing at the first step.
     static_assert(KV > 0 && FUSELM_SM80, "MmaPass needs sm_80 or later (codegen/attention.py: mma_fits)");
@@ -44,6 +49,7 @@ struct MmaPass {
     uint4 v[NU][4][HD / 64];                     // V slices of positions 16u + {2c, 2c+1, 2c+8, 2c+9}: HD/8 dims
     unsigned qa[KSTEPS][2][2];                   // queries' A words [k-step][hi, lo][dims +0,1 | +2,3]
     int first, start, end;                       // the warp's first position; the valid range
+    int row_pos = 0, window = 0;                 // TOKENS > 1: row r's own position and window (set_rows)
     const bf16_t* values;                        // LATE_V: the V cache, from after_wait to load_queries
 
     __device__ __forceinline__ static int r() { return (threadIdx.x & 31) >> 2; }
@@ -52,6 +58,16 @@ struct MmaPass {
         return cache + (size_t)p * W + blockIdx.x * HD;
     }
     __device__ __forceinline__ int k_row(int t) const { return first + 8 * t + r(); }
+    // TOKENS > 1: the block's first token is at position pos0; a row sees positions up to its
+    // token's and, with a window, above its token's position - window.
+    __device__ __forceinline__ void set_rows(int pos0, int window_) {
+        row_pos = pos0 + r() / G;
+        window = window_;
+    }
+    // Row r's query: head r % G of token r / G (q: the block's first token's row of H = KV G heads).
+    __device__ __forceinline__ static const float* query_row(const float* q) {
+        return q + (r() / G) * (KV * G * HD) + (blockIdx.x * G + r() % G) * HD;
+    }
     __device__ __forceinline__ int v_row(int u, int i) const { return first + 16 * u + 2 * c() + (i & 1) + 8 * (i >> 1); }
 
     template <int N>
@@ -106,7 +122,7 @@ struct MmaPass {
     // Query head r (zero past G), times `scale`, as A words: dims c HD/4 + 4s + {0,1} and {2,3}.
     __device__ __forceinline__ static float4 query(const float* q, int s) {
         float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (r() < G) x = *reinterpret_cast<const float4*>(q + (blockIdx.x * G + r()) * HD + c() * (HD / 4) + 4 * s);
+        if (r() < ROWS) x = *reinterpret_cast<const float4*>(query_row(q) + c() * (HD / 4) + 4 * s);
         return x;
     }
     __device__ __forceinline__ void set_query(int s, const float4& x, float scale) {
@@ -119,7 +135,7 @@ struct MmaPass {
             for (int s = 0; s < KSTEPS; s++) {   // query() and set_query() inline: so written, ptxas
                 // schedules the one-launch kernel as measured (through the helpers it does not)
                 float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                if (r() < G) x = *reinterpret_cast<const float4*>(q + (blockIdx.x * G + r()) * HD + c() * (HD / 4) + 4 * s);
+                if (r() < ROWS) x = *reinterpret_cast<const float4*>(query_row(q) + c() * (HD / 4) + 4 * s);
                 split_bf16x2(x.x * scale, x.y * scale, qa[s][0][0], qa[s][1][0]);
                 split_bf16x2(x.z * scale, x.w * scale, qa[s][0][1], qa[s][1][1]);
             }
@@ -157,7 +173,8 @@ struct MmaPass {
 #pragma unroll
             for (int e = 0; e < 2; e++) {
                 const int p = first + 8 * t + 2 * c() + e;
-                s[t][e] = p < start || p >= end ? NEG_INF : softcap > 0.0f ? softcap * tanhf(d[e] / softcap) : d[e];
+                const bool own = TOKENS == 1 || (p <= row_pos && (window == 0 || p > row_pos - window));
+                s[t][e] = p < start || p >= end || !own ? NEG_INF : softcap > 0.0f ? softcap * tanhf(d[e] / softcap) : d[e];
                 out.m = fmaxf(out.m, s[t][e]);
             }
         }
@@ -193,12 +210,12 @@ struct MmaPass {
 #pragma unroll
         for (int w = 0; w < VDIMS; w++) { out.acc[2 * w] = o[w][0]; out.acc[2 * w + 1] = o[w][1]; }
     }
-    // Lanes of heads r < G hold head r's dims [c HD/4, (c+1) HD/4).
+    // Lanes of rows r < ROWS hold row r's dims [c HD/4, (c+1) HD/4); emit(row, ...).
     template <class Emit>
     __device__ __forceinline__ static void block_merge(const State& st, Emit emit) {
-        __shared__ WarpStates<G, HD, WARPS, HD + 4> ws;     // + 4: the heads' rows start in different banks
+        __shared__ WarpStates<ROWS, HD, WARPS, HD + 4> ws;  // + 4: the rows start in different banks
         const int warp = threadIdx.x >> 5;
-        if (r() < G) {
+        if (r() < ROWS) {
 #pragma unroll
             for (int w = 0; w < VDIMS; w++)
 #pragma unroll
