@@ -157,12 +157,12 @@ def prefill_rows(layout: Layout, tokens: int, tuning: Tuning) -> tuple[Pass, int
     """The batched prefill's tensor-core pass over several tokens at once: (pass, tokens a block
     takes, warps), or None where the layout has no MmaPass (then a block per KV head and token).
     A block takes the most tokens, a power of two dividing the step, whose query heads fill at
-    most the mma's 16 rows (the 8B's 4 heads per KV head: 4 tokens, each cache row loaded once for
-    them), with as many warps of attn_single_warps as their softmax states leave shared memory."""
+    most the 8 rows the pass gives the queries (the 8B's 4 heads per KV head: 2 tokens, each cache
+    row loaded once for both), with as many warps of attn_single_warps as their softmax states leave shared memory."""
     if not mma_fits(layout.head_dim, layout.group, layout.target):
         return None
     per = 1
-    while layout.group * per * 2 <= 16 and tokens % (per * 2) == 0:
+    while layout.group * per * 2 <= 8 and tokens % (per * 2) == 0:
         per *= 2
     warps = tuning.attn_single_warps
     while warps > 1 and 4 * warps * layout.group * per * (layout.head_dim + 6) > SMEM_STATIC:

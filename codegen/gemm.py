@@ -152,7 +152,8 @@ def generate(spec: KernelSpec) -> KernelSource:
     slabs = counts = None
     if split > 1:
         slabs, counts = params.extra("float*", "gemm_slabs"), params.extra("unsigned*", "gemm_counts")
-    tile_floats = split * (max_tile * tokens + tokens)    # a tile's slabs: dot products and sums of squares
+    stride = tokens + 1 if wgmma else tokens             # floats between a tile's rows (gemm.cu.j2: TS)
+    tile_floats = split * (max_tile * stride + tokens)    # a tile's slabs: dot products and sums of squares
     staged_x = params.extra("float*", "gemm_x")
     group_order = grouped(G, launch)
     if wgmma:

@@ -213,7 +213,7 @@ def random_weight(fmt: str, shape: tuple[int, int], std: float, xp=np, seed: int
     make it on the GPU): benchmarks and tests of real shapes without any file. A 3-d shape is a
     stack of experts' matrices."""
     if len(shape) == 3:
-        return stack_experts([random_weight(fmt, shape[1:], std, xp, None if seed is None else seed * 1009 + e)
+        return stack_experts([random_weight(fmt, shape[1:], std, xp, None if seed is None else (seed * 1009 + e) % (1 << 32))
                               for e in range(shape[0])])
     N, K = shape
     rs = xp.random.RandomState(seed)

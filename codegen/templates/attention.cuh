@@ -45,6 +45,18 @@ __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc
     });
 }
 
+// The passes after the first (at `base`) up to position `last`, merged into st.
+template <class P>
+__device__ __forceinline__ void walk_on(P& pass, typename P::State& st, const bf16_t* kc, const bf16_t* vc, int base,
+                                        int last, float softcap) {
+    typename P::State part;
+    for (base += P::CHUNK; base <= last; base += P::CHUNK) {
+        pass.load(kc, vc, base, base, min(base + P::CHUNK, last + 1), -1);
+        pass.softmax(softcap, part);
+        st.merge(part);
+    }
+}
+
 // Short contexts: one block per KV head walks every position in passes and writes the attention
 // output itself; no workspace, no combine launch. The first pass's loads go out before the wait.
 template <int H, int KV, int HD, class P>
@@ -59,13 +71,9 @@ __device__ __forceinline__ void attention_single(const float* q, const bf16_t* k
     grid_wait_then_release();
     pass.after_wait(kc, vc, base, lo, min(base + P::CHUNK, pos + 1), pos);
     pass.load_queries(q, scale);
-    typename P::State st, part;
+    typename P::State st;
     pass.softmax(softcap, st);
-    for (base += P::CHUNK; base <= pos; base += P::CHUNK) {
-        pass.load(kc, vc, base, base, min(base + P::CHUNK, pos + 1), -1);
-        pass.softmax(softcap, part);
-        st.merge(part);
-    }
+    walk_on(pass, st, kc, vc, base, pos, softcap);
     P::block_merge(st, [&](int g, int d, float, float l, float a) {
         o[(blockIdx.x * G + g) * HD + d] = a / l;
     });
@@ -88,13 +96,9 @@ __device__ __forceinline__ void attention_prefill_rows(const float* q, const bf1
     int base = lo / P::CHUNK * P::CHUNK;
     pass.load(kc, vc, base, lo, min(base + P::CHUNK, last + 1), -1);
     pass.load_queries(q + (size_t)t0 * H * HD, scale);
-    typename P::State st, part;
+    typename P::State st;
     pass.softmax(softcap, st);
-    for (base += P::CHUNK; base <= last; base += P::CHUNK) {
-        pass.load(kc, vc, base, base, min(base + P::CHUNK, last + 1), -1);
-        pass.softmax(softcap, part);
-        st.merge(part);
-    }
+    walk_on(pass, st, kc, vc, base, last, softcap);
     P::block_merge(st, [&](int row, int d, float, float l, float a) {
         o[(size_t)(t0 + row / G) * H * HD + (blockIdx.x * G + row % G) * HD + d] = a / l;
     });

@@ -28,15 +28,16 @@
 // the V rows. The queries, small and in L2, would otherwise queue behind the block's 64 kB of
 // rows, and the scores could start only once every row was in; this way the scores and the
 // softmax run while V streams in (docs/perf-notes.md: LATE_V).
-// TOKENS > 1 (batched prefill): the A operand's rows are the G query heads of TOKENS consecutive
-// tokens (row r: token r / G, head r % G), so each cache row a block loads serves TOKENS tokens;
+// TOKENS > 1 (batched prefill): the A operand's rows 0-7 (the only ones this pass fills: rows 8-15
+// of every mma are zero words) are the G query heads of TOKENS consecutive tokens (row r: token
+// r / G, head r % G), so each cache row a block loads serves TOKENS tokens;
 // row r's scores are masked past its own token's position (and before its window), set_rows.
 template <int KV, int HD, int WARPS, int G, bool LATE_V = false, int TOKENS = 1>
 struct MmaPass {
     static_assert(HD == 64 || HD == 128, "MmaPass: head size 64 or 128");
     static_assert(G <= 8, "MmaPass: at most 8 query heads per KV head");
     static constexpr int ROWS = G * TOKENS;      // A rows in use: (token, head) pairs
-    static_assert(ROWS <= 16, "MmaPass: at most 16 query rows (heads x tokens) per block");
+    static_assert(ROWS <= 8, "MmaPass: at most 8 query rows (heads x tokens) per block");
     // mma.sync on bf16 needs sm_80: said at compile time (codegen picks LanePass below it) instead
     // of failing at the first step.
     static_assert(KV > 0 && FUSELM_SM80, "MmaPass needs sm_80 or later (codegen/attention.py: mma_fits)");

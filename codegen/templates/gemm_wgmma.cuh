@@ -77,7 +77,7 @@ struct WgmmaSlot {
     static constexpr int A = BM * 128, BYTES = (BM + TT) * 128;
 };
 
-// tile_out[i TT + t] = A row i . token t over k in [k0, k0 + KS) (KS a multiple of 8: the last
+// tile_out[i (TT + 1) + t] = A row i . token t over k in [k0, k0 + KS) (KS a multiple of 8: the last
 // slot's chunks past k0 + KS are zeros), from the staged bf16 vectors
 // `staged` ([TT][K], StagedBf16), through `smem` (STAGES slots, 1024-byte aligned, which
 // tile_out may share: the slots are read no more once it is written). The block waits for the
@@ -139,13 +139,14 @@ __device__ __forceinline__ void wgmma_tile(const Rows& rows, int k0, const float
     wgmma_wait<0>();
     __syncthreads();                    // every warpgroup's products are done with the slots
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-    float* out = tile_out + (wg * 64 + 16 * warp + lane / 4) * TT + 2 * (lane % 4);
+    constexpr int TS = TT + 1;          // rows one float apart: the epilogue reads down a token's column
+    float* out = tile_out + (wg * 64 + 16 * warp + lane / 4) * TS + 2 * (lane % 4);
 #pragma unroll
     for (int nt = 0; nt < TT / 8; nt++) {
         out[8 * nt] = acc[4 * nt];
         out[8 * nt + 1] = acc[4 * nt + 1];
-        out[8 * TT + 8 * nt] = acc[4 * nt + 2];
-        out[8 * TT + 8 * nt + 1] = acc[4 * nt + 3];
+        out[8 * TS + 8 * nt] = acc[4 * nt + 2];
+        out[8 * TS + 8 * nt + 1] = acc[4 * nt + 3];
     }
     __syncthreads();
 }
