@@ -28,6 +28,7 @@ from __future__ import annotations
 import networkx as nx
 
 from ..compiler.kernels import ScheduledKernel, gemv_parts, zip_sets
+from ..dsl import Kind
 from .gemv import format_groups, input_vector, shape_name, weight_format, zip_contexts
 from .kernel import KernelSource, KernelSpec, Launch
 from .params import Params
@@ -82,11 +83,20 @@ def _input_width(G: nx.DiGraph, launch: ScheduledKernel) -> int:
     return G.nodes[x]["shape"][-1]
 
 
+def _routes_experts(G: nx.DiGraph, launch: ScheduledKernel) -> bool:
+    """Whether the kernel computes a MoE router's logits (a moe node's second input)."""
+    outputs = set(launch.nodes)
+    return any(d["kind"] is Kind.MOE and d["inputs"][1] in outputs for _, d in G.nodes(data=True))
+
+
 def wgmma_form(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, target: Target) -> bool:
     """Whether this gemv kernel takes the wgmma form for steps of `tokens` tokens: on sm_90, with
     every weight bf16, rows of whole 16-byte chunks, a multiple of 32 tokens up to 256, and each
-    zip set's members dividing the 128 rows of a tile evenly (1, 2 or 4)."""
-    return (target.capability == 90 and not grouped(G, launch) and _input_width(G, launch) % 8 == 0
+    zip set's members dividing the 128 rows of a tile evenly (1, 2 or 4). A MoE router keeps the
+    float32-accurate mma.sync form: bf16 vectors flip the top-k choice of near ties, and with it
+    the token's whole FFN."""
+    return (target.capability == 90 and not grouped(G, launch) and not _routes_experts(G, launch)
+            and _input_width(G, launch) % 8 == 0
             and tokens % 32 == 0 and tokens <= WGMMA_MAX_TOKENS
             and all(len(z.linears) in (1, 2, 4) for z in zip_sets(G, launch.nodes)))
 

@@ -372,7 +372,7 @@ def test_bench_arguments_are_wired():
 
 def test_prefill_shows_the_batched_prefill_graph(capsys, tmp_path):
     """--prefill: the state-only graph of a prompt step (the largest step size unless named), its
-    GEMVs as gemm kernels over its tokens and attention a block per KV head and token; the last
+    GEMVs as gemm kernels over its tokens and attention a block per KV head and tokens; the last
     layer keeps only its K and V projections; --out writes those kernels."""
     TOKENS = Tuning().prefill_tokens[0]
     rc, out, _ = run_main(capsys, "inspect", "smollm2-135m", "--prefill", "--json")
@@ -381,7 +381,8 @@ def test_prefill_shows_the_batched_prefill_graph(capsys, tmp_path):
     assert doc["tokens"] == TOKENS
     launches = doc["launches"]
     assert {l["family"] for l in launches} == {"rowwise", "gemm", "attention"}
-    assert all(l["grid"][1] == TOKENS for l in launches if l["family"] == "attention")
+    # attention: a block per KV head and pair of tokens (SmolLM2's 3 query heads a KV head: 2 tokens fill the pass)
+    assert all(l["grid"][1] == TOKENS // 2 for l in launches if l["family"] == "attention")
     # each gemm kernel launches its vectors' stage first (one block per token), then the gemm
     gemms = [l for l in launches if l["family"] == "gemm"]
     assert all(stage["function"] == gemm["kernel"] + "_stage" and gemm["function"] == gemm["kernel"]

@@ -8,7 +8,7 @@ from pathlib import Path
 from fuselm.codegen import headers
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "codegen" / "templates"
-PRIMITIVES = {"arch.cuh", "bf16.cuh", "idp.cuh", "mma.cuh", "cp_async.cuh", "pdl.cuh", "sreg.cuh"}
+PRIMITIVES = {"arch.cuh", "bf16.cuh", "idp.cuh", "mma.cuh", "cp_async.cuh", "pdl.cuh", "sreg.cuh", "wgmma.cuh"}
 ASM = re.compile(r"\basm\s*(volatile\s*)?\(")
 INCLUDE = re.compile(r'^#include\s+"([^"]+)"', re.M)
 
@@ -27,12 +27,14 @@ def test_inline_ptx_only_in_primitive_headers():
 
 
 def test_each_primitive_helper_documented():
-    """Every function of a primitive header has a comment line right above it."""
+    """Every function of a primitive header has a comment line right above it (or above its
+    template line)."""
     for name in PRIMITIVES:
         lines = (TEMPLATES / name).read_text().splitlines()
         for i, line in enumerate(lines):
             if line.startswith("__device__"):
-                assert i > 0 and lines[i - 1].startswith("//"), f"{name}:{i + 1}: undocumented helper"
+                above = i - 1 if i > 0 and not lines[i - 1].startswith("template") else i - 2
+                assert above >= 0 and lines[above].startswith("//"), f"{name}:{i + 1}: undocumented helper"
 
 
 def test_includes_resolve_and_primitives_stand_alone():
