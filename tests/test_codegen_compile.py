@@ -129,8 +129,8 @@ def test_prefill_module_compiles_and_does_not_spill(name, fuse, tokens):
     if name in PREFILL_UNSUPPORTED:
         assert why and PREFILL_UNSUPPORTED[name] in why
         return
-    if "num_local_experts" in cfg.extra and tokens > 128:   # the moe blocks route a token a thread
-        assert why and "a thread each to route them" in why
+    if "num_local_experts" in cfg.extra and tokens > 128:   # moe: a token a thread; its router on mma.sync
+        assert why and ("a thread each to route them" in why or "bytes of shared memory" in why), why
         return
     assert why is None
     ks = generate(G, ctx=min(cfg.max_position_embeddings, 4096), tokens=tokens)
