@@ -164,9 +164,7 @@ def prefill_rows(layout: Layout, tokens: int, tuning: Tuning) -> tuple[Pass, int
     per = 1
     while layout.group * per * 2 <= 8 and tokens % (per * 2) == 0:
         per *= 2
-    warps = tuning.attn_single_warps
-    while warps > 1 and 4 * warps * layout.group * per * (layout.head_dim + 6) > SMEM_STATIC:
-        warps //= 2
+    warps = warps_fitting(tuning.attn_single_warps, layout.head_dim, layout.group * per, layout.target)
     chunk = warps * (2048 // layout.head_dim)                                                  # MmaPass::CHUNK
     return Pass(f"MmaPass<{layout.kv}, {layout.head_dim}, {warps}, {layout.group}, false, {per}>", chunk,
                 on_tensor_cores=True), per, warps

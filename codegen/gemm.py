@@ -85,8 +85,8 @@ def _input_width(G: nx.DiGraph, launch: ScheduledKernel) -> int:
 
 def _routes_experts(G: nx.DiGraph, launch: ScheduledKernel) -> bool:
     """Whether the kernel computes a MoE router's logits (a moe node's second input)."""
-    outputs = set(launch.nodes)
-    return any(d["kind"] is Kind.MOE and d["inputs"][1] in outputs for _, d in G.nodes(data=True))
+    return any(G.nodes[s]["kind"] is Kind.MOE and G.nodes[s]["inputs"][1] == n
+               for n in launch.nodes for s in G.successors(n))
 
 
 def wgmma_form(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, target: Target) -> bool:
@@ -103,7 +103,8 @@ def wgmma_form(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, target: Targ
 
 def wgmma_stages(tokens: int, target: Target) -> int:
     """Pipeline slots of a wgmma tile: as many as the device's shared memory per block holds
-    (less 1 kB for the alignment and the static arrays), at most WGMMA_MAX_STAGES."""
+    (less 1 kB of alignment, 1 kB for the static arrays and the sums of squares), at most
+    WGMMA_MAX_STAGES."""
     slot = (WGMMA_ROWS + tokens) * 128
     return min(WGMMA_MAX_STAGES, (target.smem_per_block - 2048 - 4 * tokens) // slot)
 
