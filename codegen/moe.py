@@ -1,5 +1,6 @@
 """The moe family: routed expert FFN in two launches (gate/up of the chosen experts, then down);
-for steps of several tokens, GEMMs per expert over the step's tokens (templates/moe_gemm.cuh).
+for steps of several tokens, GEMMs per expert over the step's tokens (templates/moe_gemm.cuh) and
+a third launch that sums each token's weighted expert outputs in a fixed order.
 The experts' stacks may be quantized (one format for gate and up, one for down): a token's GEMVs
 then take the float path of templates/quant.cuh, the step's GEMMs the quantized tiles."""
 from __future__ import annotations
@@ -16,6 +17,7 @@ from .render import render
 from .tuning import SMEM_STATIC, Tuning
 
 THREADS = 256    # one row per warp
+MAX_EXPERTS = 512   # decode routing keeps E / 32 logits a lane in registers (templates/moe.cuh)
 UNROLL = 4
 # Steps of quantized experts: at 64 tokens ptxas spills 332 bytes in the Q4_K gate/up kernel;
 # Mixtral's bf16 prefill measured the same with steps of 32 only (docs/performance.md).
@@ -44,7 +46,7 @@ def unsupported(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, tuning: Tun
     for what, K, members, grouped in (("gate/up", D, 2, up_format), ("down", I, 1, down_format)):
         if K % 32:
             return f"its {what} rows of {K} weights are not a multiple of 32"
-        need = gemm.smem_bytes(K, members, tokens, tuning, grouped) + 4 * tokens   # + the routing weights
+        need = gemm.smem_bytes(K, members, tokens, tuning, grouped) + 8 * tokens   # + the routing weights, slots
         if need > SMEM_STATIC:
             return f"its {what} GEMMs at {tokens} tokens per step need {need} bytes of shared memory; at most {SMEM_STATIC}"
     return None
@@ -62,18 +64,19 @@ def _formats(G: nx.DiGraph, n: str) -> tuple[str | None, str | None]:
 
 
 def generate(spec: KernelSpec) -> KernelSource:
-    """One moe kernel pair (_up, _down) for steps of spec.tokens tokens; its activations go
-    through the runtime's "workspace" (`workspace_floats`)."""
+    """The moe kernels (_up, _down; _sum for steps of several tokens) for steps of spec.tokens
+    tokens; their activations go through the runtime's "workspace" (`workspace_floats`)."""
     G, launch, tokens, tuning = spec.G, spec.launch, spec.tokens, spec.tuning
     params = Params(G)
     n, E, I, D = _shapes(G, launch)
     d = G.nodes[n]
     x, logits, w_gate, w_up, w_down = d["inputs"]
     top_k = d["attrs"]["top_k"]
-    if E > 64:
-        raise ValueError(f"{n}: the moe kernel routes at most 64 experts, got {E}")
+    if E > MAX_EXPERTS:
+        raise ValueError(f"{n}: the moe kernel routes at most {MAX_EXPERTS} experts, got {E}")
     up_format, down_format = _formats(G, n)
-    ctx = {"E": E, "I": I, "D": D, "top_k": top_k, "tokens": tokens,
+    norm = "true" if d["attrs"].get("norm_topk", True) else "false"
+    ctx = {"E": E, "I": I, "D": D, "top_k": top_k, "norm": norm, "tokens": tokens,
            "up_format": up_format, "down_format": down_format, "quant_unroll": tuning.gemv_quant_unroll,
            "up_bytes": weight_format(G, w_gate).nbytes((I, D)), "down_bytes": weight_format(G, w_down).nbytes((D, I)),
            "x": params.ref(x), "logits": params.ref(logits), "w_gate": params.ref(w_gate),
@@ -84,12 +87,15 @@ def generate(spec: KernelSpec) -> KernelSource:
         rows = THREADS // 32
         ctx |= {"threads": THREADS, "unroll": UNROLL, "grid_up": top_k * -(-I // rows), "grid_down": -(-D // rows)}
         workspace = top_k * I
-    else:   # [E][tokens][I] activations; every expert's tiles (those no token chose return at once)
+    else:   # [E][tokens][I] activations, then [tokens][top_k][D] weighted outputs; every expert's
+        # tiles (those no token chose return at once)
         ctx |= {"threads": tuning.gemm_warps * 32, "kc_up": gemm.chunk(D), "kc_down": gemm.chunk(I),
-                "grid_up": E * -(-I // gemm.slots(tuning)), "grid_down": E * -(-D // gemm.slots(tuning))}
-        workspace = E * tokens * I
+                "grid_up": E * -(-I // gemm.slots(tuning)), "grid_down": E * -(-D // gemm.slots(tuning)),
+                "grid_sum": -(-tokens * D // (tuning.gemm_warps * 32))}
+        workspace = E * tokens * I + tokens * top_k * D
     formats = "" if not (up_format or down_format) else f"_{(up_format or 'bf16').lower()}+{(down_format or 'bf16').lower()}"
-    name, source = render("moe.cu.j2", "moe", f"e{E}_top{top_k}_d{D}_i{I}{formats}", params=params.decls, **ctx)
-    launches = [Launch(f"{name}_up", (ctx["grid_up"], 1), ctx["threads"], params.values),
-                Launch(f"{name}_down", (ctx["grid_down"], 1), ctx["threads"], params.values)]
+    weights = "" if norm == "true" else "_probs"   # top-k probabilities not renormalised
+    name, source = render("moe.cu.j2", "moe", f"e{E}_top{top_k}{weights}_d{D}_i{I}{formats}", params=params.decls, **ctx)
+    launches = [Launch(f"{name}_{part}", (ctx[f"grid_{part}"], 1), ctx["threads"], params.values)
+                for part in ("up", "down", "sum") if f"grid_{part}" in ctx]
     return KernelSource(name, "moe", source, launch.nodes, launches, launch.layer, workspace_floats=workspace)

@@ -172,9 +172,13 @@ def _rope(x, pos, inv_freq, head_dim, interleaved=False):
     return xh.reshape(x.shape).astype(np.float32)
 
 
-def _kv_write(cache, x, pos):
+def _kv_write(cache, x, pos, kv="bf16", head_dim=0):
     """Rows `pos` of the cache become x, in place: the op is declared so (inplace_of=0), and
-    copying a whole cache every token would dominate a CPU decode step."""
+    copying a whole cache every token would dominate a CPU decode step. kv="fp8": x as an fp8
+    cache holds it (e4m3 codes times a scale per token and head of `head_dim`, dsl/kv_dtype.py)."""
+    if kv == "fp8":
+        from .kv_dtype import fp8_round_trip
+        x = fp8_round_trip(x, head_dim)
     cache[pos] = x
     return cache
 
@@ -196,11 +200,12 @@ def _attention(q, kc, vc, pos, n_heads, n_kv_heads, head_dim, scale, window=0, s
     return out.astype(np.float32)
 
 
-def _moe_ffn(x, logits, w_gate, w_up, w_down, top_k, act="silu"):
-    """Mixtral's sparse MoE block, in float64, row by row.
+def _moe_ffn(x, logits, w_gate, w_up, w_down, top_k, act="silu", norm_topk=True):
+    """Mixtral's (and Qwen3-MoE's) sparse MoE block, in float64, row by row.
 
-    softmax(logits) -> the top_k experts -> their probabilities renormalised to sum 1 (the same as
-    a softmax over the top_k logits alone) -> sum of weight * down_e(act(gate_e x) * up_e x).
+    softmax(logits) -> the top_k experts -> their probabilities, renormalised to sum 1 with
+    `norm_topk` (the same as a softmax over the top_k logits alone), else as they are (Qwen3-MoE's
+    norm_topk_prob false) -> sum of weight * down_e(act(gate_e x) * up_e x).
     """
     act_ref = REGISTRY[act].reference
     out = np.zeros(x.shape, np.float64)
@@ -208,8 +213,9 @@ def _moe_ffn(x, logits, w_gate, w_up, w_down, top_k, act="silu"):
         lg = logits[t].astype(np.float64)
         top = np.argsort(-lg, kind="stable")[:top_k]
         w = np.exp(lg[top] - lg[top].max())
+        total = w.sum() if norm_topk else np.exp(lg - lg[top].max()).sum()
         xt = x[t].astype(np.float64)
-        for e, we in zip(top, w / w.sum()):
+        for e, we in zip(top, w / total):
             h = act_ref(w_gate[e].astype(np.float64) @ xt) * (w_up[e].astype(np.float64) @ xt)
             out[t] += we * (w_down[e].astype(np.float64) @ h)
     return out.astype(np.float32)
@@ -240,7 +246,7 @@ for _op in [
           attr_defaults={"window": 0, "softcap": 0.0}),
     OpDef("softmax", Kind.REDUCTION, 1, _same_as_first, _softmax),
     # x [T, D], router logits [T, E], gate and up [E, I, D], down [E, D, I] (stacked over experts)
-    OpDef("moe_ffn", Kind.MOE, 5, _moe_shape, _moe_ffn, attr_defaults={"act": "silu"}),
+    OpDef("moe_ffn", Kind.MOE, 5, _moe_shape, _moe_ffn, attr_defaults={"act": "silu", "norm_topk": True}),
     OpDef("argmax", Kind.REDUCTION, 1, _argmax_shape, lambda x: np.argmax(x, axis=-1).astype(np.int32)),
     _elementwise("add", 2, lambda a, b: (a + b).astype(np.float32), "{a} + {b}"),
     _elementwise("mul", 2, lambda a, b: (a * b).astype(np.float32), "{a} * {b}"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 from functools import partial
 
 from ..dsl import Graph
-from . import gemma2, gemma3, llama, mixtral, olmo2, phi3, qwen3, smollm3
+from . import gemma2, gemma3, llama, mixtral, olmo2, phi3, qwen3, qwen3_moe, smollm3
 from .config import ConfigError, DecoderConfig, rope_inv_freq
 
 ARCHITECTURES = {
@@ -12,6 +12,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": llama.build,
     "Qwen2ForCausalLM": partial(llama.build, qkv_bias=True),   # Llama + bias on Q, K, V only
     "Qwen3ForCausalLM": qwen3.build,
+    "Qwen3MoeForCausalLM": qwen3_moe.build,
     "Gemma2ForCausalLM": gemma2.build,
     "Gemma3ForCausalLM": gemma3.build,
     "MixtralForCausalLM": mixtral.build,

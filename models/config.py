@@ -117,7 +117,8 @@ def check_ranges(cfg: DecoderConfig) -> None:
 
 # Keys the architecture builders read from the raw config (cfg.extra), and what each must be.
 EXTRA_NAMES = ("hidden_act", "hidden_activation", "dtype", "torch_dtype")
-EXTRA_COUNTS = {"max_window_layers": 1 << 20, "num_local_experts": 1024, "num_experts_per_tok": 1024}
+EXTRA_COUNTS = {"max_window_layers": 1 << 20, "num_local_experts": 1024, "num_experts": 1024,
+                "num_experts_per_tok": 1024, "moe_intermediate_size": 1 << 20, "decoder_sparse_step": 1024}
 EXTRA_FLOATS = {"query_pre_attn_scalar": (0.0, 1e6), "attn_logit_softcapping": (-1e-300, 1e6),
                 "final_logit_softcapping": (-1e-300, 1e6)}   # open below, closed above
 

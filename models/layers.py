@@ -80,6 +80,20 @@ def glu_mlp(g: Graph, cfg: DecoderConfig, layer: int, h: Value, act: str | None 
     return linear(g, g.op(act, gate) * up, f"{p}.down_proj", cfg.hidden_size, bias)
 
 
+def sparse_moe(g: Graph, cfg: DecoderConfig, h: Value, prefix: str, experts: int, top_k: int, inter: int,
+               names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), **attrs) -> Value:
+    """The routed expert FFN at `prefix` on h: the router `{prefix}.gate` (a linear to `experts`
+    logits), then `moe_ffn` over each expert's gate, up and down projections (`names`), read as
+    stacks `{prefix}.experts.*.{name}.weight` ("*" = 0 .. experts-1, stacked at load) of width `inter`."""
+    if not 1 <= top_k <= experts:
+        raise ConfigError(f"num_experts_per_tok {top_k} with {experts} experts")
+    D, act = cfg.hidden_size, activation(cfg.extra.get("hidden_act") or "silu")
+    logits = linear(g, h, f"{prefix}.gate", experts)
+    stacks = (g.weight(f"{prefix}.experts.*.{n}.weight", s)
+              for n, s in zip(names, [(experts, inter, D), (experts, inter, D), (experts, D, inter)]))
+    return g.op("moe_ffn", h, logits, *stacks, top_k=top_k, act=act, **attrs)
+
+
 def lm_head(g: Graph, cfg: DecoderConfig, x: Value, tied: bool | None = None) -> Value:
     """Logits; `tied` overrides cfg.tie_word_embeddings (for architectures whose default is True)."""
     name = "model.embed_tokens" if (cfg.tie_word_embeddings if tied is None else tied) else "lm_head"

@@ -1,4 +1,4 @@
-"""Qwen2, Qwen3, Gemma 2, Mixtral, OLMo 2 and SmolLM3: the reference executor against transformers
+"""Qwen2, Qwen3, Qwen3-MoE, Gemma 2, Mixtral, OLMo 2 and SmolLM3: the reference executor against transformers
 (torch CPU, float32) on tiny random configs, and every new architecture's graph through the
 compiler, the code generator and NVRTC.
 
@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hub_names import mixtral_checkpoint_names
+from hub_names import expert_checkpoint_names, mixtral_checkpoint_names
 from hypothesis import assume, given, settings, strategies as st
 
 TOL = 1e-4
@@ -41,6 +41,9 @@ def hf_config_class(arch: str):
     return getattr(transformers, {"Gemma3ForCausalLM": "Gemma3TextConfig"}.get(arch, arch.replace("ForCausalLM", "Config")))
 
 
+MOE = {"MixtralForCausalLM", "Qwen3MoeForCausalLM"}
+
+
 def hf_model(h, arch: str, seed: int, **kw):
     """A tiny float32 HF model of `arch` with random weights; its weights under checkpoint names
     (what the Hub's safetensors files hold) and fuselm's DecoderConfig from its config dict."""
@@ -50,7 +53,7 @@ def hf_model(h, arch: str, seed: int, **kw):
     from fuselm.models import DecoderConfig
 
     hf_cfg = hf_config_class(arch)(architectures=[arch], attn_implementation="eager", **kw)
-    if arch == "MixtralForCausalLM":
+    if arch in MOE:
         hf_cfg._experts_implementation = "eager"   # torch._grouped_mm wants 16-byte strides
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(hf_cfg).eval()
@@ -60,6 +63,8 @@ def hf_model(h, arch: str, seed: int, **kw):
         weights.pop("lm_head.weight", None)
     if arch == "MixtralForCausalLM":
         weights = mixtral_checkpoint_names(weights, hf_cfg.intermediate_size)
+    if arch == "Qwen3MoeForCausalLM":
+        weights = expert_checkpoint_names(weights, hf_cfg.moe_intermediate_size)
     return model, weights, DecoderConfig.from_hf(hf_cfg.to_dict(), source=f"tiny {arch}")
 
 
@@ -406,6 +411,77 @@ def test_moe_ffn_routes_to_top_k_only():
         np.testing.assert_allclose(out[t], want, rtol=1e-5)
 
 
+# ---- Qwen3-MoE -------------------------------------------------------------------------------------
+
+@st.composite
+def moe_layout(draw, layers):
+    """(experts, top_k, decoder_sparse_step, mlp_only_layers) for a model of `layers` layers."""
+    experts = draw(st.integers(2, 9))
+    dense = sorted(draw(st.sets(st.integers(0, layers - 1), max_size=layers)))
+    return experts, draw(st.integers(1, min(experts, 4))), draw(st.integers(1, 3)), dense
+
+
+@given(shape=gqa(), per_head=st.integers(2, 9), layers=st.integers(1, 4), data=st.data(), norm=st.booleans(),
+       bias=st.booleans(), tied=st.booleans(), sliding=st.booleans(), prompt_len=st.integers(1, 7),
+       seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=40)
+def test_qwen3_moe_vs_transformers(h, shape, per_head, layers, data, norm, bias, tied, sliding, prompt_len, seed):
+    """Routed and dense layers (decoder_sparse_step, mlp_only_layers), top-k weights renormalised
+    or not (norm_topk_prob), experts narrower than the dense MLP (moe_intermediate_size)."""
+    heads, kv, hd = shape
+    experts, top_k, step, dense = data.draw(moe_layout(layers))
+    kw = dict(vocab_size=47, hidden_size=heads * per_head, head_dim=hd, intermediate_size=31,
+              moe_intermediate_size=11, num_hidden_layers=layers, num_attention_heads=heads,
+              num_key_value_heads=kv, num_experts=experts, num_experts_per_tok=top_k, decoder_sparse_step=step,
+              mlp_only_layers=dense, norm_topk_prob=norm, attention_bias=bias, tie_word_embeddings=tied,
+              rope_theta=1000000.0, use_sliding_window=sliding, sliding_window=3)
+    model, weights, cfg = hf_model(h, "Qwen3MoeForCausalLM", seed, **kw)
+    routed = [i not in dense and (i + 1) % step == 0 for i in range(layers)]
+    assert [f"model.layers.{i}.mlp.gate.weight" in weights for i in range(layers)] == routed
+    compare(h, model, weights, cfg, *tokens(seed, 47, prompt_len), "qwen3_moe")
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["norm_topk", "plain_topk"])
+def test_qwen3_moe_dense_layers_and_topk_weights(h, norm):
+    """decoder_sparse_step 2 with mlp_only_layers [3]: layers 1 and 5 route (top 3 of 6), 0, 2, 3,
+    4 keep the dense MLP; and flipping norm_topk_prob moves the logits far beyond the tolerance."""
+    from fuselm.models import qwen3_moe
+
+    model, weights, cfg = hf_model(
+        h, "Qwen3MoeForCausalLM", 21, vocab_size=50, hidden_size=32, head_dim=8, intermediate_size=24,
+        moe_intermediate_size=16, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=6, num_experts_per_tok=3, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=norm)
+    graph = qwen3_moe.build(cfg)
+    moe = [n for n in graph.nodes.values() if n.op == "moe_ffn"]
+    assert [n.inputs[2] for n in moe] == [f"model.layers.{i}.mlp.experts.*.gate_proj.weight" for i in (1, 5)]
+    assert all(n.attrs["norm_topk"] == norm and n.attrs["top_k"] == 3 for n in moe)
+    assert graph.nodes["model.layers.1.mlp.experts.*.down_proj.weight"].shape == (6, 32, 16)
+    assert graph.nodes["model.layers.3.mlp.down_proj.weight"].shape == (32, 24)
+    prompt, steps = tokens(21, 50, 6)
+    compare(h, model, weights, cfg, prompt, steps, "qwen3_moe", graph=graph)
+    flipped = dataclasses.replace(cfg, extra={**cfg.extra, "norm_topk_prob": not norm})
+    ours = h.ours_prefill_then_decode(flipped, weights, prompt, steps, graph=qwen3_moe.build(flipped))
+    theirs = h.hf_prefill_then_decode(model, prompt, steps)
+    assert max(h.rel_err(o, t) for o, t in zip(ours, theirs)) > 100 * TOL
+
+
+def test_moe_ffn_plain_topk_weights_are_the_full_softmax():
+    """norm_topk=False weighs each chosen expert by its probability in the softmax over all experts."""
+    from fuselm.dsl import get
+
+    rng = np.random.default_rng(1)
+    T, D, I, E, k = 2, 5, 4, 6, 2
+    x, logits = rng.standard_normal((T, D)), rng.standard_normal((T, E))
+    wg, wu, wd = rng.standard_normal((E, I, D)), rng.standard_normal((E, I, D)), rng.standard_normal((E, D, I))
+    out = get("moe_ffn").reference(x, logits, wg, wu, wd, top_k=k, norm_topk=False)
+    silu = lambda a: a / (1 + np.exp(-a))   # noqa: E731
+    for t in range(T):
+        p = np.exp(logits[t]) / np.exp(logits[t]).sum()
+        chosen = np.argsort(-p)[:k]
+        want = sum(p[e] * wd[e] @ (silu(wg[e] @ x[t]) * (wu[e] @ x[t])) for e in chosen)
+        np.testing.assert_allclose(out[t], want, rtol=1e-5)
+
+
 # ---- OLMo 2 ----------------------------------------------------------------------------------------
 
 @given(shape=gqa(), layers=st.integers(1, 3), bias=st.booleans(), tied=st.booleans(),
@@ -481,6 +557,9 @@ def test_smollm3_bad_no_rope_settings_are_config_errors(bad, match):
 @pytest.mark.parametrize("arch,kw", [("Olmo2ForCausalLM", dict(attention_bias=True)),
                                      ("SmolLM3ForCausalLM", dict(no_rope_layer_interval=2)),
                                      ("Gemma3ForCausalLM", dict(head_dim=8, sliding_window=4, sliding_window_pattern=2)),
+                                     ("Qwen3MoeForCausalLM", dict(head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                                                  moe_intermediate_size=12, mlp_only_layers=[1],
+                                                                  norm_topk_prob=True)),
                                      ("Phi3ForCausalLM", dict(partial_rotary_factor=0.75, original_max_position_embeddings=64,
                                                               rope_scaling={"type": "longrope", "short_factor": [2.0] * 3,
                                                                             "long_factor": [4.0] * 3}))])
@@ -515,7 +594,7 @@ def test_saved_checkpoint_generates_transformers_greedy_tokens(h, tmp_path, arch
 # ---- presets and the compiler ----------------------------------------------------------------------
 
 NEW = ["qwen2.5-7b", "qwen3-8b", "gemma-2-9b", "mixtral-8x7b", "olmo-2-7b", "smollm3-3b", "gemma-3-12b",
-       "gemma-3-27b", "phi-4-mini"]
+       "gemma-3-27b", "phi-4-mini", "qwen3-30b-a3b"]
 
 
 def test_presets_build_with_real_shapes():
@@ -531,7 +610,11 @@ def test_presets_build_with_real_shapes():
         assert all(n.shape[-1] for n in g.sources("weight"))
     assert counts == {"qwen2.5-7b": (28, 0), "qwen3-8b": (36, 0), "gemma-2-9b": (42, 21),
                       "mixtral-8x7b": (32, 0), "olmo-2-7b": (32, 0), "smollm3-3b": (36, 0),
-                      "gemma-3-12b": (48, 40), "gemma-3-27b": (62, 52), "phi-4-mini": (32, 0)}
+                      "gemma-3-12b": (48, 40), "gemma-3-27b": (62, 52), "phi-4-mini": (32, 0),
+                      "qwen3-30b-a3b": (48, 0)}
+    moe = [n for n in build_graph(preset("qwen3-30b-a3b")).nodes.values() if n.op == "moe_ffn"]
+    assert len(moe) == 48 and all(n.attrs["top_k"] == 8 and n.attrs["norm_topk"] for n in moe)
+    assert moe[0].inputs[4] == "model.layers.0.mlp.experts.*.down_proj.weight"
     smol = build_graph(preset("smollm3-3b"))
     assert sum(n.op == "rope" for n in smol.nodes.values()) == 2 * 27 and "lm_head.weight" not in smol.nodes
     olmo = build_graph(preset("olmo-2-7b"))
@@ -570,6 +653,8 @@ def tiny_graph(arch):
                                   max_position_embeddings=64, sliding_window=8,
                                   rope_scaling={"type": "longrope", "short_factor": [1.5] * 6, "long_factor": [3.0] * 6}),
           "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2),
+          "Qwen3MoeForCausalLM": dict(head_dim=16, num_experts=4, num_experts_per_tok=3, moe_intermediate_size=32,
+                                      mlp_only_layers=[1], norm_topk_prob=False),
           "Olmo2ForCausalLM": dict(attention_bias=True),
           "SmolLM3ForCausalLM": dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=8)}[arch]
     d = hf_config_class(arch)(architectures=[arch], **common, **kw).to_dict()
@@ -577,7 +662,7 @@ def tiny_graph(arch):
 
 
 ARCHS = ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "MixtralForCausalLM", "Olmo2ForCausalLM",
-         "SmolLM3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"]
+         "SmolLM3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM"]
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])

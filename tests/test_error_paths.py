@@ -269,8 +269,8 @@ def test_heads_not_a_multiple_of_kv_heads(tmp_path):
      "activation 'relu' is not supported (supported: gelu_pytorch_tanh, gelu_tanh, silu, swish)"),
     (dict(architectures=["MixtralForCausalLM"], num_local_experts=2, num_experts_per_tok=3),
      "num_experts_per_tok 3 with 2 experts"),
-    (dict(architectures=["MixtralForCausalLM"], num_local_experts=65, num_experts_per_tok=2),
-     "the moe kernel routes at most 64 experts, got 65"),
+    (dict(architectures=["MixtralForCausalLM"], num_local_experts=513, num_experts_per_tok=2),
+     "the moe kernel routes at most 512 experts, got 513"),
 ])
 def test_inspect_of_a_config_fuselm_cannot_build(capsys, tmp_path, changes, says):
     """`fuselm inspect config.json` of a config the builders or the code generator refuse is one

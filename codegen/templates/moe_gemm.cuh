@@ -32,12 +32,12 @@ struct ExpertTile<void, K, M, R, N, EXPERT_BYTES> {
 
 // Batched prefill, gate and up: block (expert e, tile of R = 16 x warps rows), in a grid of E x
 // ceil(I / R) blocks, writes glu(gate, up) of every token of the step into the workspace ws
-// [E][TT][I]; an expert no token chose is skipped. The blocks also zero out [TT][D], which
-// moe_down_tokens adds into. F, EXPERT_BYTES: the experts' format (ExpertTile); W their pointers.
-template <int E, int TOPK, int I, int D, int TT, int KC, int THREADS, class F, long long EXPERT_BYTES, class W,
-          class Glu>
+// [E][TT][I]; an expert no token chose is skipped. F, EXPERT_BYTES: the experts' format
+// (ExpertTile); W their pointers; NORM: the router's renormalised top-K (route_token).
+template <int E, int TOPK, bool NORM, int I, int D, int TT, int KC, int THREADS, class F, long long EXPERT_BYTES,
+          class W, class Glu>
 __device__ __forceinline__ void moe_up_tokens(const float* x, const float* logits, const W* w_gate, const W* w_up,
-                                              float* ws, float* out, Glu glu) {
+                                              float* ws, Glu glu) {
     constexpr int R = 16 * (THREADS / 32), TILES = (I + R - 1) / R;
     using Experts = ExpertTile<F, D, 2, R, I, EXPERT_BYTES>;
     static_assert(TT <= THREADS, "route_tokens_to: a thread per token");
@@ -47,9 +47,9 @@ __device__ __forceinline__ void moe_up_tokens(const float* x, const float* logit
     } smem;
     __shared__ float ss[TT];                 // (no norm prologue: unused)
     __shared__ float weight_of[TT];
+    __shared__ int slot_of[TT];
     const int e = blockIdx.x / TILES, tile = blockIdx.x % TILES;
-    for (int i = blockIdx.x * THREADS + threadIdx.x; i < TT * D; i += gridDim.x * THREADS) out[i] = 0.0f;
-    if (!route_tokens_to<E, TOPK, TT>(logits, e, weight_of)) return;
+    if (!route_tokens_to<E, TOPK, NORM, TT>(logits, e, weight_of, slot_of)) return;
     const W* const stacks[2] = {w_gate, w_up};
     VectorsFromX<D, TT, KC, false, THREADS, Experts::GROUPED> vectors{x, nullptr, 0.0f};
     const auto rows = Experts::of(stacks, e, tile);
@@ -60,11 +60,13 @@ __device__ __forceinline__ void moe_up_tokens(const float* x, const float* logit
     }
 }
 
-// Batched prefill, down: block (expert e, tile of R rows) adds each token's product, times its
-// weight for e, into out. Only tokens that chose e add (at most TOPK terms per output, so with
-// TOPK 2 the sum is the same in either order).
-template <int E, int TOPK, int I, int D, int TT, int KC, int THREADS, class F, long long EXPERT_BYTES, class W>
-__device__ __forceinline__ void moe_down_tokens(const float* logits, const W* w_down, const float* ws, float* out) {
+// Batched prefill, down: block (expert e, tile of R rows) writes each token's product, times its
+// weight for e, into that token's slot for e in `terms` [TT][TOPK][D]: every slot is written by
+// the one expert that fills it, and moe_sum_tokens adds them in slot order, so the sum does not
+// depend on the order the blocks ran in (as atomic adds would, for TOPK > 2).
+template <int E, int TOPK, bool NORM, int I, int D, int TT, int KC, int THREADS, class F, long long EXPERT_BYTES,
+          class W>
+__device__ __forceinline__ void moe_down_tokens(const float* logits, const W* w_down, const float* ws, float* terms) {
     constexpr int R = 16 * (THREADS / 32), TILES = (D + R - 1) / R;
     using Experts = ExpertTile<F, I, 1, R, D, EXPERT_BYTES>;
     static_assert(TT <= THREADS, "route_tokens_to: a thread per token");
@@ -74,14 +76,27 @@ __device__ __forceinline__ void moe_down_tokens(const float* logits, const W* w_
     } smem;
     __shared__ float ss[TT];
     __shared__ float weight_of[TT];
+    __shared__ int slot_of[TT];
     const int e = blockIdx.x / TILES, tile = blockIdx.x % TILES;
-    if (!route_tokens_to<E, TOPK, TT>(logits, e, weight_of)) return;
+    if (!route_tokens_to<E, TOPK, NORM, TT>(logits, e, weight_of, slot_of)) return;
     const W* const stacks[1] = {w_down};
     VectorsFromX<I, TT, KC, false, THREADS, Experts::GROUPED> vectors{ws + (size_t)e * TT * I, nullptr, 0.0f};
     const auto rows = Experts::of(stacks, e, tile);
     gemm_tile<I, I, TT, KC, THREADS, false>(rows, 0, vectors, smem.x, smem.tile, ss);
     for (int i = threadIdx.x; i < R * TT; i += THREADS) {
         const int s = i % R, t = i / R, row = tile * R + s;
-        if (row < D && weight_of[t] != 0.0f) atomicAdd(out + t * D + row, weight_of[t] * smem.tile[s * TT + t]);
+        if (row < D && slot_of[t] >= 0) terms[((size_t)t * TOPK + slot_of[t]) * D + row] = weight_of[t] * smem.tile[s * TT + t];
+    }
+}
+
+// Batched prefill, the sum: out [TT][D] = each token's TOPK terms of moe_down_tokens, in slot order.
+template <int TOPK, int D, int TT>
+__device__ __forceinline__ void moe_sum_tokens(const float* terms, float* out) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < TT * D; i += gridDim.x * blockDim.x) {
+        const float* term = terms + (size_t)(i / D) * TOPK * D + i % D;
+        float sum = 0.0f;
+#pragma unroll
+        for (int k = 0; k < TOPK; k++) sum += term[k * D];
+        out[i] = sum;
     }
 }
