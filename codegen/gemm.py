@@ -16,13 +16,16 @@ weight byte streams once per step. Their kernels stage the vectors in the codes'
 On Hopper (sm_90) a kernel whose weights are all bf16 takes the `wgmma` form
 (templates/gemm_wgmma.cuh): the vectors staged once in bf16 (no lo half: the accuracy of a bf16
 transformers run), tiles of 128 weight rows x the step's tokens multiplied by warpgroup tensor
-cores, both operands pipelined through shared memory with cp.async, STAGES slots deep. Other
+cores, both operands copied into STAGES shared-memory slots by a producer warpgroup (cp.async,
+mbarriers between it and the two consumer warpgroups: every slot in flight at once). Other
 GPUs, and quantized weights, take the mma.sync form.
 
 A block walks its k in chunks, one memory round trip each, so a kernel lasts at least its chunks'
 round trips however many blocks run. Where a kernel has few tiles (short outputs: the O and down
 projections) and long rows, split-K cuts that chain: `splits` blocks share a tile, each over a
-slice of its k, and the last to finish adds their slices (in a fixed order) and runs the epilogue."""
+slice of its k, and the last to finish adds their slices (in a fixed order) and runs the epilogue.
+A wgmma kernel first cuts such tiles along the tokens instead (wgmma_plan): a block then takes
+`columns` of the step's tokens."""
 from __future__ import annotations
 
 import networkx as nx
@@ -37,7 +40,7 @@ from .tuning import SMEM_STATIC, Target, Tuning
 
 STAGE_THREADS = 256
 WGMMA_ROWS = 128            # weight rows per wgmma tile: two warpgroups of 64
-WGMMA_THREADS = 256
+WGMMA_THREADS = 384         # two consumer warpgroups (the epilogue's 256 threads) and a producer
 WGMMA_MAX_TOKENS = 256      # the widest wgmma (m64n256k16)
 WGMMA_MAX_STAGES = 8
 
@@ -101,22 +104,45 @@ def wgmma_form(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, target: Targ
             and all(len(z.linears) in (1, 2, 4) for z in zip_sets(G, launch.nodes)))
 
 
-def wgmma_stages(tokens: int, target: Target) -> int:
-    """Pipeline slots of a wgmma tile: as many as the device's shared memory per block holds
-    (less 1 kB of alignment, 1 kB for the static arrays and the sums of squares), at most
-    WGMMA_MAX_STAGES."""
-    slot = (WGMMA_ROWS + tokens) * 128
+def wgmma_stages(columns: int, tokens: int, target: Target) -> int:
+    """Pipeline slots of a wgmma tile of `columns` tokens: as many as the device's shared memory
+    per block holds (less 1 kB of alignment, 1 kB for the static arrays and the step's `tokens`
+    sums of squares), at most WGMMA_MAX_STAGES."""
+    slot = (WGMMA_ROWS + columns) * 128
     return min(WGMMA_MAX_STAGES, (target.smem_per_block - 2048 - 4 * tokens) // slot)
 
 
-def wgmma_splits(K: int, tiles: int, target: Target, tuning: Tuning) -> int:
-    """Blocks per tile of a wgmma kernel (split-K), one block per SM: the split that finishes
-    the tiles' work in the fewest waves per unit of work, each slice at least gemm_min_chunks
-    slots of 64 k and at most 16 slices; a split costs 10% (its slabs' round trip), so ties
-    stay unsplit."""
+def _wgmma_block_cost(slots: int, columns: int, tokens: int, split: int, tuning: Tuning) -> float:
+    """A wgmma block's time in units of one 128 x 256 x 64 product (the busiest slot): its `slots`
+    slots, each the longer of its products (in proportion to its columns) and its copies (the
+    share wgmma_copy_share of a 128 x 256 slot's time, in proportion to its bytes); the fill of
+    the pipeline and the epilogue (wgmma_block_overhead); split-K's slabs of the tile (written
+    by each block, read all by the last), costed as copies of as many bytes."""
+    copy = tuning.wgmma_copy_share / 100
+    slot = max(columns / 256, copy * (WGMMA_ROWS + columns) / (WGMMA_ROWS + 256))
+    slab = (split + 1) * WGMMA_ROWS * (tokens + 1) * 4 / ((WGMMA_ROWS + 256) * 128) * copy if split > 1 else 0.0
+    return slots * slot + tuning.wgmma_block_overhead / 100 + slab
+
+
+def wgmma_plan(K: int, tiles: int, tokens: int, target: Target, tuning: Tuning) -> tuple[int, int]:
+    """(columns, splits) of a wgmma kernel with `tiles` row tiles over a step of `tokens` tokens:
+    each block takes `columns` of the tokens (a divisor of them, at least wgmma_min_columns) and 1 / splits of
+    the k (split-K, only where a block takes every token: its slabs are whole tiles), chosen for
+    the fewest waves of one block per SM times the block's cost (_wgmma_block_cost). Few row
+    tiles (the O, down and K/V projections) are cut along the tokens first: that re-reads each
+    weight slot from L2 once per column tile, where split-K's slabs cost a tile's floats a block."""
     slots = K // 64 if K % 64 == 0 else 1        # rows of part slots stay whole
-    fitting = [s for s in range(1, 17) if slots % s == 0 and slots // s >= tuning.gemm_min_chunks] or [1]
-    return min(fitting, key=lambda s: -(-tiles * s // target.sms) / s * (1.1 if s > 1 else 1.0))
+    fewest = min(tuning.wgmma_min_columns, tokens)
+    plans = [(c, 1) for c in range(tokens, fewest - 1, -16) if tokens % c == 0 and c % 16 == 0]
+    plans += [(tokens, s) for s in range(2, 17) if slots % s == 0 and slots // s >= tuning.gemm_min_chunks]
+    if not plans:
+        plans = [(tokens, 1)]
+
+    def cost(plan):
+        columns, split = plan
+        waves = -(-tiles * (tokens // columns) * split // target.sms)
+        return waves * _wgmma_block_cost(-(-K // 64) // split, columns, tokens, split, tuning)
+    return min(plans, key=cost)
 
 
 def unsupported(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, tuning: Tuning,
@@ -159,7 +185,7 @@ def generate(spec: KernelSpec) -> KernelSource:
     rows = (lambda members, pairs: WGMMA_ROWS // members) if wgmma else (lambda members, pairs: slots(tuning))
     zips, grid = zip_contexts(G, launch, params, rows, batched=True)
     max_tile = max(z.R * len(z.members) for z in zips)
-    split = wgmma_splits(K, grid, target, tuning) if wgmma else splits(K, grid, tuning)
+    columns, split = wgmma_plan(K, grid, tokens, target, tuning) if wgmma else (tokens, splits(K, grid, tuning))
     slabs = counts = None
     if split > 1:
         slabs, counts = params.extra("float*", "gemm_slabs"), params.extra("unsigned*", "gemm_counts")
@@ -167,9 +193,10 @@ def generate(spec: KernelSpec) -> KernelSource:
     tile_floats = split * (max_tile * stride + tokens)    # a tile's slabs: dot products and sums of squares
     staged_x = params.extra("float*", "gemm_x")
     group_order = grouped(G, launch)
-    if wgmma:
-        stages = wgmma_stages(tokens, target)
-        threads, smem = WGMMA_THREADS, stages * (WGMMA_ROWS + tokens) * 128 + 1024
+    if wgmma:   # the slots, which the tile of dot products takes over; the 1024-byte alignment
+        stages = wgmma_stages(columns, tokens, target)
+        threads = WGMMA_THREADS
+        smem = max(stages * (WGMMA_ROWS + columns) * 128, WGMMA_ROWS * stride * 4) + 1024
         staged = tokens * K // 2 + tokens
     else:
         stages, threads, smem = 0, tuning.gemm_warps * 32, 0
@@ -178,9 +205,9 @@ def generate(spec: KernelSpec) -> KernelSource:
                           zips=zips, threads=threads, tokens=tokens, kc=0 if wgmma else chunk(K), max_tile=max_tile,
                           grid=grid, splits=split, slabs=slabs, counts=counts, tile_slab_floats=tile_floats,
                           staged_x=staged_x, stage_threads=STAGE_THREADS, grouped=str(group_order).lower(),
-                          wgmma=wgmma, stages=stages)
+                          wgmma=wgmma, stages=stages, columns=columns)
     launches = [Launch(f"{name}_stage", (tokens, 1), STAGE_THREADS, params.values),
-                Launch(name, (grid, split), threads, params.values, smem=smem)]
+                Launch(name, (grid, tokens // columns * split), threads, params.values, smem=smem)]
     return KernelSource(name, "gemm", source, launch.nodes, launches, launch.layer,
                         slab_floats=grid * tile_floats if split > 1 else 0, tile_counts=grid if split > 1 else 0,
                         staged_floats=staged)

@@ -61,6 +61,9 @@ _RANGES = {
     "gemm_warps": (1, 8, "warps per gemm block, 16 rows of the tile each"),
     "gemm_blocks": (1, 1 << 16, "blocks a gemm splits its k to reach"),
     "gemm_min_chunks": (1, 1 << 10, "chunks of k (wgmma: 64-k slots) a gemm's split slice keeps at least"),
+    "wgmma_copy_share": (1, 1000, "percent of a 128x256x64 wgmma slot's product time its copies take (wgmma_plan)"),
+    "wgmma_block_overhead": (0, 10000, "a wgmma block's pipeline fill and epilogue, in percent of such a slot"),
+    "wgmma_min_columns": (16, 256, "fewest of a step's tokens a wgmma block takes (a column tile)"),
     "attn_warps": (1, 32, "warps per attention split block"),
     "attn_rows": (1, 32, "cache rows per lane of the split's CUDA-core pass, at most"),
     "attn_combine_warps": (1, 32, "warps per attention combine block"),
@@ -89,6 +92,9 @@ class Tuning:
     gemm_warps: int = 4
     gemm_blocks: int = 512
     gemm_min_chunks: int = 4
+    wgmma_copy_share: int = 70         # 48 kB a slot at ~100 GB/s an SM vs 4.2 MFLOP at ~6 TFLOP/s an SM
+    wgmma_block_overhead: int = 200
+    wgmma_min_columns: int = 32
     attn_warps: int = 8
     attn_rows: int = 8
     attn_combine_warps: int = 8

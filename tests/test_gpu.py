@@ -177,12 +177,13 @@ def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k
     buffers poisoned with NaN first) leaves the caches that one-token decode steps leave (bf16
     vectors in the wgmma gemms, as a bf16 transformers run has them), and the logits of the prompt's last token match
     the numpy reference run over the whole prompt (bf16 KV cache on both sides); the decode steps
-    after it agree too. "every-tile": every gemm kernel splits its K as far as it goes (the
-    default splits few or none at these sizes; the real-shape tests run the default splits)."""
+    after it agree too. "every-tile": every gemm kernel splits its K as far as it goes, a wgmma
+    block taking all of a step's tokens (the default cuts these few tiles along the tokens
+    instead; the real-shape tests run the default plans)."""
     import cupy as cp
 
     from fuselm.codegen import Tuning
-    tuning = Tuning(prefill_tokens=sizes, **(dict(gemm_blocks=1 << 16, gemm_min_chunks=1)
+    tuning = Tuning(prefill_tokens=sizes, **(dict(gemm_blocks=1 << 16, gemm_min_chunks=1, wgmma_min_columns=256)
                                               if split_k == "every-tile" else {}))
     rng = np.random.default_rng()
     cfg = DecoderConfig.from_hf({**TINY, "architectures": [arch], **PREFILL_ARCHS[arch]})

@@ -35,6 +35,15 @@ __device__ __forceinline__ void cp_async_wait_group() {
 #endif
 }
 
+// One arrival on the mbarrier `bar` (barrier.cuh) once every cp.async this thread has started
+// so far has landed; .noinc: the barrier's count includes these arrivals.
+__device__ __forceinline__ void cp_async_arrive_on(unsigned long long* bar) {
+#if FUSELM_SM80
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];"
+                 :: "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory");
+#endif
+}
+
 // Closes the group of cp.async issued since the last commit (an empty group is fine).
 __device__ __forceinline__ void cp_async_commit() {
 #if FUSELM_SM80

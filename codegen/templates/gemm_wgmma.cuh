@@ -1,17 +1,18 @@
 // Prefill GEMM tiles on Hopper's warpgroup tensor cores (wgmma, sm_90a): the gemm family's
 // products where the weights are bf16, for steps of TT tokens (a multiple of 32, at most 256).
 //
-// A block is two warpgroups over a tile of 128 weight rows (R slots of each of M members, M R =
-// 128, member-major: A row i is slot i % R of member i / R) and all TT tokens: warpgroup g
-// computes rows 64 g .. 64 g + 63 against every token as one m64nTTk16 wgmma per 16 k. Both
-// operands are K-major in shared memory, copied there by every thread with cp.async in slots of
-// 64 k (128-byte swizzled rows, wgmma.cuh): STAGES slots, D = STAGES - 2 copies in flight ahead
-// of the products (the slot being overwritten is the one two steps back, which every warpgroup
-// has finished: each waits for all but its newest wgmma group before the next barrier).
+// A block is three warpgroups over a tile of 128 weight rows (R slots of each of M members, M R =
+// 128, member-major: A row i is slot i % R of member i / R) and TN of the step's tokens (all of
+// them, or a column tile where a kernel has too few row tiles to fill the GPU: gemm.wgmma_plan).
+// Consumer warpgroup g computes rows 64 g .. 64 g + 63 against the block's tokens as one
+// m64nTNk16 wgmma per 16 k; the producer warpgroup copies both operands, K-major, into shared
+// memory with cp.async, in slots of 64 k (128-byte swizzled rows, wgmma.cuh), STAGES slots, all
+// in flight at once, handed back and forth on mbarriers (barrier.cuh).
 // The tokens' vectors come as bf16 from the stage launch (stage_bf16), so a product is one
 // multiply of bf16 values with float accumulation, as in a bf16 transformers run.
 #pragma once
 #include "cp_async.cuh"
+#include "barrier.cuh"
 #include "gemm.cuh"            // splitk_gather
 #include "gemv.cuh"            // slot_row, load_f32x8, apply_gain8
 #include "wgmma.cuh"
@@ -52,21 +53,24 @@ __device__ __forceinline__ void stage_bf16(const float* x, const weight_t* gain,
     }
 }
 
-// The tile's weight rows as this thread copies them: 16-byte chunk c = thread % 8 (k 8c .. 8c + 8
-// of each 64) of A rows thread / 8 + (THREADS / 8) j. Slots past the end read row 0 (the epilogue
-// skips them).
-template <int K, int M, int R, int N, int HD, bool INTERLEAVED, int THREADS>
+// Threads of a wgmma block: two consumer warpgroups (threads 0 .. 255: the products, then the
+// epilogue), then the producer warpgroup, which only copies.
+constexpr int WGMMA_CONSUMERS = 256, WGMMA_PRODUCERS = 128;
+
+// The tile's weight rows as producer thread p copies them: 16-byte chunk c = p % 8 (k 8c .. 8c + 8
+// of each 64) of A rows p / 8 + 16 j. Slots past the end read row 0 (the epilogue skips them).
+template <int K, int M, int R, int N, int HD, bool INTERLEAVED>
 struct WgmmaRows {
-    static constexpr int BM = M * R, PER = BM * 8 / THREADS;
-    static_assert(BM == 128 && THREADS == 256, "two warpgroups over 128 rows");
+    static constexpr int BM = M * R, PER = BM * 8 / WGMMA_PRODUCERS;
+    static_assert(BM == 128, "two consumer warpgroups over 128 rows");
     const weight_t* row[PER];
-    __device__ __forceinline__ WgmmaRows(const weight_t* const (&W)[M], int tile) {
+    __device__ __forceinline__ WgmmaRows(const weight_t* const (&W)[M], int tile, int p) {
 #pragma unroll
         for (int j = 0; j < PER; j++) {
-            const int i = threadIdx.x / 8 + (THREADS / 8) * j;
+            const int i = p / 8 + (WGMMA_PRODUCERS / 8) * j;
             int pair;
             const int r = slot_row<R, N, HD, INTERLEAVED>(tile, i % R, pair);
-            row[j] = W[i / R] + (size_t)max(r, 0) * K + 8 * (threadIdx.x % 8);
+            row[j] = W[i / R] + (size_t)max(r, 0) * K + 8 * (p % 8);
         }
     }
 };
@@ -78,77 +82,100 @@ struct WgmmaSlot {
 };
 
 // tile_out[i (TT + 1) + t] = A row i . token t over k in [k0, k0 + KS) (KS a multiple of 8: the last
-// slot's chunks past k0 + KS are zeros), from the staged bf16 vectors
-// `staged` ([TT][K], StagedBf16), through `smem` (STAGES slots, 1024-byte aligned, which
-// tile_out may share: the slots are read no more once it is written). The block waits for the
-// previous kernel (grid_wait_then_release) once its first slots' weights are in flight: they are
-// no kernel's output, and their round trip then overlaps the previous kernel's tail.
-template <int K, int KS, int TT, int STAGES, int THREADS, class Rows>
-__device__ __forceinline__ void wgmma_tile(const Rows& rows, int k0, const float* staged, unsigned char* smem,
-                                           float* tile_out) {
-    constexpr int BM = Rows::BM, KT = (KS + 63) / 64, D = STAGES - 2, X_PER = TT * 8 / THREADS;
-    using Slot = WgmmaSlot<BM, TT>;
+// slot's chunks past k0 + KS are zeros) for the consumers and the block's TN tokens t0 .. t0 + TN,
+// from the tile's weights (Rows of W, tile) and the step's TT staged bf16 vectors `staged`
+// ([TT][K], StagedBf16), through `smem` (STAGES slots,
+// 1024-byte aligned, which tile_out may share: the slots are read no more once it is written).
+// Warp-specialized: the producer warpgroup fills slot kt % STAGES with cp.async and says so on
+// its `full` barrier as the copies land (cp_async_arrive_on); the consumers wait there, multiply,
+// and free the slot on its `empty` barrier once their products of it are done. So every slot is
+// in flight at once, and no barrier of the whole block stands in the k loop. The producer waits
+// for the previous kernel (grid_wait_then_release) once its first slots' weights are in flight:
+// they are no kernel's output, and their round trip then overlaps the previous kernel's tail.
+// The producer returns from here; the consumers come back with tile_out written.
+template <int K, int KS, int TT, int TN, int STAGES, class Rows, class Weights>
+__device__ __forceinline__ void wgmma_tile(const Weights& W, int tile, int k0, int t0, const float* staged,
+                                           unsigned char* smem, float* tile_out) {
+    constexpr int BM = Rows::BM, KT = (KS + 63) / 64, X_PER = TN * 8 / WGMMA_PRODUCERS;
+    constexpr int FIRST = STAGES < KT ? STAGES : KT;
+    using Slot = WgmmaSlot<BM, TN>;
     static_assert(FUSELM_SM90A || !FUSELM_SM90, "wgmma needs sm_90a (nvrtc.options compiles sm_90 as sm_90a)");
-    static_assert(KS % 8 == 0 && K % KS == 0 && TT % 32 == 0 && TT <= 256 && D >= 1, "wgmma tile shape");
-    const int c = threadIdx.x % 8, r0 = threadIdx.x / 8;
-    const bf16_t* x = reinterpret_cast<const bf16_t*>(staged) + (size_t)r0 * K + 8 * c;
-    auto copy_rows = [&](int kt) {
-        unsigned char* slot = smem + (kt % STAGES) * Slot::BYTES;
-        const bool full = KS % 64 == 0 || 64 * kt + 8 * c < KS;
+    static_assert(KS % 8 == 0 && K % KS == 0 && TT % TN == 0 && TN % 16 == 0 && TN <= 256 && STAGES >= 2,
+                  "wgmma tile shape");
+    __shared__ unsigned long long full[STAGES], empty[STAGES];
+    if (threadIdx.x == 0) {
 #pragma unroll
-        for (int j = 0; j < Rows::PER; j++)
-            cp_async_16_cg_or_zero(slot + sw128_offset(r0 + (THREADS / 8) * j, c), rows.row[j] + k0 + 64 * kt, full);
-    };
-    auto copy_vectors = [&](int kt) {   // .cg: the stage launch's writes, through L2
-        unsigned char* slot = smem + (kt % STAGES) * Slot::BYTES + Slot::A;
-        const bool full = KS % 64 == 0 || 64 * kt + 8 * c < KS;
-#pragma unroll
-        for (int j = 0; j < X_PER; j++)
-            cp_async_16_cg_or_zero(slot + sw128_offset(r0 + (THREADS / 8) * j, c),
-                                   x + (size_t)(THREADS / 8) * j * K + k0 + 64 * kt, full);
-    };
-    // The first D slots: every weight copy, then the wait, then the vectors (group s completes slot s).
-#pragma unroll
-    for (int s = 0; s < D; s++)
-        if (s < KT) copy_rows(s);
-    grid_wait_then_release();
-#pragma unroll
-    for (int s = 0; s < D; s++) {
-        if (s < KT) copy_vectors(s);
-        cp_async_commit();
+        for (int s = 0; s < STAGES; s++) {
+            mbar_init(&full[s], WGMMA_PRODUCERS);   // every producer thread's copies
+            mbar_init(&empty[s], 2);                // both consumer warpgroups
+        }
+        mbar_init_fence();
     }
-    float acc[TT / 2] = {};   // warpgroup g's rows 64 g .. 64 g + 63 x the TT tokens (wgmma's layout)
+    __syncthreads();
+    if (threadIdx.x >= WGMMA_CONSUMERS) {
+        const int p = threadIdx.x - WGMMA_CONSUMERS, c = p % 8, r0 = p / 8;
+        const Rows rows(W, tile, p);
+        const bf16_t* x = reinterpret_cast<const bf16_t*>(staged) + (size_t)(t0 + r0) * K + 8 * c;
+        auto copy_rows = [&](int kt) {
+            unsigned char* slot = smem + (kt % STAGES) * Slot::BYTES;
+            const bool whole = KS % 64 == 0 || 64 * kt + 8 * c < KS;
+#pragma unroll
+            for (int j = 0; j < Rows::PER; j++)
+                cp_async_16_cg_or_zero(slot + sw128_offset(r0 + 16 * j, c), rows.row[j] + k0 + 64 * kt, whole);
+        };
+        auto copy_vectors = [&](int kt) {   // .cg: the stage launch's writes, through L2
+            unsigned char* slot = smem + (kt % STAGES) * Slot::BYTES + Slot::A;
+            const bool whole = KS % 64 == 0 || 64 * kt + 8 * c < KS;
+#pragma unroll
+            for (int j = 0; j < X_PER; j++)
+                cp_async_16_cg_or_zero(slot + sw128_offset(r0 + 16 * j, c), x + (size_t)16 * j * K + k0 + 64 * kt,
+                                       whole);
+        };
+#pragma unroll
+        for (int s = 0; s < FIRST; s++) copy_rows(s);
+        grid_wait_then_release();
+#pragma unroll
+        for (int s = 0; s < FIRST; s++) {
+            copy_vectors(s);
+            cp_async_arrive_on(&full[s]);
+        }
+        for (int kt = FIRST; kt < KT; kt++) {
+            mbar_wait(&empty[kt % STAGES], (kt / STAGES - 1) & 1);   // its last filling consumed
+            copy_rows(kt);
+            copy_vectors(kt);
+            cp_async_arrive_on(&full[kt % STAGES]);
+        }
+        cp_async_wait_all();   // leave no copy behind
+        return;
+    }
+    grid_wait_then_release();  // the epilogue reads and writes other kernels' values
+    float acc[TN / 2] = {};    // warpgroup g's rows 64 g .. 64 g + 63 x the TN tokens (wgmma's layout)
     const int wg = threadIdx.x / 128;
     for (int kt = 0; kt < KT; kt++) {
-        cp_async_wait_group<D - 1>();   // this thread's copies of slot kt are done ...
-        fence_proxy_async();            // ... and visible to wgmma
-        __syncthreads();                // everyone's; every warpgroup is past the products of kt - 2
-        if (kt + D < KT) {
-            copy_rows(kt + D);          // into the slot of kt - 2
-            copy_vectors(kt + D);
-        }
-        cp_async_commit();
+        mbar_wait(&full[kt % STAGES], (kt / STAGES) & 1);
+        fence_proxy_async();   // the copies (generic proxy) before wgmma's reads (async proxy)
         const unsigned char* slot = smem + (kt % STAGES) * Slot::BYTES;
         const unsigned long long a = wgmma_desc_sw128(slot + wg * 64 * 128), b = wgmma_desc_sw128(slot + Slot::A);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) wgmma_m64k16<TT>(acc, a + 2 * kk, b + 2 * kk);
+        for (int kk = 0; kk < 4; kk++) wgmma_m64k16<TN>(acc, a + 2 * kk, b + 2 * kk);
         wgmma_commit();
-        wgmma_wait<1>();
+        wgmma_wait<1>();       // the products of kt - 1 are done: its slot is free
+        if (kt > 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[(kt - 1) % STAGES]);
     }
     wgmma_wait<0>();
-    __syncthreads();                    // every warpgroup's products are done with the slots
+    named_sync<WGMMA_CONSUMERS>();   // both warpgroups are done with the slots
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-    constexpr int TS = TT + 1;          // rows one float apart: the epilogue reads down a token's column
-    float* out = tile_out + (wg * 64 + 16 * warp + lane / 4) * TS + 2 * (lane % 4);
+    constexpr int TS = TT + 1;       // rows one float apart: the epilogue reads down a token's column
+    float* out = tile_out + (wg * 64 + 16 * warp + lane / 4) * TS + t0 + 2 * (lane % 4);
 #pragma unroll
-    for (int nt = 0; nt < TT / 8; nt++) {
+    for (int nt = 0; nt < TN / 8; nt++) {
         out[8 * nt] = acc[4 * nt];
         out[8 * nt + 1] = acc[4 * nt + 1];
         out[8 * TS + 8 * nt] = acc[4 * nt + 2];
         out[8 * TS + 8 * nt + 1] = acc[4 * nt + 3];
     }
-    __syncthreads();
+    named_sync<WGMMA_CONSUMERS>();
 }
 
 // The dynamic shared memory of a kernel, from its first 1024-byte boundary (the swizzle's
