@@ -48,7 +48,7 @@ def load(path: str | Path | None = None, device: str = "auto", ctx: int | None =
         raise FuselmError(f"ctx {ctx} is beyond the model's {cfg.max_position_embeddings} positions "
                           f"(max_position_embeddings of {cfg.source or path})")
     ctx = ctx or min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
-    graph = build_graph(cfg)
+    graph = build_graph(cfg, ctx)   # Phi-3's LongRoPE picks its factors by the context
     engine = _make_engine(device, graph, ckpt, ctx, fuse, progress, log, quant)
     return Model(ckpt, engine, Path(path))
 

@@ -5,6 +5,7 @@ import warnings
 from pathlib import Path
 
 import gguf
+import numpy as np
 
 from ..errors import FuselmError
 from .gguf_store import metadata
@@ -14,7 +15,7 @@ from .gguf_store import metadata
 # with experts (`llama.expert_count`, or a router tensor `ffn_gate_inp`) is Mixtral's.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                 "smollm3": "SmolLM3ForCausalLM"}
+                 "smollm3": "SmolLM3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> dict:
@@ -64,6 +65,11 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> dict:
     if arch == "llama" and (metadata(reader, "llama.expert_count") or "blk.0.ffn_gate_inp.weight" in names):
         cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
                    num_local_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"))
+    if arch == "qwen3moe":   # llama.cpp always renormalises the top-k weights of this arch
+        cfg.update(num_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
+                   moe_intermediate_size=key("expert_feed_forward_length"), norm_topk_prob=True)
+    if arch == "phi3":
+        cfg.update(_phi3_keys(reader, cfg, key))
     if "rope_freqs.weight" in names:  # llama.cpp keeps Llama 3.1 RoPE scaling as a tensor, not metadata
         warnings.warn(f"{path}: the rope_freqs tensor (Llama 3.1 RoPE scaling) is ignored; "
                       "long-context outputs will differ", stacklevel=2)
@@ -103,6 +109,27 @@ def _gemma_keys(cfg: dict, key, window, arch: str) -> dict:
         out.update(_GEMMA3_FIXED)
     if window:
         out["sliding_window"] = window
+    return out
+
+
+def _phi3_keys(reader: gguf.GGUFReader, cfg: dict, key) -> dict:
+    """Phi-3's partial rotary (rope.dimension_count of a head), its window (0: none) and LongRoPE:
+    the converter writes the factors as tensors `rope_factors_long` / `rope_factors_short`, the
+    pretraining context as rope.scaling.original_context_length and the attention factor."""
+    out = {"sliding_window": key("attention.sliding_window", 0) or None}
+    hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    dims = metadata(reader, "phi3.rope.dimension_count")
+    if dims is not None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        out["partial_rotary_factor"] = dims / (hidden // heads)
+    factors = {t.name: t for t in reader.tensors if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
+    if factors:
+        out["original_max_position_embeddings"] = key("rope.scaling.original_context_length")
+        out["rope_scaling"] = {"type": "longrope", **{f"{kind}_factor": np.asarray(t.data, np.float64).tolist()
+                                                       for kind in ("long", "short")
+                                                       if (t := factors.get(f"rope_factors_{kind}.weight"))}}
+        attn = metadata(reader, "phi3.rope.scaling.attn_factor")
+        if attn is not None:
+            out["rope_scaling"]["attention_factor"] = attn
     return out
 
 

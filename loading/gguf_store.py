@@ -17,6 +17,11 @@ architecture (`general.architecture`), and we undo:
   per projection (`blk.N.ffn_gate_exps.weight`, numpy shape [E, rows, cols]). A stack is listed
   here as E per-expert Hugging Face names (`...experts.E.w1.weight`; gate w1, up w3, down w2),
   each read as its own slice of the stack, so both layouts look like the Hub's safetensors.
+  qwen3moe: the same, under Qwen3-MoE's names (mlp.gate, mlp.experts.E.gate_proj / up_proj /
+  down_proj), with qwen3's Q/K norms.
+- phi3: Q, K, V fused as `attn_qkv` and gate, up as `ffn_up` (the Hub's qkv_proj and
+  gate_up_proj, split by models/phi3.checkpoint_rows); `rope_factors_long` / `_short` are LongRoPE's
+  factors, read into the config (gguf_config.py), not weights.
 """
 from __future__ import annotations
 
@@ -40,12 +45,17 @@ _BLOCK_NAMES = {
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
-_EXPERT_NAMES = {"ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}   # Mixtral: llama.cpp -> Hub
+# arch -> (the block holding its experts, llama.cpp's expert projections -> the Hub's)
+_EXPERT_NAMES = {"llama": ("block_sparse_moe", {"ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}),
+                 "qwen3moe": ("mlp", {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"})}
+_QWEN3_NAMES = {**_BLOCK_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 # per-architecture differences from the Llama names (gguf's MODEL_TENSORS / TENSOR_NAMES)
 _ARCH_BLOCK_NAMES = {
     "llama": {**_BLOCK_NAMES, "ffn_gate_inp": "block_sparse_moe.gate"},
     "qwen2": _BLOCK_NAMES,
-    "qwen3": {**_BLOCK_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    "qwen3": _QWEN3_NAMES,
+    "qwen3moe": {**_QWEN3_NAMES, "ffn_gate_inp": "mlp.gate"},
+    "phi3": {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     "gemma2": {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                "post_attention_norm": "post_attention_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
@@ -65,8 +75,9 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
     A stack of experts (`ffn_*_exps`) gets the Hub's expert name with "*" for the expert index."""
     block_names = _ARCH_BLOCK_NAMES.get(arch, _BLOCK_NAMES)
     m = re.fullmatch(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)(?:\.(\d+)|_exps)\.weight", gguf_name)
-    if m:
-        return f"model.layers.{m[1]}.block_sparse_moe.experts.{m[3] or '*'}.{_EXPERT_NAMES[m[2]]}.weight"
+    if m and arch in _EXPERT_NAMES:
+        block, names = _EXPERT_NAMES[arch]
+        return f"model.layers.{m[1]}.{block}.experts.{m[3] or '*'}.{names[m[2]]}.weight"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if m and m[2] in block_names:
         return f"model.layers.{m[1]}.{block_names[m[2]]}.{m[3]}"
@@ -209,16 +220,20 @@ class GGUFStore(TensorStore):
                               f"(the file has {len(self._tensors)} tensors)") from None
 
     def _check_experts(self, n_layers: int) -> None:
-        """Every layer has experts 0 .. E-1 of each projection, stacked or one tensor each, and no more."""
+        """Every layer with a router has experts 0 .. E-1 of each projection, stacked or one tensor
+        each, and no more."""
         for t, _ in self._tensors.values():
             m = re.fullmatch(r"blk\.\d+\.ffn_\w+\.(\d+)\.weight", t.name)
             if m and int(m[1]) >= self._n_experts:
                 raise FuselmError(f"{self._path}: tensor '{t.name}' is expert {m[1]} but "
                                   f"{self.arch}.expert_count is {self._n_experts}")
+        block, names = _EXPERT_NAMES.get(self.arch, _EXPERT_NAMES["llama"])
         for i in range(n_layers):
-            for short, w in _EXPERT_NAMES.items():
+            if f"model.layers.{i}.{block}.gate.weight" not in self._tensors:
+                continue    # a dense layer
+            for short, w in names.items():
                 for e in range(self._n_experts):
-                    if f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight" not in self._tensors:
+                    if f"model.layers.{i}.{block}.experts.{e}.{w}.weight" not in self._tensors:
                         raise FuselmError(f"{self._path}: missing expert tensor 'blk.{i}.{short}.{e}.weight' "
                                           f"(nor a stack 'blk.{i}.{short}_exps.weight'; "
                                           f"{self.arch}.expert_count is {self._n_experts})")

@@ -22,6 +22,8 @@ ARCHITECTURES = {
 }
 # Architectures whose graph reads some weights as rows of a checkpoint tensor (fused projections)
 CHECKPOINT_ROWS = {"Phi3ForCausalLM": phi3.checkpoint_rows}
+# Architectures whose graph depends on the engine's context (Phi-3's LongRoPE: long or short factors)
+TAKES_CONTEXT = {"Phi3ForCausalLM"}
 
 
 def checkpoint_rows(cfg: DecoderConfig) -> dict:
@@ -31,14 +33,17 @@ def checkpoint_rows(cfg: DecoderConfig) -> dict:
     return rows(cfg) if rows else {}
 
 
-def build_graph(cfg: DecoderConfig) -> Graph:
-    """The DSL graph of one decode/prefill step of `cfg`'s architecture; a setting the builder
-    refuses is a ConfigError naming the config's file."""
+def build_graph(cfg: DecoderConfig, context: int | None = None) -> Graph:
+    """The DSL graph of one decode/prefill step of `cfg`'s architecture, for an engine of `context`
+    positions where the architecture depends on it (TAKES_CONTEXT; None: the model's short
+    default); a setting the builder refuses is a ConfigError naming the config's file."""
     where = f"{cfg.source}: " if cfg.source else ""
     if cfg.architecture not in ARCHITECTURES:
         raise ConfigError(f"{where}unsupported architecture '{cfg.architecture}'; supported: "
                           f"{', '.join(sorted(ARCHITECTURES))}")
     try:
+        if cfg.architecture in TAKES_CONTEXT:
+            return ARCHITECTURES[cfg.architecture](cfg, context)
         return ARCHITECTURES[cfg.architecture](cfg)
     except ConfigError as e:   # the builders' refusals (activation, layer_types, experts) name no file
         raise ConfigError(where + str(e)) from None

@@ -6,8 +6,8 @@ separate weights, rows of the fused ones (`checkpoint_rows`, applied at load). P
 the Q and K rows of every head are reordered alike (q.k unchanged) so that those pairs become
 (i, i + head_dim/2) and the plain RoPE op serves, the unrotated pairs with inv_freq 0. LongRoPE
 divides the frequencies by `short_factor`, or by `long_factor` when the engine's context exceeds
-`original_max_position_embeddings` (as transformers does for a sequence that long; `build_graph`
-passes no context, so short: right up to that context, 4096 on Phi-4-mini). Its attention factor
+`original_max_position_embeddings` (as transformers does for a sequence that long; fuselm.load
+passes the KV cache's, so a context within the original one keeps the short factors, exact there). Its attention factor
 f scales the rotated dims of Q and K: f^2 on Q's alone gives the same scores (a constant multiply).
 """
 import numpy as np

@@ -279,8 +279,8 @@ def test_gemma_query_scale_follows_llama_cpp(tmp_path, arch, layers, scalar):
 
 
 def test_unsupported_gguf_architecture(tmp_path):
-    path = tmp_path / "phi.gguf"
-    w = gguf.GGUFWriter(str(path), "phi3")
+    path = tmp_path / "falcon.gguf"
+    w = gguf.GGUFWriter(str(path), "falcon")
     w.add_block_count(1)
     w.add_embedding_length(32)
     w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
@@ -291,6 +291,6 @@ def test_unsupported_gguf_architecture(tmp_path):
     with pytest.raises(FuselmError) as e:
         open_checkpoint(path)
     msg = str(e.value)
-    assert "\n" not in msg and "phi.gguf" in msg and "phi3" in msg
-    for arch in ("llama", "qwen2", "qwen3", "gemma2"):
+    assert "\n" not in msg and "falcon.gguf" in msg and "'falcon'" in msg
+    for arch in ("llama", "qwen2", "qwen3", "gemma2", "qwen3moe", "phi3"):
         assert arch in msg, msg
