@@ -1,5 +1,5 @@
 """Code generation for a compiled graph: one KernelSource per scheduled kernel, each made by its
-family's module (gemv, gemm, attention, moe, rowwise), which owns its template, its launch shape
+family's module (gemv, gemm, attention, flash, moe, rowwise), which owns its template, its launch shape
 and its name."""
 from __future__ import annotations
 
@@ -9,26 +9,31 @@ import numpy as np
 from ..dsl import Kind, get
 from ..errors import FuselmError
 from ..quant.formats import format_of
-from . import attention, gemm, gemv, moe, rowwise
+from . import attention, flash, gemm, gemv, moe, rowwise
 from .kernel import KernelSource, KernelSpec
 from .params import storage_of
 from .tuning import Target, Tuning
 
-FAMILIES = {"gemv": gemv, "gemm": gemm, "rowwise": rowwise, "attention": attention, "moe": moe}
+FAMILIES = {"gemv": gemv, "gemm": gemm, "rowwise": rowwise, "attention": attention, "flash": flash, "moe": moe}
 
 
 def generate(G: nx.DiGraph, ctx: int, target: Target | None = None, tuning: Tuning | None = None,
              tokens: int = 1) -> list[KernelSource]:
     """CUDA for every kernel of the compiled graph `G`, with a KV cache of `ctx` rows, for
     steps of `tokens` tokens: 1 (decode), or a chunk of a prompt (batched prefill: gemv kernels
-    in their gemm form, attention one block per KV head and token; see prefill_unsupported), on
+    in their gemm form, attention as flash attention where it fits, else blocks of a few tokens
+    per KV head; see prefill_unsupported), on
     `target` with `tuning` (default: the H200 and the default tuning)."""
     target, tuning = target or Target(), tuning or Tuning()
     if tokens > 1 and (why := prefill_unsupported(G, tokens, tuning, target)):
         raise FuselmError(f"no steps of {tokens} tokens: {why}")
     out = []
     for launch in G.graph["schedule"]:
-        family = "gemm" if launch.family == "gemv" and tokens > 1 else launch.family
+        family = launch.family
+        if tokens > 1 and family == "gemv":
+            family = "gemm"
+        elif tokens > 1 and family == "attention" and flash.fits(G, launch.nodes[0], tokens):
+            family = "flash"
         k = FAMILIES[family].generate(KernelSpec(G, launch, ctx, tokens, target, tuning))
         k.bytes_read, k.bytes_written = _traffic(G, launch, ctx, tokens)
         out.append(k)

@@ -115,13 +115,13 @@ def wgmma_stages(columns: int, tokens: int, target: Target) -> int:
 def _wgmma_block_cost(slots: int, columns: int, tokens: int, split: int, tuning: Tuning) -> float:
     """A wgmma block's time in units of one 128 x 256 x 64 product (the busiest slot): its `slots`
     slots, each the longer of its products (in proportion to its columns) and its copies (the
-    share wgmma_copy_share of a 128 x 256 slot's time, in proportion to its bytes); the fill of
-    the pipeline and the epilogue (wgmma_block_overhead); split-K's slabs of the tile (written
-    by each block, read all by the last), costed as copies of as many bytes."""
+    share wgmma_copy_share of a 128 x 256 slot's products, in proportion to its bytes); the fill
+    of the pipeline and the epilogue (wgmma_block_overhead); split-K's slabs of the tile (written
+    by each block, read all by the last: wgmma_slab_cost each)."""
     copy = tuning.wgmma_copy_share / 100
     slot = max(columns / 256, copy * (WGMMA_ROWS + columns) / (WGMMA_ROWS + 256))
-    slab = (split + 1) * WGMMA_ROWS * (tokens + 1) * 4 / ((WGMMA_ROWS + 256) * 128) * copy if split > 1 else 0.0
-    return slots * slot + tuning.wgmma_block_overhead / 100 + slab
+    slabs = (split + 1) * tuning.wgmma_slab_cost / 100 if split > 1 else 0.0
+    return slots * slot + tuning.wgmma_block_overhead / 100 + slabs
 
 
 def wgmma_plan(K: int, tiles: int, tokens: int, target: Target, tuning: Tuning) -> tuple[int, int]:

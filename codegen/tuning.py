@@ -63,6 +63,7 @@ _RANGES = {
     "gemm_min_chunks": (1, 1 << 10, "chunks of k (wgmma: 64-k slots) a gemm's split slice keeps at least"),
     "wgmma_copy_share": (1, 1000, "percent of a 128x256x64 wgmma slot's product time its copies take (wgmma_plan)"),
     "wgmma_block_overhead": (0, 10000, "a wgmma block's pipeline fill and epilogue, in percent of such a slot"),
+    "wgmma_slab_cost": (0, 100000, "a split-K slab's write or read, in percent of such a slot"),
     "wgmma_min_columns": (16, 256, "fewest of a step's tokens a wgmma block takes (a column tile)"),
     "attn_warps": (1, 32, "warps per attention split block"),
     "attn_rows": (1, 32, "cache rows per lane of the split's CUDA-core pass, at most"),
@@ -92,8 +93,11 @@ class Tuning:
     gemm_warps: int = 4
     gemm_blocks: int = 512
     gemm_min_chunks: int = 4
-    wgmma_copy_share: int = 70         # 48 kB a slot at ~100 GB/s an SM vs 4.2 MFLOP at ~6 TFLOP/s an SM
+    # wgmma_plan's cost model, fitted to the H200's 8B profile (docs/kernels.md): copies of a
+    # 128 x 256 slot take 1.2x its products (L2-bound, ~6 TB/s), a split-K slab 11 slots
+    wgmma_copy_share: int = 120
     wgmma_block_overhead: int = 200
+    wgmma_slab_cost: int = 1100
     wgmma_min_columns: int = 32
     attn_warps: int = 8
     attn_rows: int = 8

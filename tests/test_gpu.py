@@ -525,6 +525,19 @@ def test_the_wide_split_matches_the_split_at_real_shapes():
     assert err < 1e-4, f"wide split vs split: relative logit difference {err:.2e}"
 
 
+def attention_graph(heads: int, kv_heads: int, head_dim: int, window: int, softcap: float) -> Graph:
+    """One attention node over caches "kc" and "vc" (states) that its inputs k and v are written
+    into at "pos"; queries "q"; output "out"."""
+    g = Graph("attention")
+    pos = g.input("pos", ("T",), "i32")
+    q, k, v = (g.input(n, ("T", h * head_dim)) for n, h in (("q", heads), ("k", kv_heads), ("v", kv_heads)))
+    kc = g.op("kv_write", g.state("kc", ("S", kv_heads * head_dim)), k, pos)
+    vc = g.op("kv_write", g.state("vc", ("S", kv_heads * head_dim)), v, pos)
+    g.output(out=g.op("attention", q, kc, vc, pos, n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim,
+                      scale=head_dim ** -0.5, window=window, softcap=softcap))
+    return g
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim,window,softcap,cuda_cores", [
     (32, 8, 128, 0, 0.0, False), (9, 3, 64, 0, 0.0, False), (28, 4, 128, 0, 0.0, False),
     (32, 4, 64, 1000, 0.0, False), (32, 8, 64, 0, 2.0, False), (32, 8, 128, 0, 0.0, True), (9, 3, 64, 1000, 0.0, True),
@@ -546,13 +559,7 @@ def test_attention_at_long_context(heads, kv_heads, head_dim, window, softcap, c
     mma = not cuda_cores and attention.mma_fits(head_dim, heads // kv_heads, target)
     rng = np.random.default_rng()
     rows, at = 3072, 3001   # row `at` of the head-size-6 caches starts mid-sector
-    g = Graph("attention")
-    pos = g.input("pos", ("T",), "i32")
-    q, k, v = (g.input(n, ("T", h * head_dim)) for n, h in (("q", heads), ("k", kv_heads), ("v", kv_heads)))
-    kc = g.op("kv_write", g.state("kc", ("S", kv_heads * head_dim)), k, pos)
-    vc = g.op("kv_write", g.state("vc", ("S", kv_heads * head_dim)), v, pos)
-    g.output(out=g.op("attention", q, kc, vc, pos, n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim,
-                      scale=head_dim ** -0.5, window=window, softcap=softcap))
+    g = attention_graph(heads, kv_heads, head_dim, window, softcap)
     state = {n: bf16_round(rng.standard_normal((rows, kv_heads * head_dim)).astype(np.float32)) for n in ("kc", "vc")}
     feeds = {"pos": np.array([at], np.int32), **{n: bf16_round(rng.standard_normal((1, w)).astype(np.float32))
                                                  for n, w in (("q", heads * head_dim), ("k", kv_heads * head_dim),
@@ -582,6 +589,48 @@ def test_attention_at_long_context(heads, kv_heads, head_dim, window, softcap, c
         print(f"attention h{heads} kv{kv_heads} d{head_dim} window {window} softcap {softcap} at {at}, {variant}, "
               f"{'tensor' if mma else 'CUDA'} cores: rel error {err:.2e}")
         assert err < 2e-5, f"{variant}: relative error {err:.2e}"   # measured: <= 3e-6 (tensor), 3e-7 (CUDA cores)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window,softcap", [
+    (32, 8, 128, 0, 0.0), (32, 8, 64, 0, 2.0), (28, 4, 128, 0, 0.0), (9, 3, 64, 1000, 0.0), (8, 2, 32, 0, 50.0)])
+def test_flash_prefill_kernel_matches_float64(heads, kv_heads, head_dim, window, softcap):
+    """The flash prefill kernel alone, launched on a 256-token step at positions 2900 .. 3155 of
+    caches of random bf16 rows (the step's own rows among them), its output poisoned with NaN:
+    against the float64 reference. Covers idle query rows (7 and 3 heads per KV head leave 1
+    of 64), a window starting mid-tile, and soft-capping (2 bends most scores)."""
+    import cupy as cp
+
+    from fuselm.codegen import Target, generate, headers, module_source
+    from fuselm.codegen.nvrtc import compile_cubin, options
+    from fuselm.compiler import compile_graph
+    from fuselm.runtime.launch import load_cubin
+    rng = np.random.default_rng()
+    rows, start, T = 3584, 2900, 256
+    g = attention_graph(heads, kv_heads, head_dim, window, softcap)
+    G = compile_graph(g, tokens=T)
+    (flash,) = [k for k in generate(G, ctx=rows, target=Target.of_device(), tokens=T) if k.family == "attention"]
+    assert "flash_prefill<" in flash.source, "the kernel the test means to run"
+    (launch,) = flash.launches
+    cubin, _, _ = compile_cubin(module_source([flash]), headers(), options(Target.of_device().arch))
+    fn = load_cubin(cp, cubin).get_function(launch.function)
+    fn.max_dynamic_shared_size_bytes = launch.smem
+    caches = {n: bf16_round(rng.standard_normal((rows, kv_heads * head_dim)).astype(np.float32)) for n in ("kc", "vc")}
+    queries = bf16_round(rng.standard_normal((T, heads * head_dim)).astype(np.float32))
+    positions = np.arange(start, start + T, dtype=np.int32)
+    ref = run_graph(g, {}, {"pos": positions, "q": queries, "k": caches["kc"][positions], "v": caches["vc"][positions]},
+                    {n: x.astype(np.float64) for n, x in caches.items()})["out"]
+    bits = {n: cp.asarray((x.view(np.uint32) >> 16).astype(np.uint16)) for n, x in caches.items()}
+    out = cp.full((T, heads * head_dim), cp.nan, cp.float32)
+    by_value = {"q": cp.asarray(queries), "pos": cp.asarray(positions), **bits}   # the caches by state name
+    args = [by_value.get(a, out) for a in launch.args]
+    assert sum(a is out for a in args) == 1, launch.args
+    fn(launch.grid, (launch.block,), tuple(args), shared_mem=launch.smem)
+    got = cp.asnumpy(out)
+    assert np.isfinite(got).all(), "unwritten or non-finite attention output"
+    err = rel(got, ref)
+    print(f"flash prefill h{heads} kv{kv_heads} d{head_dim} window {window} softcap {softcap}, {T} tokens from {start}: "
+          f"rel error {err:.2e}")
+    assert err < 1e-2, f"relative error {err:.2e}"   # bf16 queries and probabilities: a few 2^-9
 
 
 def test_gpu_sampling_filters_and_penalty_match_the_cpu_sampler():

@@ -372,7 +372,7 @@ def test_bench_arguments_are_wired():
 
 def test_prefill_shows_the_batched_prefill_graph(capsys, tmp_path):
     """--prefill: the state-only graph of a prompt step (the largest step size unless named), its
-    GEMVs as gemm kernels over its tokens and attention a block per KV head and tokens; the last
+    GEMVs as gemm kernels over its tokens and flash attention a block per KV head and tokens; the last
     layer keeps only its K and V projections; --out writes those kernels."""
     TOKENS = Tuning().prefill_tokens[0]
     rc, out, _ = run_main(capsys, "inspect", "smollm2-135m", "--prefill", "--json")
@@ -381,8 +381,10 @@ def test_prefill_shows_the_batched_prefill_graph(capsys, tmp_path):
     assert doc["tokens"] == TOKENS
     launches = doc["launches"]
     assert {l["family"] for l in launches} == {"rowwise", "gemm", "attention"}
-    # attention: a block per KV head and pair of tokens (SmolLM2's 3 query heads a KV head: 2 tokens fill the pass)
-    assert all(l["grid"][1] == TOKENS // 2 for l in launches if l["family"] == "attention")
+    # attention: flash attention, a block per KV head and 21 tokens (SmolLM2's 3 query heads a KV
+    # head: 63 of a block's 64 query rows)
+    assert all(l["grid"] == [3, -(-TOKENS // 21)] and l["function"].endswith("_flash_" + l["function"].split("_flash_")[1])
+               for l in launches if l["family"] == "attention")
     # each gemm kernel launches its vectors' stage first (one block per token), then the gemm
     gemms = [l for l in launches if l["family"] == "gemm"]
     assert all(stage["function"] == gemm["kernel"] + "_stage" and gemm["function"] == gemm["kernel"]
@@ -396,7 +398,8 @@ def test_prefill_shows_the_batched_prefill_graph(capsys, tmp_path):
     rc, out, _ = run_main(capsys, "inspect", "smollm2-135m", "--prefill", "--out", str(tmp_path))
     assert rc == 0 and f"a prefill step of {TOKENS} tokens" in out
     assert "kernels in layer 0: 5 (+4 gemm stage)" in out and "kernels in layer 29: 1 (+1 gemm stage)" in out
-    assert "split-K: 1 of 5 gemm kernels split their k" in out      # the down projection (K 1536)
+    # few row tiles (N 576 to 3072): every wgmma kernel cuts the step's tokens, none splits its k
+    assert "column tiles: 5 of 5 gemm kernels give a block part of the step's tokens" in out and "split-K" not in out
     assert any(f.name.startswith("gemm_") for f in tmp_path.iterdir())
     rc, out, _ = run_main(capsys, "inspect", "--prefill", "--prefill-tokens", "16", "smollm2-135m", "--json")
     assert rc == 0 and json.loads(out)["tokens"] == 16

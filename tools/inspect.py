@@ -210,11 +210,14 @@ def summary(G, kernels, rows: list[Row], ctx: int, position: int | None = None, 
     for kinds, n in sorted(passes.items(), key=str):
         out.append("attention passes: " + ", ".join(f"{what} {_pass_label(p)}" for what, p in kinds)
                    + f" ({n} kernel{'s' if n != 1 else ''})")
-    split = {k.name: k.launches[-1].grid[1] for k in kernels if k.family == "gemm" and k.launches[-1].grid[1] > 1}
-    if split:
-        out.append(f"split-K: {len(split)} of {len({k.name for k in kernels if k.family == 'gemm'})} gemm kernels "
-                   f"split their k (grid: tiles x slices), "
-                   + ", ".join(f"{name} x{n}" for name, n in sorted(split.items(), key=lambda kv: kv[0])))
+    gemms = {k.name: k for k in kernels if k.family == "gemm"}
+    for what, grid in (("split-K", "slices"), ("column tiles", "column tiles")):
+        cut = {name: k.launches[-1].grid[1] for name, k in gemms.items()
+               if k.launches[-1].grid[1] > 1 and (k.slab_floats > 0) == (what == "split-K")}
+        if cut:   # a kernel whose blocks take part of the step's tokens slabs nothing (gemm.wgmma_plan)
+            doing = "split their k" if what == "split-K" else "give a block part of the step's tokens"
+            out.append(f"{what}: {len(cut)} of {len(gemms)} gemm kernels {doing} (grid: tiles x {grid}), "
+                       + ", ".join(f"{name} x{n}" for name, n in sorted(cut.items())))
     total_r, total_w = sum(r.bytes_read for r in rows), sum(r.bytes_written for r in rows)
     out.append(f"launches per {'step' if prefill else 'token'}: {len(rows)} ({len(kernels)} kernels, "
                f"{len({k.name for k in kernels})} distinct)")

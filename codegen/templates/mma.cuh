@@ -14,3 +14,24 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], unsigned a0, unsigned a
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 #endif
 }
+
+// Four 8x8 bf16 matrices from shared memory, a word of each per lane (ldmatrix.x4): lane l gives
+// the address of row l % 8 of matrix l / 8 (16 bytes, 16-byte aligned); word i of lane t holds
+// row t / 4, columns 2 (t % 4) + {0, 1} of matrix i: for a matrix stored [n][k], mma's B words.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row) {
+#if FUSELM_SM80
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"((unsigned)__cvta_generic_to_shared(row)) : "memory");
+#endif
+}
+
+// As ldmatrix_x4, each matrix transposed (.trans): word i of lane t holds rows 2 (t % 4) + {0, 1},
+// column t / 4 of matrix i: for a matrix stored [k][n], mma's B words.
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) {
+#if FUSELM_SM80
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"((unsigned)__cvta_generic_to_shared(row)) : "memory");
+#endif
+}

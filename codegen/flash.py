@@ -1,0 +1,53 @@
+"""Causal flash attention for prefill steps (templates/flash.cuh): the attention family's prefill
+kernel where the head layout allows. A block takes one KV head and as many consecutive tokens
+as their query heads fill its 64 rows (16 an mma warp), and walks the cache once for all of them
+in tiles of 64 rows through shared memory, where the decode-style passes re-read it for every
+few tokens (codegen/attention.py: prefill_rows). Q and P reach the tensor cores in bf16, as
+in a bf16 transformers run."""
+from __future__ import annotations
+
+import networkx as nx
+
+from . import cexpr
+from .kernel import KernelSource, KernelSpec, Launch
+from .params import Params
+from .render import render
+
+WARPS = 4                   # flash.cuh FLASH_WARPS
+ROWS = 16 * WARPS           # query rows a block: (token, head) pairs
+TILE_ROWS = 64              # cache rows a tile (flash.cuh FLASH_BN)
+
+
+def fits(G: nx.DiGraph, node: str, tokens: int) -> bool:
+    """Whether this attention node's prefill steps of `tokens` tokens run as flash attention:
+    a head size that is a multiple of 32 up to 128, at most 64 query heads per KV head, bf16
+    caches (2-byte rows)."""
+    a = G.nodes[node]["attrs"]
+    _, kc, _, _ = G.nodes[node]["inputs"]
+    hd, group = a["head_dim"], a["n_heads"] // a["n_kv_heads"]
+    bf16_cache = G.nodes[kc].get("attrs", {}).get("kv", "bf16") == "bf16"   # kv_write's cache format
+    return tokens > 1 and hd % 32 == 0 and hd <= 128 and group <= ROWS and bf16_cache
+
+
+def smem_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of a block: two tiles of K and V rows in flight."""
+    return 2 * 2 * TILE_ROWS * head_dim * 2
+
+
+def generate(spec: KernelSpec) -> KernelSource:
+    """The flash prefill kernel of one ATTENTION node for steps of spec.tokens tokens."""
+    G, launch, tokens = spec.G, spec.launch, spec.tokens
+    params = Params(G)
+    (n,) = launch.nodes
+    q, kc, vc, pos = G.nodes[n]["inputs"]
+    a = G.nodes[n]["attrs"]
+    H, KV, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
+    tok = ROWS // (H // KV)
+    name, source = render(
+        "flash.cu.j2", "attention", f"h{H}_kv{KV}_d{hd}_flash", params=params.decls, H=H, KV=KV, HD=hd,
+        tok=tok, tokens=tokens, threads=32 * WARPS, window=int(a.get("window") or 0),
+        scale=cexpr.float_literal(a["scale"]), softcap=cexpr.float_literal(a.get("softcap") or 0.0),
+        q=params.ref(q), kc=params.ref(kc), vc=params.ref(vc), pos=params.ref(pos), out=params.ref(n, written=True))
+    grid = (KV, -(-tokens // tok))
+    return KernelSource(name, "attention", source, launch.nodes,
+                        [Launch(f"{name}_prefill", grid, 32 * WARPS, params.values, smem=smem_bytes(hd))], launch.layer)
