@@ -145,7 +145,8 @@ def cache_rows(eng, rows: int) -> dict[str, np.ndarray]:
 PREFILL_TOL = 5e-2
 # Mixtral: the router stays float32-accurate, but the bf16 vectors of the layers before it move
 # its inputs, and a token whose top-2 margin is below that takes another expert (measured cache
-# differences 5.0e-2 and 7.8e-2 where that happens, 1e-2 where not), as in a bf16 transformers run.
+# differences 5.0e-2 to 1.0e-1 where that happens, 1e-2 where not), as in a bf16 transformers run;
+# the test spreads the routers' logits (weights x 8) so that few tokens sit that close.
 MOE_PREFILL_TOL = 1.5e-1
 
 BF16_NAN = 0x7FC0   # a bf16 quiet NaN's bits: the poison of the (uint16) KV caches
@@ -189,6 +190,9 @@ def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k
     cfg = DecoderConfig.from_hf({**TINY, "architectures": [arch], **PREFILL_ARCHS[arch]})
     graph = build_graph(cfg)
     weights = random_weights(graph, rng)
+    for name in weights:   # routers' logits spread out, so that bf16 vectors rarely flip an expert
+        if name.endswith("block_sparse_moe.gate.weight"):
+            weights[name] = weights[name] * 8
     n = 289
     prompt = rng.integers(0, cfg.vocab_size, n).tolist()
     batched = engine_for(graph, weights, ctx=512, tuning=tuning)
