@@ -1,5 +1,5 @@
 """Causal flash attention for prefill steps (templates/flash.cuh): the attention family's prefill
-kernel where the head layout allows. A block takes one KV head and as many consecutive tokens
+kernel where the head layout allows (head size 64 or 128). A block takes one KV head and as many consecutive tokens
 as their query heads fill its 64 rows (16 an mma warp), and walks the cache once for all of them
 in tiles of 64 rows through shared memory, where the decode-style passes re-read it for every
 few tokens (codegen/attention.py: prefill_rows). Q and P reach the tensor cores in bf16, as
@@ -20,13 +20,13 @@ TILE_ROWS = 64              # cache rows a tile (flash.cuh FLASH_BN)
 
 def fits(G: nx.DiGraph, node: str, tokens: int) -> bool:
     """Whether this attention node's prefill steps of `tokens` tokens run as flash attention:
-    a head size that is a multiple of 32 up to 128, at most 64 query heads per KV head, bf16
-    caches (2-byte rows)."""
+    head size 64 or 128 (rows of whole groups of 8 chunks: the swizzle stays inside them), at
+    most 64 query heads per KV head, bf16 caches (2-byte rows)."""
     a = G.nodes[node]["attrs"]
     _, kc, _, _ = G.nodes[node]["inputs"]
     hd, group = a["head_dim"], a["n_heads"] // a["n_kv_heads"]
     bf16_cache = G.nodes[kc].get("attrs", {}).get("kv", "bf16") == "bf16"   # kv_write's cache format
-    return tokens > 1 and hd % 32 == 0 and hd <= 128 and group <= ROWS and bf16_cache
+    return tokens > 1 and hd in (64, 128) and group <= ROWS and bf16_cache
 
 
 def smem_bytes(head_dim: int) -> int:

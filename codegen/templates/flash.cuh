@@ -17,8 +17,9 @@
 
 constexpr int FLASH_WARPS = 4, FLASH_ROWS = 16 * FLASH_WARPS, FLASH_BN = 64;
 
-// Byte offset of 16-byte chunk c of row r of a [rows][HD] bf16 tile: the chunks of 8 consecutive
-// rows XOR-swizzled, so that ldmatrix's eight rows of one chunk column hit different banks.
+// Byte offset of 16-byte chunk c of row r of a [rows][HD] bf16 tile (HD a multiple of 64: rows of
+// whole groups of 8 chunks): the chunks of 8 consecutive rows XOR-swizzled inside their groups,
+// so that ldmatrix's eight rows of one chunk column hit different banks.
 template <int HD>
 __device__ __forceinline__ int flash_offset(int r, int c) { return r * HD * 2 + ((c ^ (r & 7)) << 4); }
 
@@ -30,7 +31,7 @@ __device__ __forceinline__ void flash_prefill(const float* q, const bf16_t* kc, 
                                               int window, float scale, float softcap, float* o, unsigned char* smem) {
     constexpr int G = H / KV, W = KV * HD, CHUNKS = HD / 8, KSTEPS = HD / 16, NT = FLASH_BN / 8, DT = HD / 8;
     constexpr int TILE = FLASH_BN * HD * 2, THREADS = 32 * FLASH_WARPS;
-    static_assert(HD % 32 == 0 && HD <= 128 && TOK * G <= FLASH_ROWS && TOK >= 1, "flash prefill shape");
+    static_assert((HD == 64 || HD == 128) && TOK * G <= FLASH_ROWS && TOK >= 1, "flash prefill shape");
     static_assert(FUSELM_SM80, "flash prefill needs mma.sync and cp.async (sm_80 on)");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane % 4;
     const int t0 = blockIdx.y * TOK, tokens = min(TOK, TT - t0);
