@@ -179,12 +179,13 @@ def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k
     vectors in the wgmma gemms, as a bf16 transformers run has them), and the logits of the prompt's last token match
     the numpy reference run over the whole prompt (bf16 KV cache on both sides); the decode steps
     after it agree too. "every-tile": every gemm kernel splits its K as far as it goes, a wgmma
-    block taking all of a step's tokens (the default cuts these few tiles along the tokens
-    instead; the real-shape tests run the default plans)."""
+    block taking all of a step's tokens and its slabs costed as free (the default cuts these few
+    tiles along the tokens instead; the real-shape tests run the default plans)."""
     import cupy as cp
 
     from fuselm.codegen import Tuning
-    tuning = Tuning(prefill_tokens=sizes, **(dict(gemm_blocks=1 << 16, gemm_min_chunks=1, wgmma_min_columns=256)
+    tuning = Tuning(prefill_tokens=sizes, **(dict(gemm_blocks=1 << 16, gemm_min_chunks=1, wgmma_min_columns=256,
+                                                   wgmma_slab_cost=0)
                                               if split_k == "every-tile" else {}))
     rng = np.random.default_rng()
     cfg = DecoderConfig.from_hf({**TINY, "architectures": [arch], **PREFILL_ARCHS[arch]})
