@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from .errors import FuselmError
+from .dsl.kv_dtype import check_kv
 from .runtime.engine import Engine, SamplingParams
 from .runtime.generate import GenerationStats, encode_prompt, generate
 
@@ -23,12 +24,14 @@ DEVICES = ("auto", "cpu", "cuda")
 
 
 def load(path: str | Path | None = None, device: str = "auto", ctx: int | None = None,
-         fuse: bool = True, progress: bool = True, log=None, quant: str | None = None) -> "Model":
+         fuse: bool = True, progress: bool = True, log=None, quant: str | None = None,
+         kv: str = "bf16") -> "Model":
     """Open a checkpoint (HF folder or .gguf file; None means the embedded default model), build its
     graph and an engine on `device` ("auto", "cpu" or "cuda") with a KV cache of `ctx` tokens.
     On the GPU a GGUF's quantized matrices stay quantized; `quant` "bf16" takes them to bf16,
     "q8" / "q4" quantize a checkpoint's other matrices on load. The CPU runs float32 holding the
-    same values (bf16-rounded, or quantized and dequantized), so quality is measured there too."""
+    same values (bf16-rounded, or quantized and dequantized), so quality is measured there too.
+    `kv` is the KV cache's dtype: "bf16", or "fp8" (e4m3, a scale per token and KV head)."""
     from .models import build_graph
     from .loading.checkpoint import open_checkpoint   # deferred: heavy imports (gguf, tokenizers)
     from .loading.default_model import default_model_path
@@ -38,6 +41,7 @@ def load(path: str | Path | None = None, device: str = "auto", ctx: int | None =
         raise FuselmError(f"device must be one of {', '.join(DEVICES)}, got '{device}'")
     if ctx is not None and ctx <= 0:
         raise FuselmError(f"ctx must be a positive number of tokens, got {ctx}")
+    check_kv(kv)
     if path is None:
         path = default_model_path(auto_pull=True, log=log)
     elif not Path(path).exists():
@@ -49,7 +53,7 @@ def load(path: str | Path | None = None, device: str = "auto", ctx: int | None =
                           f"(max_position_embeddings of {cfg.source or path})")
     ctx = ctx or min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
     graph = build_graph(cfg, ctx)   # Phi-3's LongRoPE picks its factors by the context
-    engine = _make_engine(device, graph, ckpt, ctx, fuse, progress, log, quant)
+    engine = _make_engine(device, graph, ckpt, ctx, fuse, progress, log, quant, kv)
     return Model(ckpt, engine, Path(path))
 
 
@@ -66,7 +70,7 @@ def _gpu_name() -> str | None:
 
 
 def _make_engine(device: str, graph, ckpt, ctx: int, fuse: bool, progress: bool = True,
-                 log=None, quant: str | None = None) -> Engine:
+                 log=None, quant: str | None = None, kv: str = "bf16") -> Engine:
     """The one place that picks a backend: CUDA when asked for (or on "auto" when a GPU and the
     CUDA engine are present), else the CPU reference executor."""
     log = log or sys.stderr
@@ -80,12 +84,12 @@ def _make_engine(device: str, graph, ckpt, ctx: int, fuse: bool, progress: bool 
                 why = f"GPU {gpu} found but the CUDA engine cannot be imported ({e})"
         if cuda_engine is not None:
             print(f"using GPU: {gpu}", file=log)
-            return cuda_engine.from_checkpoint(ckpt, graph, ctx=ctx, fuse=fuse, quant=quant, progress=progress)
+            return cuda_engine.from_checkpoint(ckpt, graph, ctx=ctx, fuse=fuse, quant=quant, progress=progress, kv=kv)
         if device == "cuda":
             raise FuselmError(f"--device cuda: {why}")
         print(f"{why}, running on the CPU", file=log)
     from .runtime.cpu_engine import CpuEngine
-    return CpuEngine.from_checkpoint(ckpt, graph, ctx, progress=progress, quant=quant)
+    return CpuEngine.from_checkpoint(ckpt, graph, ctx, progress=progress, quant=quant, kv=kv)
 
 
 def default_sampling(generation: dict | None) -> SamplingParams:

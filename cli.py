@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from . import __version__
+from .dsl.kv_dtype import KV_DTYPES
 from .errors import FuselmError
 from .runtime.engine import SamplingError, SamplingParams
 from .runtime.generate import check_text
@@ -82,6 +83,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=int, metavar="N", help="context length (KV cache rows), at most the "
                    "model's maximum positions; default min(model's maximum, 4096)")
     p.add_argument("--no-fuse", action="store_true", help="CUDA: run the graph without fusion")
+    add_kv_argument(p)
     p.add_argument("--quant", choices=["bf16", "fp8", "q8", "q5", "q4"], default=None,
                    help="weights: a GGUF's (or fp8 checkpoint's) quantized matrices stay quantized unless bf16; "
                         "fp8 (e4m3, a scale per row), q8 (Q8_0), q5 (Q5_1) or q4 (Q4_1) quantize the other "
@@ -91,6 +93,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 # the option of each SamplingParams field, for the messages of its range checks
 SAMPLING_OPTIONS = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
                     "repetition_penalty": "--repeat-penalty", "seed": "--seed"}
+
+
+def add_kv_argument(p: argparse.ArgumentParser) -> None:
+    """--kv: the KV cache's dtype (run, bench)."""
+    p.add_argument("--kv", choices=KV_DTYPES, default="bf16",
+                   help="KV cache dtype: bf16, or fp8 (e4m3 with a scale per token and KV head: half the bytes)")
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
@@ -138,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .api import load
     print(f"loading {args.model or 'the default model'}", file=sys.stderr)
-    model = load(args.model, device=args.device, ctx=args.ctx, fuse=not args.no_fuse, quant=args.quant)
+    model = load(args.model, device=args.device, ctx=args.ctx, fuse=not args.no_fuse, quant=args.quant, kv=args.kv)
     sampling = _sampling_kwargs(args)
     if interactive:
         return chat_loop(model, args.max_new_tokens, sampling)

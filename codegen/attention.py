@@ -18,6 +18,7 @@ import networkx as nx
 from ..errors import FuselmError
 from . import cexpr
 from .kernel import KernelSource, KernelSpec, Launch, Variant
+from .kv_cache import check_target, layout_of
 from .params import Params, storage_of
 from .render import render
 from .tuning import SMEM_STATIC, Target, Tuning
@@ -73,16 +74,19 @@ def mma_fits(head_dim: int, group: int, target: Target) -> bool:
 
 
 def pass_of(kv: int, head_dim: int, group: int, warps: int, row_limit: int, target: Target,
-            late_v: bool = False) -> Pass:
+            late_v: bool = False, cache: str = "KvBf16") -> Pass:
     """The pass of a block of `warps` warps: MmaPass where it fits (with `late_v`, its V rows
     after the queries); else LanePass, whose lanes hold J <= row_limit rows each (J x group scores
-    in registers)."""
+    in registers). `cache`: the cache layout's C++ policy (kv_cache.py), named only where not bf16."""
     if mma_fits(head_dim, group, target):
         late = ", true" if late_v else ""
+        if cache != "KvBf16":
+            late = f", {str(late_v).lower()}, 1, {cache}"
         return Pass(f"MmaPass<{kv}, {head_dim}, {warps}, {group}{late}>", warps * (2048 // head_dim),   # MmaPass::CHUNK
                     on_tensor_cores=True, late_v=late_v)
     rows = _rows_per_lane(row_limit, group)
-    return Pass(f"LanePass<{kv}, {head_dim}, {warps}, {rows}, {group}>",
+    policy = f", {cache}" if cache != "KvBf16" else ""
+    return Pass(f"LanePass<{kv}, {head_dim}, {warps}, {rows}, {group}{policy}>",
                 warps * (32 // lanes_per_row(head_dim)) * rows)                                 # LanePass::CHUNK
 
 
@@ -108,6 +112,7 @@ class Layout:
     group: int               # query heads per KV head
     target: Target
     tuning: Tuning
+    cache: str = "KvBf16"    # the KV cache's layout policy (kv_cache.py: CacheLayout.c_type)
 
     @property
     def split_warps(self) -> int:
@@ -117,7 +122,8 @@ class Layout:
     @property
     def split_pass(self) -> Pass:
         """The split's pass; a split block covers one pass of the cache."""
-        return pass_of(self.kv, self.head_dim, self.group, self.split_warps, self.tuning.attn_rows, self.target)
+        return pass_of(self.kv, self.head_dim, self.group, self.split_warps, self.tuning.attn_rows, self.target,
+                       cache=self.cache)
 
     @property
     def single_warps(self) -> int:
@@ -128,7 +134,7 @@ class Layout:
         """The one-launch variant's pass; on CUDA cores its lanes hold fewer rows than the split's
         (attn_single_rows): a short context's few rows spread over more lanes."""
         return pass_of(self.kv, self.head_dim, self.group, self.single_warps, self.tuning.attn_single_rows,
-                       self.target)
+                       self.target, cache=self.cache)
 
     @property
     def single_until(self) -> int:
@@ -149,7 +155,8 @@ class Layout:
         per_head = self.target.sms // self.kv
         if warps <= self.split_warps or per_head == 0:
             return None
-        p = pass_of(self.kv, self.head_dim, self.group, warps, self.tuning.attn_rows, self.target, late_v=True)
+        p = pass_of(self.kv, self.head_dim, self.group, warps, self.tuning.attn_rows, self.target, late_v=True,
+                    cache=self.cache)
         return WideSplit(per_head * self.split_pass.chunk, per_head * p.chunk, p, warps)
 
 
@@ -166,7 +173,8 @@ def prefill_rows(layout: Layout, tokens: int, tuning: Tuning) -> tuple[Pass, int
         per *= 2
     warps = warps_fitting(tuning.attn_single_warps, layout.head_dim, layout.group * per, layout.target)
     chunk = warps * (2048 // layout.head_dim)                                                  # MmaPass::CHUNK
-    return Pass(f"MmaPass<{layout.kv}, {layout.head_dim}, {warps}, {layout.group}, false, {per}>", chunk,
+    policy = f", {layout.cache}" if layout.cache != "KvBf16" else ""
+    return Pass(f"MmaPass<{layout.kv}, {layout.head_dim}, {warps}, {layout.group}, false, {per}{policy}>", chunk,
                 on_tensor_cores=True), per, warps
 
 
@@ -182,7 +190,11 @@ def generate(spec: KernelSpec) -> KernelSource:
     q, kc, vc, pos = d["inputs"]
     a = d["attrs"]
     H, KV, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
-    layout = Layout(KV, hd, H // KV, spec.target, tuning)
+    caches = layout_of(G, kc), layout_of(G, vc)
+    if caches[0].kv != caches[1].kv:
+        raise FuselmError(f"{n}: its K cache is {caches[0].kv} but its V cache {caches[1].kv}; both must be one dtype")
+    check_target(caches[0], spec.target, n)
+    layout = Layout(KV, hd, H // KV, spec.target, tuning, caches[0].c_type)
     if hd > 256:
         raise FuselmError(f"{n}: head_dim {hd} > 256 is not supported by the attention kernel")
     if G.nodes[storage_of(G, pos)]["op"] != "input":
@@ -204,7 +216,7 @@ def generate(spec: KernelSpec) -> KernelSource:
     single_until = min(layout.single_until, ctx)
     rows = prefill_rows(layout, tokens, tuning) if tokens > 1 else None
     name, source = render(
-        "attention.cu.j2", "attention", f"h{H}_kv{KV}_d{hd}", params=params.decls, H=H, KV=KV, HD=hd,
+        "attention.cu.j2", "attention", f"h{H}_kv{KV}_d{hd}" + ("_fp8" if caches[0].fp8 else ""), params=params.decls, H=H, KV=KV, HD=hd,
         chunk=split.chunk, split_pass=split.type, nchunk=nchunk, window=int(a.get("window") or 0),
         scale=cexpr.float_literal(a["scale"]), softcap=cexpr.float_literal(a.get("softcap") or 0.0),
         threads=threads, combine_warps=tuning.attn_combine_warps, combine_threads=combine_threads,

@@ -21,6 +21,7 @@ import networkx as nx
 
 from ..compiler import compile_graph, compile_graphs
 from ..dsl import Graph
+from ..dsl.kv_dtype import with_kv_dtype
 from ..errors import FuselmError
 from . import sample
 from .emit import generate
@@ -81,15 +82,17 @@ class Program:
 
 def build_program(graph: Graph, ctx: int, target: Target | None = None, tuning: Tuning | None = None,
                   fuse: bool = True, prefill: bool = True, trace: bool = False, compile: bool = True,
-                  pass_list=None, dump: str | Path | None = None, formats=None) -> Program:
+                  pass_list=None, dump: str | Path | None = None, formats=None, kv: str = "bf16") -> Program:
     """`graph` compiled, generated and (unless compile=False) built with NVRTC for a KV cache of
     `ctx` rows on `target` (default: the H200's sm_90, 132 SMs) with `tuning` (default: the
     defaults with $FUSELM_TUNE). A language model (inputs ids and pos, output logits) gets the
     sampler and, unless prefill=False, its batched prefill steps; pass_list replaces the
     compiler's passes and dump writes the graph after each (the decode graph only); `formats`
-    maps weight names to the formats they are held in (quant/formats.py; bf16 otherwise)."""
+    maps weight names to the formats they are held in (quant/formats.py; bf16 otherwise); `kv`
+    is the KV cache's dtype, "bf16" or "fp8" (dsl/kv_dtype.py)."""
     if ctx <= 0:
         raise FuselmError(f"context must be a positive number of tokens, got {ctx}")
+    graph = with_kv_dtype(graph, kv)
     target = target or Target()
     tuning = tuning or Tuning.from_env()
     G = compile_graph(graph, fuse=fuse, tokens=1, pass_list=pass_list, dump=dump, formats=formats)

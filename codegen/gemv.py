@@ -11,6 +11,7 @@ from ..dsl import Kind, get
 from ..quant.formats import Format, format_of
 from . import cexpr
 from .kernel import KernelSource, KernelSpec, Launch
+from .kv_cache import layout_of, staging
 from .params import Params
 from .render import render
 from .tuning import SMEM_STATIC, Target, Tuning
@@ -105,7 +106,8 @@ def staged_fits(K: int, ksplit: int, max_tile: int) -> bool:
 def shape_name(vec: dict, zips: list[ZipTile], tokens: int | None = None) -> str:
     """A gemv / gemm kernel's shape in its name: norm_k<K>_<members>x<N>..., _t<tokens> for a gemm."""
     shape = f"k{vec['K']}_" + "_".join(f"{len(z.members)}x{z.N}{z.formats}" for z in zips)
-    return ("norm_" if vec["prologue"] else "") + shape + (f"_t{tokens}" if tokens else "")
+    kv = "_kvfp8" if any("kv_fp8_epilogue" in z.epilogue for z in zips) else ""   # fp8 KV cache writes
+    return ("norm_" if vec["prologue"] else "") + shape + kv + (f"_t{tokens}" if tokens else "")
 
 
 def _slots(ksplit: int, members: int, pairs: bool, rows_per_warp: int, tuning: Tuning) -> int:
@@ -165,7 +167,7 @@ def zip_contexts(G: nx.DiGraph, launch: ScheduledKernel, params: Params, slots, 
         z_epi = [n for n in epilogue if _zip_of(G, n, z.linears, set(nodes))]
         preload: list[str] = []
         members = [params.ref(G.nodes[l]["inputs"][1]) for l in z.linears]
-        body = _epilogue(G, launch, z.linears, z_epi, R, params, batched, preload)
+        body = _epilogue(G, launch, z.linears, z_epi, R, params, batched, preload, paired=bool(hd))
         zips.append(ZipTile(z.width, R, hd, str(interleaved).lower(), start, start + tiles, members, body,
                             "\n".join(preload), groups))
         start += tiles
@@ -183,7 +185,8 @@ def _zip_of(G, node, linears, inside) -> bool:
     return False
 
 
-def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False, preload: list[str] | None = None) -> str:
+def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False, preload: list[str] | None = None,
+              paired: bool = False) -> str:
     """C statements run by thread `s` < R for its slot `row`: every epilogue op, then the writes.
     `batched` (the gemm family, tokens > 1): for token `t` of the step, whose dot products
     tile_out holds as [member][slot][token] (TT tokens, rows TS floats apart) and whose partner slot s ^ 1 sits in the
@@ -204,6 +207,9 @@ def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False, pr
         v = f"v{len(decls)}"
         if kind is Kind.CACHE_WRITE:
             cache, src, pos = d["inputs"]
+            if layout_of(G, n).fp8:
+                body += _fp8_write(G, launch, n, var[src], R, params, batched, paired)
+                continue
             width = d["shape"][-1]
             at = _ahead(f"{params.ref(pos)}[{token}]", [pos], "int", f"__ldcg({params.ref(pos)})", launch, preload,
                         batched)
@@ -232,6 +238,28 @@ def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False, pr
             at = f"t * {G.nodes[n]['shape'][-1]} + row" if batched else "row"
             body.append(f"if (active) {params.ref(n, written=True)}[{at}] = {var[n]};")
     return "\n".join("        " + line for line in decls + body)
+
+
+def _fp8_write(G, launch, node, value: str, R: int, params, batched: bool, paired: bool) -> list[str]:
+    """The fp8 cache write of kv_write `node` (kv_cache.cuh: kv_fp8_epilogue): the block's values
+    staged, the last block of each head writing it. A gemm round takes THREADS / R tokens."""
+    cache, _, pos = G.nodes[node]["inputs"]
+    lay = layout_of(G, node)
+    st = staging(G, launch.nodes, G.graph.get("tokens", 1))[0][node]
+    unit = 2 if paired else 1
+    # a round's first token: thread e of the round takes token (first) + e / R, whatever the first is
+    ntok, t0, token, live = (("THREADS / R", "t - (int)threadIdx.x / R", "t", "THREADS") if batched
+                             else ("1", "0", "0", "blockDim.x"))
+    stage, counts = runtime_buffer(params, "float*", "kv_stage"), runtime_buffer(params, "unsigned*", "kv_counts")
+    lines = ['static_assert(THREADS % R == 0, "a round of the epilogue takes whole tokens");'] if batched else []
+    return lines + [f"kv_fp8_epilogue<{lay.head_dim}, {unit}, {R // unit}, {lay.width}, {ntok}, {lay.stride}, "
+                    f"{lay.scale_at}>({params.ref(cache, written=True)}, {stage} + {st.stage}, {counts} + {st.counts}, "
+                    f"{params.ref(pos)}, {t0}, tile, active, row, {token}, active ? {value} : 0.0f, {live});"]
+
+
+def runtime_buffer(params, decl: str, key: str) -> str:
+    """The C name of runtime buffer `key` among a kernel's arguments, added once."""
+    return f"p{params.values.index(key)}" if key in params.values else params.extra(decl, key)
 
 
 def _ahead(expr: str, values: list[str], ctype: str, early_expr: str, launch, preload: list[str] | None,

@@ -20,8 +20,10 @@ def c_type(G: nx.DiGraph, value: str, written: bool) -> str:
     d = G.nodes[storage_of(G, value)]
     if d["op"] == "weight":   # bf16, or the bytes of a quantized format (quant/formats.py)
         return "const weight_t*" if d.get("format", "bf16") == "bf16" else "const unsigned char*"
-    if d["op"] == "state":
-        return "bf16_t*" if written else "const bf16_t*"
+    if d["op"] == "state":   # a KV cache: bf16 values or fp8 rows (codegen/kv_cache.py)
+        from .kv_cache import layout_of
+        elem = "unsigned char" if layout_of(G, value).fp8 else "bf16_t"
+        return f"{elem}*" if written else f"const {elem}*"
     base = "int" if d["dtype"] == "i32" else "float"
     return f"{base}*" if written else f"const {base}*"
 

@@ -13,6 +13,7 @@ from ..dsl import Kind
 from ..quant.formats import format_of
 from . import cexpr
 from .kernel import KernelSource, KernelSpec, Launch
+from .kv_cache import layout_of
 from .params import Params
 from .render import render
 
@@ -107,6 +108,13 @@ def _rope(G, n, params, at, row):
 def _kv_write(G, n, params, at, row):
     cache, x, pos = G.nodes[n]["inputs"]
     width = G.nodes[n]["shape"][-1]
+    lay = layout_of(G, n)
+    if lay.fp8:   # the block holds the whole row: a warp per KV head writes it (kv_fp8_head)
+        dst = f"{params.ref(cache, written=True)} + (size_t){params.ref(pos)}[t] * {lay.stride}"
+        return (f"for (int h = threadIdx.x >> 5; h < {lay.kv_heads}; h += blockDim.x >> 5) {{\n"
+                f"    unsigned char* dst = {dst};\n"
+                f"    kv_fp8_head<{lay.head_dim}>(dst + h * {lay.head_dim}, reinterpret_cast<float*>(dst + {lay.scale_at}) + h,\n"
+                f"        [&](int d) {{ const int i = h * {lay.head_dim} + d; return (float)({at(x)}); }});\n}}")
     return _loop(width, f"{params.ref(cache, written=True)}[(size_t){params.ref(pos)}[t] * {width} + i] = "
                         f"f32_to_bf16({at(x)});")
 

@@ -11,6 +11,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ..dsl import Graph
+from ..dsl.kv_dtype import check_kv, with_kv_dtype
 from ..errors import FuselmError
 from .engine import SamplingParams, check_logits, size_text, value_counts
 from .reference import new_state, run_graph
@@ -18,13 +19,16 @@ from .sampling import Sampler
 
 
 class CpuEngine:
-    """A model graph, its float32 weights and a KV cache of `ctx` rows, run on the CPU."""
+    """A model graph, its float32 weights and a KV cache of `ctx` rows, run on the CPU. kv "fp8":
+    the cache holds what an fp8 cache would (dsl/kv_dtype.py), kept as float32."""
 
     device = "cpu"
 
-    def __init__(self, graph: Graph, weights: Mapping[str, np.ndarray], ctx: int):
+    def __init__(self, graph: Graph, weights: Mapping[str, np.ndarray], ctx: int, kv: str = "bf16"):
         if ctx <= 0:
             raise FuselmError(f"context must be a positive number of tokens, got {ctx}")
+        self.kv_dtype = check_kv(kv)
+        graph = with_kv_dtype(graph, kv)
         self.graph, self.weights, self.max_context = graph, weights, ctx
         self.state = new_state(graph, ctx)
         self.position = 0
@@ -34,12 +38,13 @@ class CpuEngine:
 
     @classmethod
     def from_checkpoint(cls, ckpt, graph: Graph, ctx: int, progress: bool = True,
-                        quant: str | None = None) -> "CpuEngine":
+                        quant: str | None = None, kv: str = "bf16") -> "CpuEngine":
         """Load `ckpt`'s weights as float32 arrays and build the engine; refused before any weight
         is read when they and the KV cache would not fit in the machine's memory. `quant` gives
         the matrices the values the GPU would hold: "bf16" rounded to bf16, "q8" / "q4"
         quantized on load and dequantized (quant/quantize.py), so quality can be measured here."""
         from ..loading.checkpoint import load_weights   # deferred: written in parallel, heavy imports
+        check_kv(kv)
         need, have = memory_needed(graph, ctx), physical_memory()
         if have is not None and need > have:
             raise FuselmError(f"the CPU engine needs {size_text(need)} (float32 weights and a KV cache of {ctx} "
@@ -47,7 +52,7 @@ class CpuEngine:
         weights = load_weights(ckpt, graph, dtype=np.float32, progress=progress)
         if quant is not None:
             weights = {**weights, **as_the_gpu_holds(graph, weights, quant)}
-        return cls(graph, weights, ctx)
+        return cls(graph, weights, ctx, kv=kv)
 
     def reset(self) -> None:
         """Forget the conversation. The cache is not cleared: attention reads only rows at or

@@ -14,13 +14,15 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ..codegen import Target, Tuning, build_program
+from ..codegen.kv_cache import graph_kv_bytes, layout_of, staging_sizes
 from ..codegen.params import storage_of
 from ..codegen.sample import scratch_words
 from ..compiler.assign_formats import quantizable_shapes
 from ..dsl import Graph
+from ..dsl.kv_dtype import check_kv, e4m3_values, quantize_heads
 from ..errors import FuselmError
 from ..quant.formats import QuantizedWeight, format_of
-from .engine import NonFiniteLogits, SamplingParams, size_text, value_counts
+from .engine import NonFiniteLogits, SamplingParams, size_text
 from .launch import arena_view, bind_launch, load_cubin, pdl_wanted
 from .prefill import Prefill
 
@@ -30,7 +32,7 @@ SAMPLING_ARGS = np.dtype([("temperature", "f4"), ("top_p", "f4"), ("min_p", "f4"
 
 
 # Launch arguments that are the engine's own buffers (attributes of the same name), not graph values.
-RUNTIME_BUFFERS = ("workspace", "seen", "sampled", "pos", "sampling_args", "sampler_scratch")
+RUNTIME_BUFFERS = ("workspace", "seen", "sampled", "pos", "sampling_args", "sampler_scratch", "kv_stage", "kv_counts")
 
 
 def check_variant(kernels, variant: str | None) -> None:
@@ -57,15 +59,20 @@ def weight_bytes(graph: Graph, formats: Mapping[str, str] | None = None) -> int:
     return sum(format_of(formats.get(n.name, "bf16")).nbytes(n.shape) for n in graph.sources("weight"))
 
 
+def free_device_memory(cp) -> int:
+    """Bytes the engine may still allocate: the device's free memory and what CuPy's pool holds
+    unused (tests fake this figure)."""
+    return cp.cuda.runtime.memGetInfo()[0] + cp.get_default_memory_pool().free_bytes()
+
+
 def check_device_memory(cp, graph: Graph, ctx: int, resident: int = 0, extra: int = 0,
-                        formats: Mapping[str, str] | None = None) -> None:
+                        formats: Mapping[str, str] | None = None, kv: str = "bf16", free: int | None = None) -> None:
     """A one-line error, before anything is uploaded, when `graph`'s weights (in `formats`, bf16
-    otherwise) and a KV cache of `ctx` rows (plus `extra` bytes: the arena) do not fit the GPU's
-    free memory; `resident` bytes of weights are on the GPU already. It says which --ctx would
-    fit, when any would."""
-    _, state = value_counts(graph, ctx)
-    weight_bytes_, kv_bytes = weight_bytes(graph, formats) - resident, 2 * state
-    free = cp.cuda.runtime.memGetInfo()[0] + cp.get_default_memory_pool().free_bytes()
+    otherwise) and a KV cache of `ctx` rows in `kv` (plus `extra` bytes: the arena) do not fit
+    the GPU's `free` memory (default: free_device_memory); `resident` bytes of weights are on the
+    GPU already. It says which --ctx would fit, when any would."""
+    weight_bytes_, kv_bytes = weight_bytes(graph, formats) - resident, graph_kv_bytes(graph, ctx, kv)
+    free = free_device_memory(cp) if free is None else free
     if weight_bytes_ + kv_bytes + extra <= free:
         return
     per_token = kv_bytes // ctx if ctx else 0
@@ -73,8 +80,16 @@ def check_device_memory(cp, graph: Graph, ctx: int, resident: int = 0, extra: in
     advice = (f"lower --ctx to at most {room // per_token}" if per_token and room >= per_token
               else "the weights alone do not fit")
     raise FuselmError(f"the model needs {size_text(weight_bytes_ + kv_bytes + extra)} of GPU memory (weights "
-                      f"{size_text(weight_bytes_)}, a KV cache of {ctx} tokens {size_text(kv_bytes)}) but "
-                      f"{gpu_name()} has {size_text(free)} free; {advice}")
+                      f"{size_text(weight_bytes_)}, a KV cache of {ctx} tokens in {kv} {size_text(kv_bytes)}) but "
+                      f"{_device_label()} has {size_text(free)} free; {advice}")
+
+
+def _device_label() -> str:
+    """The GPU's name for a message, or "the GPU" where the runtime cannot say (no driver)."""
+    try:
+        return gpu_name()
+    except Exception:
+        return "the GPU"
 
 
 def gpu_available() -> bool:
@@ -108,10 +123,12 @@ class CudaEngine:
 
     def __init__(self, graph: Graph, weights: Mapping[str, object], ctx: int = 4096, fuse: bool = True,
                  use_graph: bool = True, pass_list=None, variant: str | None = None,
-                 batched_prefill: bool = True, tuning: Tuning | None = None, trace: bool = False):
+                 batched_prefill: bool = True, tuning: Tuning | None = None, trace: bool = False,
+                 kv: str = "bf16"):
         import cupy
         if ctx <= 0:
             raise FuselmError(f"context must be a positive number of tokens, got {ctx}")
+        self.kv_dtype = check_kv(kv)
         check_weights(graph, weights)
         self.cp, self.graph, self.max_context, self.use_graph = cupy, graph, ctx, use_graph
         # None: each kernel's variant by position; a name ("single", or "general" for the launches
@@ -125,7 +142,7 @@ class CudaEngine:
                         if isinstance(weights[n.name], QuantizedWeight)}
         # A forced variant runs only the decode graphs: prompts then go one token at a time.
         self.program = build_program(graph, ctx, target, tuning, fuse=fuse, trace=trace, pass_list=pass_list,
-                                     prefill=batched_prefill and variant is None, formats=self.formats)
+                                     prefill=batched_prefill and variant is None, formats=self.formats, kv=kv)
         self.G, self.kernels = self.program.decode.G, self.program.decode.kernels
         check_variant(self.kernels, variant)
         self.logits_value = self.program.decode.logits   # None: a graph without a sampler (tests, tools)
@@ -135,7 +152,8 @@ class CudaEngine:
         self.module = load_cubin(cupy, self.program.decode.cubin)
         resident = sum(w.nbytes for w in (weights[n.name] for n in graph.sources("weight"))
                        if isinstance(w, cupy.ndarray) or isinstance(w, QuantizedWeight) and isinstance(w.data, cupy.ndarray))
-        check_device_memory(cupy, graph, ctx, resident, extra=self.G.graph["arena_bytes"], formats=self.formats)
+        check_device_memory(cupy, graph, ctx, resident, extra=self.G.graph["arena_bytes"], formats=self.formats,
+                            kv=kv)
         self._allocate(weights, vocab)
         self._bind()
         self.stream = cupy.cuda.Stream(non_blocking=True)
@@ -148,13 +166,13 @@ class CudaEngine:
 
     @classmethod
     def from_checkpoint(cls, ckpt, graph: Graph, ctx: int = 4096, fuse: bool = True,
-                        quant: str | None = None, progress: bool = True) -> "CudaEngine":
+                        quant: str | None = None, progress: bool = True, kv: str = "bf16") -> "CudaEngine":
         """Load `ckpt`'s weights and compile `graph` for this GPU. Quantized matrices of a GGUF or
         an fp8 checkpoint stay in their format where the kernels read it, the rest goes to bf16;
         `quant` "bf16" takes everything to bf16, "fp8" / "q8" / "q5" / "q4" quantize the rest on
         load (quant/quantize.py). Tensors go to the GPU one at a time (host memory holds one).
         Refused before any weight is read when weights and KV cache would not fit the GPU's
-        free memory."""
+        free memory (a KV cache of `kv`: bf16 or fp8)."""
         import cupy
         import ml_dtypes
 
@@ -170,7 +188,7 @@ class CudaEngine:
         if target:
             formats = {**{n: target for n, shape in quantizable_shapes(graph).items()
                           if format_of(target).fits(shape)}, **formats}
-        check_device_memory(cupy, graph, ctx, formats=formats)
+        check_device_memory(cupy, graph, ctx, formats=formats, kv=check_kv(kv))
         # one tensor at a time from the (mapped) file to the GPU: host memory holds one, not all
         weights = {}
         total = weight_bytes(graph, formats)
@@ -182,15 +200,22 @@ class CudaEngine:
                 weights[name] = (QuantizedWeight(w.format, w.shape, cupy.asarray(w.data))
                                  if isinstance(w, QuantizedWeight) else as_device(cupy, w))
                 bar.update(weights[name].nbytes)
-        return cls(graph, weights, ctx=ctx, fuse=fuse)
+        return cls(graph, weights, ctx=ctx, fuse=fuse, kv=kv)
 
     # ---- memory ----
     def _allocate(self, weights: Mapping[str, object], vocab: int) -> None:
         cp, G = self.cp, self.G
         self.weights = {node.name: as_device(cp, weights[node.name]) for node in self.graph.sources("weight")}
         self.constants = {k: cp.asarray(v, cp.float32) for k, v in G.graph["constants"].items()}
-        self.states = {n.name: cp.zeros((self.max_context, n.shape[-1]), cp.uint16)
-                       for n in self.graph.sources("state")}
+        # bf16 caches [ctx, width] values; fp8 ones [ctx, stride] bytes (codegen/kv_cache.py)
+        self.cache_layouts = {n.name: layout_of(G, n.name) for n in self.graph.sources("state")}
+        self.states = {name: cp.zeros((self.max_context, lay.stride), cp.uint8) if lay.fp8
+                       else cp.zeros((self.max_context, lay.width), cp.uint16)
+                       for name, lay in self.cache_layouts.items()}
+        # fp8 cache writes: each GEMV block's staged values and the blocks counted per head
+        stage, counts = staging_sizes(G)
+        self.kv_stage = cp.empty(stage, cp.float32)
+        self.kv_counts = cp.zeros(counts, cp.uint32)
         self.arena = cp.empty(max(G.graph["arena_bytes"], 256), cp.uint8)
         self.inputs = {n.name: cp.zeros([1 if d == "T" else d for d in n.shape],
                                         cp.int32 if n.dtype == "i32" else cp.float32)
@@ -395,12 +420,27 @@ class CudaEngine:
         self._on_device = None
 
     def set_state(self, name: str, value) -> None:
-        """Fill persistent buffer `name` (a KV cache, [ctx, width]) with `value`'s rows, as bf16;
-        rows past `value` become zero."""
+        """Fill persistent buffer `name` (a KV cache, [ctx, width]) with `value`'s rows, as bf16
+        or as fp8 rows (dsl/kv_dtype.py's rule); rows past `value` become zero."""
         rows = np.asarray(value, np.float32)
+        lay = self.cache_layouts[name]
+        data = fp8_rows(lay, rows) if lay.fp8 else to_bf16_bits(rows)
         with self.stream:
             self.states[name].fill(0)
-            self.states[name][: rows.shape[0]] = self.cp.asarray(to_bf16_bits(rows))
+            self.states[name][: rows.shape[0]] = self.cp.asarray(data)
+
+    def state_rows(self, name: str, rows: int) -> np.ndarray:
+        """The first `rows` rows of KV cache `name` as float32 [rows, width]: bf16 values, or
+        fp8 codes times their scales."""
+        self.stream.synchronize()
+        lay = self.cache_layouts[name]
+        if not lay.fp8:
+            return (self.states[name][:rows].get().astype(np.uint32) << 16).view(np.float32)
+        raw = self.states[name][:rows].get()
+        codes = raw[:, : lay.width]
+        scales = raw[:, lay.scale_at: lay.scale_at + 4 * lay.kv_heads].copy().view(np.float32)
+        values = e4m3_values(codes).reshape(rows, lay.kv_heads, lay.head_dim) * scales[..., None]
+        return values.reshape(rows, lay.width).astype(np.float32)
 
     def output(self, name: str) -> np.ndarray:
         """The last step's value of graph output `name`."""
@@ -408,6 +448,15 @@ class CudaEngine:
         value = self.G.graph["outputs"][name]
         shape = [1 if d == "T" else d for d in self.G.nodes[value]["shape"]]     # one token
         return self.cp.asnumpy(self.buffer(value)).reshape(shape)
+
+
+def fp8_rows(lay, rows: np.ndarray) -> np.ndarray:
+    """float32 rows [n, width] as n fp8 cache rows (layout `lay`): uint8 [n, stride]."""
+    codes, scales = quantize_heads(rows, lay.head_dim)
+    out = np.zeros((rows.shape[0], lay.stride), np.uint8)
+    out[:, : lay.width] = codes
+    out[:, lay.scale_at: lay.scale_at + 4 * lay.kv_heads] = scales.view(np.uint8).reshape(rows.shape[0], -1)
+    return out
 
 
 def as_device(cp, w):

@@ -22,6 +22,7 @@ import weakref
 import numpy as np
 
 from ..codegen.build import PrefillStep
+from ..codegen.kv_cache import staging_sizes
 from ..codegen.params import storage_of
 from ..errors import FuselmError
 from .launch import arena_view, bind_launch, load_cubin
@@ -68,6 +69,10 @@ class Prefill:
             "gemm_counts": cp.zeros(max([k.tile_counts for k in kernels] + [1]), cp.uint32),
             # the step's vectors as the gemms stage them, and their sums of squares per token
             "gemm_x": cp.empty(max([k.staged_floats for k in kernels] + [1]), cp.float32),
+            # fp8 cache writes: the gemm blocks' staged values, and per (token, head) the blocks
+            # counted in (the last one writes the head and leaves 0)
+            "kv_stage": cp.empty(max(staging_sizes(s.G)[0] for s in steps), cp.float32),
+            "kv_counts": cp.zeros(max(staging_sizes(s.G)[1] for s in steps), cp.uint32),
         }
         self.workspace = self.buffers["workspace"]
         self.steps = {s.tokens: _Step(self.engine, self.arena, self.buffers, s) for s in steps}

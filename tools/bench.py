@@ -52,7 +52,8 @@ def copy_bandwidth(gib: int = 4) -> float:
     return 2 * n * 4 / statistics.median(times[2:])
 
 
-def start_times(graph, weights, vocab: int, ctx: int, fuse: bool = True, tuning=None) -> tuple[float, float, float]:
+def start_times(graph, weights, vocab: int, ctx: int, fuse: bool = True, tuning=None,
+                kv: str = "bf16") -> tuple[float, float, float]:
     """Seconds of start-up, weights already on the GPU, in a kernel cache of its own: (graph to
     cubins with the cache empty, the same with it warm, warm start to the first token). Each is an
     engine built as `fuselm.load` builds it after loading weights; the warm start is the second
@@ -69,7 +70,7 @@ def start_times(graph, weights, vocab: int, ctx: int, fuse: bool = True, tuning=
         try:
             for warm in (False, True):               # the kernel cache empty, then warm
                 t0 = time.perf_counter()
-                engine = CudaEngine(graph, weights, ctx=ctx, fuse=fuse, tuning=tuning)
+                engine = CudaEngine(graph, weights, ctx=ctx, fuse=fuse, tuning=tuning, kv=kv)
                 engine.prefill(prompt, GREEDY)
                 first_token_s.append(time.perf_counter() - t0)
                 compile_s.append(engine.compile_seconds)
@@ -104,18 +105,20 @@ def step_bytes(kernels, states, context: float) -> float:
     """Bytes one decode step moves: every kernel's weights and activations as codegen counted them
     (an embedding reads one row, a MoE only its chosen experts), plus the KV cache at `context`."""
     fixed = sum(k.bytes_read + k.bytes_written for k in kernels if k.family != "attention")
-    kv_row = sum(s.shape[1] * 2 for s in states.values())     # bf16 K and V rows of every layer
+    # K and V rows of every layer: bf16 [ctx, width] or fp8 [ctx, stride bytes] (default: bf16)
+    kv_row = sum(s.shape[1] * getattr(s, "itemsize", 2) for s in states.values())
     return fixed + kv_row * context
 
 
 def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do_profile: bool = False,
                 peers: tuple[str, ...] = (), copy_Bps: float | None = None, fuse: bool = True,
                 decode_only: bool = False, positions: tuple[int, ...] = (), tuning=None,
-                quant: str | None = None) -> dict:
+                quant: str | None = None, kv: str = "bf16") -> dict:
     """Measure one preset or checkpoint (see the module docstring); `decode_only` skips the compile
     and long-prompt measurements and the profile at 4k (for quick A/B runs); `positions`: decode
     tok/s also from each of these start positions (the cache grows to hold the last one's run);
-    `quant`: a preset's weights made in that scheme's formats (quant/schemes.py)."""
+    `quant`: a preset's weights made in that scheme's formats (quant/schemes.py); `kv`: the KV
+    cache's dtype (bf16 or fp8)."""
     import cupy as cp
 
     from ..runtime.cuda_engine import CudaEngine
@@ -149,9 +152,9 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
         dtype = quant or "bf16"
     cp.cuda.Device().synchronize()
     load = time.perf_counter() - t0
-    cold, warm, warm_start = (start_times(graph, weights, cfg.vocab_size, ctx, fuse, tuning) if not decode_only
+    cold, warm, warm_start = (start_times(graph, weights, cfg.vocab_size, ctx, fuse, tuning, kv) if not decode_only
                               else (None,) * 3)
-    engine = CudaEngine(graph, weights, ctx=ctx, fuse=fuse, tuning=tuning)
+    engine = CudaEngine(graph, weights, ctx=ctx, fuse=fuse, tuning=tuning, kv=kv)
     del weights
     rng = np.random.default_rng(0)
     prompt32 = rng.integers(0, cfg.vocab_size, 32).tolist()
@@ -175,7 +178,7 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
     if do_profile and not decode_only:
         ablation_4k = step_ablation(engine)
     bytes_per_token = step_bytes(engine.kernels, engine.states, context=32 + tokens / 2)
-    res = {"model": name, "dtype": dtype, "weights": "checkpoint" if ckpt is not None else "random", "fused": fuse, "decode_tok_s": round(tok_s, 1),
+    res = {"model": name, "dtype": dtype, "kv_dtype": kv, "weights": "checkpoint" if ckpt is not None else "random", "fused": fuse, "decode_tok_s": round(tok_s, 1),
            "ms_per_token": round(1e3 / tok_s, 3), "bytes_per_token": int(bytes_per_token),
            "achieved_GBps": round(bytes_per_token * tok_s / 1e9, 1),
            "ttft_32_ms": round(ttft32 * 1e3, 1), "ttft_512_ms": _round(ttft512, 1e3, 1),
@@ -184,7 +187,8 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
            "prefill_tok_s_512": _round(ttft512 and 512 / ttft512, 1, 0),
            "prefill_tok_s_4096": _round(ttft4096 and 4096 / ttft4096, 1, 0),
            "decode_tok_s_at_4k": _round(tok_s_4k, 1, 1), "ratio_4k": _round(tok_s_4k, 1 / tok_s, 3),
-           **({"decode_tok_s_from": tok_s_at} if tok_s_at else {}),
+           # start position -> decode tok/s of a run from there (--positions)
+           **({"decode_tok_s_at": tok_s_at} if tok_s_at else {}),
            "compile_cold_s": _round(cold, 1, 2), "compile_warm_s": _round(warm, 1, 2),
            "warm_start_s": _round(warm_start, 1, 2),
            "load_s": round(load, 2), "peak_gpu_GiB": round(cp.get_default_memory_pool().total_bytes() / 2**30, 2),
@@ -310,8 +314,10 @@ def _row(r: dict) -> str:
             s += f" ttft{n} {r[f'ttft_{n}_ms']} ms" + (f" ({rate:.0f} tok/s)" if rate else "")
     if r["decode_tok_s_at_4k"] is not None:
         s += f" | 4k ctx {r['decode_tok_s_at_4k']} tok/s ({r['ratio_4k'] * 100:.1f}%)"
-    if r.get("decode_tok_s_from"):
-        s += " | from " + ", ".join(f"{p}: {v}" for p, v in r["decode_tok_s_from"].items()) + " tok/s"
+    at = r.get("decode_tok_s_at") or r.get("decode_tok_s_from")   # (older records: "_from")
+    if at:
+        s += f" | from{' (' + r['kv_dtype'] + ' KV)' if r.get('kv_dtype', 'bf16') != 'bf16' else ''} " + \
+            ", ".join(f"{p}: {v}" for p, v in at.items()) + " tok/s"
     if r["compile_cold_s"] is not None:
         s += (f" | compile {r['compile_cold_s']}s cold {r['compile_warm_s']}s warm"
               f" | warm start {r['warm_start_s']}s")
@@ -340,6 +346,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", dest="out", help="write the JSON record here")
     p.add_argument("--quant", choices=SCHEMES, default=None,
                    help="presets: weights made in this quantization scheme's formats (q4_k_m as llama.cpp's)")
+    from ..cli import add_kv_argument
+    add_kv_argument(p)
     from .inspect import add_tune_argument
     add_tune_argument(p)
 
@@ -357,7 +365,7 @@ def main(args: argparse.Namespace) -> int:
     from .inspect import tuning_of
     run(args.models, out=args.out, tuning=tuning_of(args), runs=args.runs, tokens=args.tokens, do_profile=args.profile,
         peers=tuple(p for p in args.peers.split(",") if p), fuse=not args.no_fuse,
-        decode_only=args.decode_only, positions=args.positions, quant=args.quant)
+        decode_only=args.decode_only, positions=args.positions, quant=args.quant, kv=args.kv)
     return 0
 
 

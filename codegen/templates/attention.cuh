@@ -1,4 +1,4 @@
-// Decode attention over a bf16 KV cache, three kernels built from a pass type (LanePass on CUDA
+// Decode attention over the KV cache (bf16 or fp8 rows, kv_cache.cuh), three kernels built from a pass type (LanePass on CUDA
 // cores in attention_pass.cuh, MmaPass on tensor cores in attention_mma.cuh):
 // - attention_chunk, the flash-decoding split: each block scores one chunk of positions for the
 //   query heads of one KV head and leaves (max, sum, weighted values) in a workspace;
@@ -21,7 +21,7 @@ struct Record {
 // Flash-decoding split: block (KV head, chunk blockIdx.y) leaves its chunk's softmax state of each
 // query head in the workspace for attention_combine.
 template <int H, int KV, int HD, class P, int NCHUNK>
-__device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc, const bf16_t* vc, const int* pos_p,
+__device__ __forceinline__ void attention_chunk(const float* q, const typename P::Elem* kc, const typename P::Elem* vc, const int* pos_p,
                                                 int window, float scale, float softcap, float* ws) {
     constexpr int G = H / KV;
     const int c = blockIdx.y;
@@ -47,7 +47,7 @@ __device__ __forceinline__ void attention_chunk(const float* q, const bf16_t* kc
 
 // The passes after the first (at `base`) up to position `last`, merged into st.
 template <class P>
-__device__ __forceinline__ void walk_on(P& pass, typename P::State& st, const bf16_t* kc, const bf16_t* vc, int base,
+__device__ __forceinline__ void walk_on(P& pass, typename P::State& st, const typename P::Elem* kc, const typename P::Elem* vc, int base,
                                         int last, float softcap) {
     typename P::State part;
     for (base += P::CHUNK; base <= last; base += P::CHUNK) {
@@ -60,7 +60,7 @@ __device__ __forceinline__ void walk_on(P& pass, typename P::State& st, const bf
 // Short contexts: one block per KV head walks every position in passes and writes the attention
 // output itself; no workspace, no combine launch. The first pass's loads go out before the wait.
 template <int H, int KV, int HD, class P>
-__device__ __forceinline__ void attention_single(const float* q, const bf16_t* kc, const bf16_t* vc, const int* pos_p,
+__device__ __forceinline__ void attention_single(const float* q, const typename P::Elem* kc, const typename P::Elem* vc, const int* pos_p,
                                                  int window, float scale, float softcap, float* o) {
     constexpr int G = H / KV;
     const int pos = *pos_p;                      // see attention_chunk
@@ -84,7 +84,7 @@ __device__ __forceinline__ void attention_single(const float* q, const bf16_t* k
 // A row of the pass (MmaPass with TOKENS), and walks the cache rows up to the last one's position
 // once for all of them. The step's own rows were written by the kernel before: it waits first.
 template <int H, int KV, int HD, class P, int TOKENS>
-__device__ __forceinline__ void attention_prefill_rows(const float* q, const bf16_t* kc, const bf16_t* vc,
+__device__ __forceinline__ void attention_prefill_rows(const float* q, const typename P::Elem* kc, const typename P::Elem* vc,
                                                        const int* pos_p, int window, float scale, float softcap,
                                                        float* o) {
     constexpr int G = H / KV;

@@ -32,7 +32,10 @@
 // of every mma are zero words) are the G query heads of TOKENS consecutive tokens (row r: token
 // r / G, head r % G), so each cache row a block loads serves TOKENS tokens;
 // row r's scores are masked past its own token's position (and before its window), set_rows.
-template <int KV, int HD, int WARPS, int G, bool LATE_V = false, int TOKENS = 1>
+// C: the cache layout (kv_cache.cuh). fp8 rows: a lane holds the codes of the same dims (half the
+// bytes), turned into bf16 words as the mma takes them (exact); the rows' scales multiply the
+// scores and, folded into P, the values.
+template <int KV, int HD, int WARPS, int G, bool LATE_V = false, int TOKENS = 1, class C = KvBf16>
 struct MmaPass {
     static_assert(HD == 64 || HD == 128, "MmaPass: head size 64 or 128");
     static_assert(G <= 8, "MmaPass: at most 8 query heads per KV head");
@@ -46,17 +49,36 @@ struct MmaPass {
     static constexpr int NT = NP / 8, NU = NP / 16, KSTEPS = HD / 16, VDIMS = HD / 8;
     // Head lane / 4; acc[2 w + e]: dim (2 (lane % 4) + e) HD/8 + w (output tile w, column e).
     using State = Softmax<2 * VDIMS>;
-    uint4 k[NT][HD / 32];                        // K slice of position 8t + r: HD/4 dims
-    uint4 v[NU][4][HD / 64];                     // V slices of positions 16u + {2c, 2c+1, 2c+8, 2c+9}: HD/8 dims
+    using Elem = typename C::Elem;
+    static constexpr int KW = C::FP8 ? HD / 64 : HD / 32, VW = C::FP8 ? 1 : HD / 64;   // 16-byte pieces
+    uint4 k[NT][KW];                             // K slice of position 8t + r: HD/4 dims
+    uint4 v[NU][4][VW];                          // V slices of positions 16u + {2c, 2c+1, 2c+8, 2c+9}: HD/8 dims
+    float ksc[NT][2], vsc[NT][2];                // fp8: scales of the score positions 8t + 2c + {0, 1}
     unsigned qa[KSTEPS][2][2];                   // queries' A words [k-step][hi, lo][dims +0,1 | +2,3]
     int first, start, end;                       // the warp's first position; the valid range
     int row_pos = 0, window = 0;                 // TOKENS > 1: row r's own position and window (set_rows)
-    const bf16_t* values;                        // LATE_V: the V cache, from after_wait to load_queries
+    const Elem* values;                          // LATE_V: the V cache, from after_wait to load_queries
 
     __device__ __forceinline__ static int r() { return (threadIdx.x & 31) >> 2; }
     __device__ __forceinline__ static int c() { return threadIdx.x & 3; }
-    __device__ __forceinline__ static const bf16_t* at(const bf16_t* cache, int p) {
-        return cache + (size_t)p * W + blockIdx.x * HD;
+    __device__ __forceinline__ static const Elem* at(const Elem* cache, int p) {
+        return C::template row<W>(cache, p) + blockIdx.x * HD;
+    }
+    __device__ __forceinline__ int score_pos(int t, int e) const { return first + 8 * t + 2 * c() + e; }
+    // fp8: the scales of the score positions of `cache` into sc, but position `skip` (zero where
+    // not loaded); `only`: position `skip` alone.
+    __device__ __forceinline__ void load_scales(float (&sc)[NT][2], const Elem* cache, int skip, bool only) {
+        if constexpr (C::FP8) {
+#pragma unroll
+            for (int t = 0; t < NT; t++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int p = score_pos(t, e);
+                    if (only ? p == skip : true)
+                        sc[t][e] = (only || (p >= start && p < end && p != skip)) ? C::template scale<W>(cache, p, blockIdx.x)
+                                                                                  : 0.0f;
+                }
+        }
     }
     __device__ __forceinline__ int k_row(int t) const { return first + 8 * t + r(); }
     // TOKENS > 1: the block's first token is at position pos0; a row sees positions up to its
@@ -71,52 +93,66 @@ struct MmaPass {
     }
     __device__ __forceinline__ int v_row(int u, int i) const { return first + 16 * u + 2 * c() + (i & 1) + 8 * (i >> 1); }
 
+    // N 16-byte pieces of a row slice (fp8 V slices of head size 64: 8 bytes, in .x and .y).
     template <int N>
-    __device__ __forceinline__ static void load_slice(uint4 (&dst)[N], const bf16_t* src, bool now) {
+    __device__ __forceinline__ static void load_slice(uint4 (&dst)[N], const Elem* src, bool now) {
 #pragma unroll
-        for (int i = 0; i < N; i++) dst[i] = now ? *reinterpret_cast<const uint4*>(src + 8 * i) : make_uint4(0u, 0u, 0u, 0u);
+        for (int i = 0; i < N; i++) dst[i] = now ? *reinterpret_cast<const uint4*>(src + 16 / sizeof(Elem) * i) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    __device__ __forceinline__ static void load_v_slice(uint4 (&dst)[VW], const Elem* src, bool now) {
+        if constexpr (C::FP8 && HD / 8 == 8) {
+            const uint2 x = now ? *reinterpret_cast<const uint2*>(src) : make_uint2(0u, 0u);
+            dst[0] = make_uint4(x.x, x.y, 0u, 0u);
+        } else {
+            load_slice(dst, src, now);
+        }
     }
     // Issue every load of this lane's rows, but row `skip` (the previous kernel may still write it).
-    __device__ __forceinline__ void load(const bf16_t* kc, const bf16_t* vc, int base, int start_, int end_, int skip) {
+    __device__ __forceinline__ void load(const Elem* kc, const Elem* vc, int base, int start_, int end_, int skip) {
         load_keys(kc, base, start_, end_, skip);
         load_values(vc, skip);
     }
-    __device__ __forceinline__ void load_keys(const bf16_t* kc, int base, int start_, int end_, int skip) {
+    __device__ __forceinline__ void load_keys(const Elem* kc, int base, int start_, int end_, int skip) {
         first = base + (threadIdx.x >> 5) * NP, start = start_, end = end_;
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             const int p = k_row(t);
             load_slice(k[t], at(kc, p) + c() * (HD / 4), p >= start && p < end && p != skip);
         }
+        load_scales(ksc, kc, skip, false);
     }
-    __device__ __forceinline__ void load_values(const bf16_t* vc, int skip) {
+    __device__ __forceinline__ void load_values(const Elem* vc, int skip) {
 #pragma unroll
         for (int u = 0; u < NU; u++)
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const int p = v_row(u, i);
-                load_slice(v[u][i], at(vc, p) + r() * VDIMS, p >= start && p < end && p != skip);
+                load_v_slice(v[u][i], at(vc, p) + r() * VDIMS, p >= start && p < end && p != skip);
             }
+        load_scales(vsc, vc, skip, false);
     }
     // Row p, skipped by load(); its V slices only `with_values`.
-    __device__ __forceinline__ void load_row(const bf16_t* kc, const bf16_t* vc, int p, bool with_values = true) {
+    __device__ __forceinline__ void load_row(const Elem* kc, const Elem* vc, int p, bool with_values = true) {
+        const bool in = p >= start && p < end;
 #pragma unroll
         for (int t = 0; t < NT; t++)
             if (k_row(t) == p) load_slice(k[t], at(kc, p) + c() * (HD / 4), true);
+        if (in) load_scales(ksc, kc, p, true);
 #pragma unroll
         for (int u = 0; u < NU; u++)
 #pragma unroll
             for (int i = 0; i < 4; i++)
-                if (with_values && v_row(u, i) == p) load_slice(v[u][i], at(vc, p) + r() * VDIMS, true);
+                if (with_values && v_row(u, i) == p) load_v_slice(v[u][i], at(vc, p) + r() * VDIMS, true);
+        if (with_values && in) load_scales(vsc, vc, p, true);
     }
     // Slices are 16-byte pieces of 128- or 256-byte rows, so loads of rows before pos may go out
     // before the wait (see LanePass::before_wait).
-    __device__ __forceinline__ void before_wait(const bf16_t* kc, const bf16_t* vc, int base, int start_, int end_,
+    __device__ __forceinline__ void before_wait(const Elem* kc, const Elem* vc, int base, int start_, int end_,
                                                 int pos) {
         load_keys(kc, base, start_, end_, pos);
         if constexpr (!LATE_V) load_values(vc, pos);
     }
-    __device__ __forceinline__ void after_wait(const bf16_t* kc, const bf16_t* vc, int, int, int, int pos) {
+    __device__ __forceinline__ void after_wait(const Elem* kc, const Elem* vc, int, int, int, int pos) {
         load_row(kc, vc, pos, !LATE_V);
         if constexpr (LATE_V) values = vc;
     }
@@ -167,7 +203,15 @@ struct MmaPass {
             float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (int ks = 0; ks < KSTEPS; ks++) {
-                const unsigned b0 = word_of(k[t][ks / 2], ks % 2 * 2), b1 = word_of(k[t][ks / 2], ks % 2 * 2 + 1);
+                unsigned b0, b1;
+                if constexpr (C::FP8) {          // dims 4 ks .. 4 ks + 3: one word of codes
+                    const unsigned w = word_of(k[t][ks / 4], ks % 4);
+                    b0 = e4m3x2_to_bf16x2(w);
+                    b1 = e4m3x2_to_bf16x2(w >> 16);
+                } else {
+                    b0 = word_of(k[t][ks / 2], ks % 2 * 2);
+                    b1 = word_of(k[t][ks / 2], ks % 2 * 2 + 1);
+                }
                 mma_16816(d, qa[ks][0][0], 0u, qa[ks][0][1], 0u, b0, b1);
                 mma_16816(d, qa[ks][1][0], 0u, qa[ks][1][1], 0u, b0, b1);
             }
@@ -175,7 +219,8 @@ struct MmaPass {
             for (int e = 0; e < 2; e++) {
                 const int p = first + 8 * t + 2 * c() + e;
                 const bool own = TOKENS == 1 || (p <= row_pos && (window == 0 || p > row_pos - window));
-                s[t][e] = p < start || p >= end || !own ? NEG_INF : softcap > 0.0f ? softcap * tanhf(d[e] / softcap) : d[e];
+                const float de = C::FP8 ? d[e] * ksc[t][e] : d[e];
+                s[t][e] = p < start || p >= end || !own ? NEG_INF : softcap > 0.0f ? softcap * tanhf(de / softcap) : de;
                 out.m = fmaxf(out.m, s[t][e]);
             }
         }
@@ -196,14 +241,26 @@ struct MmaPass {
 #pragma unroll
         for (int u = 0; u < NU; u++) {
             unsigned ph0, pl0, ph1, pl1;         // P's A words: positions 16u + 2c + {0,1} and + 8
-            split_bf16x2(s[2 * u][0], s[2 * u][1], ph0, pl0);
-            split_bf16x2(s[2 * u + 1][0], s[2 * u + 1][1], ph1, pl1);
+            if constexpr (C::FP8) {              // the rows' value scales, folded into P
+                split_bf16x2(s[2 * u][0] * vsc[2 * u][0], s[2 * u][1] * vsc[2 * u][1], ph0, pl0);
+                split_bf16x2(s[2 * u + 1][0] * vsc[2 * u + 1][0], s[2 * u + 1][1] * vsc[2 * u + 1][1], ph1, pl1);
+            } else {
+                split_bf16x2(s[2 * u][0], s[2 * u][1], ph0, pl0);
+                split_bf16x2(s[2 * u + 1][0], s[2 * u + 1][1], ph1, pl1);
+            }
 #pragma unroll
             for (int w = 0; w < VDIMS; w++) {
-                const unsigned sel = w % 2 ? 0x7632u : 0x5410u;      // high or low halves of two words
-                const int q4 = w / 8, word = w % 8 / 2;
-                const unsigned b0 = __byte_perm(word_of(v[u][0][q4], word), word_of(v[u][1][q4], word), sel);
-                const unsigned b1 = __byte_perm(word_of(v[u][2][q4], word), word_of(v[u][3][q4], word), sel);
+                unsigned b0, b1;
+                if constexpr (C::FP8) {          // byte w of two rows' codes, then to bf16
+                    const unsigned sel = (w % 4) | (4 + w % 4) << 4;
+                    b0 = e4m3x2_to_bf16x2(__byte_perm(word_of(v[u][0][0], w / 4), word_of(v[u][1][0], w / 4), sel));
+                    b1 = e4m3x2_to_bf16x2(__byte_perm(word_of(v[u][2][0], w / 4), word_of(v[u][3][0], w / 4), sel));
+                } else {
+                    const unsigned sel = w % 2 ? 0x7632u : 0x5410u;      // high or low halves of two words
+                    const int q4 = w / 8, word = w % 8 / 2;
+                    b0 = __byte_perm(word_of(v[u][0][q4], word), word_of(v[u][1][q4], word), sel);
+                    b1 = __byte_perm(word_of(v[u][2][q4], word), word_of(v[u][3][q4], word), sel);
+                }
                 mma_16816(o[w], ph0, 0u, ph1, 0u, b0, b1);
                 mma_16816(o[w], pl0, 0u, pl1, 0u, b0, b1);
             }

@@ -8,6 +8,7 @@
 // in shared memory; emit(g, d, max, sum, weighted value) per head and dim).
 #pragma once
 #include "common.cuh"
+#include "kv_cache.cuh"
 
 // LPR lanes share one cache row, each owning 8 consecutive dims (a 16-byte load when rows are
 // 16-byte aligned); a warp covers PPL = 32 / LPR rows per load. LPR is a power of two, so lanes
@@ -33,6 +34,29 @@ __device__ __forceinline__ uint4 load_dims8(const bf16_t* row, int d0) {
     }
 }
 
+// Dims d0 .. d0 + 7 of an fp8 row's codes (zero past HD).
+template <int HD>
+__device__ __forceinline__ uint2 load_codes8(const unsigned char* row, int d0) {
+    if (d0 >= HD) return make_uint2(0u, 0u);
+    if constexpr (HD % 8 == 0) {
+        return *reinterpret_cast<const uint2*>(row + d0);
+    } else {
+        unsigned b[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) b[i] = d0 + i < HD ? row[d0 + i] : 0u;
+        return make_uint2(b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24, b[4] | b[5] << 8 | b[6] << 16 | b[7] << 24);
+    }
+}
+
+// The 8 e4m3 codes of one 8-byte load, as float32.
+__device__ __forceinline__ void unpack8_e4m3(uint2 q, float (&out)[8]) {
+    float a[4], b[4];
+    e4m3x4_to_f32(q.x, a);
+    e4m3x4_to_f32(q.y, b);
+#pragma unroll
+    for (int i = 0; i < 4; i++) { out[i] = a[i]; out[4 + i] = b[i]; }
+}
+
 // Sum (or max) over the lanes whose index differs only in the bits FROM .. 16.
 template <int FROM>
 __device__ __forceinline__ float lanes_sum(float v) {
@@ -46,6 +70,10 @@ __device__ __forceinline__ float lanes_max(float v) {
     for (int o = FROM; o < 32; o <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
+
+// 8 dims of a cache row as a pass holds them: bf16 (16 bytes) or fp8 codes (8 bytes).
+template <bool FP8> struct Cells { using T = uint4; };
+template <> struct Cells<true> { using T = uint2; };
 
 // Softmax state of one query head over the rows seen so far: max score, sum of exp(score - m),
 // and this lane's N dims of the exp-weighted sum of values.
@@ -94,8 +122,9 @@ struct WarpStates {
 // One pass of a block over cache rows [base, base + CHUNK) for KV head blockIdx.x and its G query
 // heads (each cached K and V row is read once per token, not once per query head), on CUDA cores.
 // Row r goes to warp (r / PPL) % WARPS, step r / (PPL * WARPS) of its J, lane group r % PPL; rows
-// outside [start, end) are masked. blockDim.x == 32 * WARPS.
-template <int KV, int HD, int WARPS, int J, int G>
+// outside [start, end) are masked. blockDim.x == 32 * WARPS. C: the cache layout (kv_cache.cuh);
+// fp8 rows' scales multiply the scores and, folded into the probabilities, the values.
+template <int KV, int HD, int WARPS, int J, int G, class C = KvBf16>
 struct LanePass {
     using L = RowLanes<HD>;
     static constexpr int CHUNK = WARPS * L::PPL * J, W = KV * HD;
@@ -106,47 +135,70 @@ struct LanePass {
             for (int g = 0; g < G; g++) h[g].merge(o.h[g]);
         }
     };
-    uint4 k[J], v[J];
+    using Elem = typename C::Elem;
+    typename Cells<C::FP8>::T k[J], v[J];        // 8 dims of a row: bf16 (uint4) or fp8 codes (uint2)
     bool valid[J];
+    float ks[J], vs[J];                          // fp8: the rows' scales
     float qv[G][8];                              // this lane's dims of each query head, times scale
 
     __device__ __forceinline__ static int row(int base, int j) {
         return base + (j * WARPS + (threadIdx.x >> 5)) * L::PPL + (threadIdx.x & 31) / L::LPR;
     }
-    __device__ __forceinline__ static const bf16_t* at(const bf16_t* cache, int p) {
-        return cache + (size_t)p * W + blockIdx.x * HD;
+    __device__ __forceinline__ static const Elem* at(const Elem* cache, int p) {
+        return C::template row<W>(cache, p) + blockIdx.x * HD;
+    }
+    __device__ __forceinline__ static typename Cells<C::FP8>::T dims8(const Elem* row, int d0) {
+        if constexpr (C::FP8) return load_codes8<HD>(row, d0);
+        else return load_dims8<HD>(row, d0);
+    }
+    __device__ __forceinline__ static void unpack(const typename Cells<C::FP8>::T& x, float (&out)[8]) {
+        if constexpr (C::FP8) unpack8_e4m3(x, out);
+        else unpack8_bf16(x, out);
+    }
+    // fp8: the scales of row p (zero where it is not loaded).
+    __device__ __forceinline__ void load_scales(const Elem* kc, const Elem* vc, int j, int p, bool now) {
+        if constexpr (C::FP8) {
+            ks[j] = now ? C::template scale<W>(kc, p, blockIdx.x) : 0.0f;
+            vs[j] = now ? C::template scale<W>(vc, p, blockIdx.x) : 0.0f;
+        }
     }
     // Rows before pos were written by earlier steps, so their loads may go out before the wait for
     // the previous kernel, which writes row pos. Only where row slices are whole 32-byte sectors:
     // otherwise a sector read early could hold part of row pos and be served stale from L1.
-    static constexpr bool EARLY = HD % 16 == 0;
-    __device__ __forceinline__ void before_wait(const bf16_t* kc, const bf16_t* vc, int base, int start, int end,
+    // fp8 rows are whole sectors (kv_cache.cuh) whatever HD.
+    static constexpr bool EARLY = C::FP8 || HD % 16 == 0;
+    __device__ __forceinline__ void before_wait(const Elem* kc, const Elem* vc, int base, int start, int end,
                                                 int pos) {
         if (EARLY) load(kc, vc, base, start, end, pos);
     }
-    __device__ __forceinline__ void after_wait(const bf16_t* kc, const bf16_t* vc, int base, int start, int end,
+    __device__ __forceinline__ void after_wait(const Elem* kc, const Elem* vc, int base, int start, int end,
                                                int pos) {
         if (EARLY) load_row(kc, vc, base, pos);
         else load(kc, vc, base, start, end, -1);
     }
     // Issue every load of this lane's rows, but row `skip` (the previous kernel may still write it).
-    __device__ __forceinline__ void load(const bf16_t* kc, const bf16_t* vc, int base, int start, int end, int skip) {
+    __device__ __forceinline__ void load(const Elem* kc, const Elem* vc, int base, int start, int end, int skip) {
         const int d0 = (threadIdx.x & 31) % L::LPR * 8;
 #pragma unroll
         for (int j = 0; j < J; j++) {
             const int p = row(base, j);
             valid[j] = p >= start && p < end;
             const bool now = valid[j] && p != skip;
-            k[j] = now ? load_dims8<HD>(at(kc, p), d0) : make_uint4(0u, 0u, 0u, 0u);
-            v[j] = now ? load_dims8<HD>(at(vc, p), d0) : make_uint4(0u, 0u, 0u, 0u);
+            k[j] = now ? dims8(at(kc, p), d0) : typename Cells<C::FP8>::T{};
+            v[j] = now ? dims8(at(vc, p), d0) : typename Cells<C::FP8>::T{};
+            load_scales(kc, vc, j, p, now);
         }
     }
     // The row skipped by load(), once the previous kernel has finished.
-    __device__ __forceinline__ void load_row(const bf16_t* kc, const bf16_t* vc, int base, int p) {
+    __device__ __forceinline__ void load_row(const Elem* kc, const Elem* vc, int base, int p) {
         const int d0 = (threadIdx.x & 31) % L::LPR * 8;
 #pragma unroll
         for (int j = 0; j < J; j++)
-            if (row(base, j) == p) { k[j] = load_dims8<HD>(at(kc, p), d0); v[j] = load_dims8<HD>(at(vc, p), d0); }
+            if (row(base, j) == p) {
+                k[j] = dims8(at(kc, p), d0);
+                v[j] = dims8(at(vc, p), d0);
+                load_scales(kc, vc, j, p, true);
+            }
     }
     // The G query heads of KV head blockIdx.x, times `scale`: dims d0 .. d0 + 7 of each, for this lane.
     __device__ __forceinline__ void load_queries(const float* q, float scale) {
@@ -162,7 +214,7 @@ struct LanePass {
 #pragma unroll
         for (int j = 0; j < J; j++) {
             float kf[8];
-            unpack8_bf16(k[j], kf);
+            unpack(k[j], kf);
 #pragma unroll
             for (int g = 0; g < G; g++) {
                 float a = 0.0f;
@@ -170,6 +222,7 @@ struct LanePass {
                 for (int i = 0; i < 8; i++) a = fmaf(qv[g][i], kf[i], a);
 #pragma unroll
                 for (int o = 1; o < L::LPR; o <<= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+                if constexpr (C::FP8) a *= ks[j];
                 s[j][g] = !valid[j] ? NEG_INF : softcap > 0.0f ? softcap * tanhf(a / softcap) : a;
             }
         }
@@ -184,10 +237,11 @@ struct LanePass {
             for (int j = 0; j < J; j++) {
                 const float e = valid[j] ? __expf(s[j][g] - o.m) : 0.0f;   // o.m is finite where any row is valid
                 float vf[8];
-                unpack8_bf16(v[j], vf);
+                unpack(v[j], vf);
                 o.l += e;
+                const float ev = C::FP8 ? e * vs[j] : e;   // fp8: the row's value scale
 #pragma unroll
-                for (int i = 0; i < 8; i++) o.acc[i] = fmaf(e, vf[i], o.acc[i]);
+                for (int i = 0; i < 8; i++) o.acc[i] = fmaf(ev, vf[i], o.acc[i]);
             }
             o.l = lanes_sum<L::LPR>(o.l);
 #pragma unroll

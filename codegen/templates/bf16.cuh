@@ -38,6 +38,16 @@ __device__ __forceinline__ void e4m3x4_to_f32(unsigned w, float (&out)[4]) {
 #endif
 }
 
+// x0 as e4m3 bits (the fp8 KV cache's codes): rounded to nearest even, saturated at +-448
+// (cvt.rn.satfinite.e4m3x2.f32, sm_89 on; codegen refuses an fp8 cache before).
+__device__ __forceinline__ unsigned char f32_to_e4m3(float x0) {
+    unsigned short r = 0;
+#if FUSELM_SM89
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(x0));   // first source: high byte
+#endif
+    return (unsigned char)(r & 0xffu);
+}
+
 // Round to nearest even, in integer arithmetic (any arch); the KV cache is stored in bf16.
 __device__ __forceinline__ bf16_t f32_to_bf16(float f) {
     unsigned u = __float_as_uint(f);
@@ -50,6 +60,18 @@ __device__ __forceinline__ unsigned pack_bf16x2(float x0, float x1) {
     unsigned r = 0;
 #if FUSELM_SM80
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));   // first source: high half
+#endif
+    return r;
+}
+
+// An e4m3 pair (byte 0 in the low half) as a bf16 pair, exactly (every e4m3 value is a bf16
+// value): cvt to an f16 pair, each half to float32, the pair to bf16 (sm_89 on).
+__device__ __forceinline__ unsigned e4m3x2_to_bf16x2(unsigned w) {
+    unsigned r = 0;
+#if FUSELM_SM89
+    unsigned h;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)(w & 0xffffu)));
+    r = pack_bf16x2(f16_to_f32(h & 0xffffu), f16_to_f32(h >> 16));
 #endif
     return r;
 }

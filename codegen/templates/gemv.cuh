@@ -5,6 +5,7 @@
 // hoisted above the wait for that kernel (see grid_wait_then_release).
 #pragma once
 #include "common.cuh"
+#include "kv_cache.cuh"
 
 // x[k .. k + 8) of a vector, 16-byte aligned, as two plain 16-byte loads (never __ldg: see above).
 __device__ __forceinline__ void load_f32x8(const float* x, int k, float (&v)[8]) {

@@ -1,6 +1,7 @@
 // Row-wise building blocks: one block owns one token's row and runs the kernel's ops in turn.
 #pragma once
 #include "common.cuh"
+#include "kv_cache.cuh"
 
 // Index of the largest element of x[0:n] (the first one on ties), for the whole block.
 __device__ __forceinline__ int block_argmax(const float* x, int n) {
