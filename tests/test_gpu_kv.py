@@ -21,10 +21,22 @@ from fuselm.runtime.reference import new_state, run_graph
 
 from test_gpu import TINY, engine_for, pytestmark, random_weights, rel  # noqa: F401  (pytestmark: gpu, skip)
 
+# Measured on the H200 (random weights): decode logits 7e-3 and caches 1.2e-2 from the reference
+# at SmolLM2's shapes, 8 layers (each layer's flipped codes move the next layer's inputs, so the
+# flips grow with depth); tiny models below 1e-2.
 FP8_DECODE_TOL = 1e-2     # logits, GPU fp8 cache vs the reference's fp8 cache
-FP8_CACHE_TOL = 1e-2      # cache values, likewise (a code flip moves one value by 1/16)
-FP8_PREFILL_TOL = 5e-2    # the batched prefill's bf16 vectors (test_gpu.PREFILL_TOL) move some codes too
-FP8_VS_BF16_TOL = 8e-2    # logits of an fp8-KV run against a bf16-KV run of the same model and tokens
+FP8_CACHE_TOL = 3e-2      # cache values, likewise (a code flip moves one value by 1/16)
+# The batched prefill's bf16 vectors (test_gpu.PREFILL_TOL) flip more codes: layer 0's caches
+# (inputs moved by the bf16 vectors alone) measured 1.0e-2-1.1e-2 from the reference and from
+# one-token steps; the flips compound through the layers (the last layer's caches 4e-2-9e-2), and
+# the logits of random-weight models move by up to 9e-2 (reference) and 2.2e-1 (one-token steps,
+# SmolLM2 shapes, 4 layers). A wrong row, scale or position moves them by O(1).
+FP8_PREFILL_FIRST_CACHE_TOL = 3e-2
+FP8_PREFILL_CACHE_TOL = 1.5e-1
+FP8_PREFILL_LOGIT_TOL = 3e-1
+# logits of an fp8-KV run against a bf16-KV run (4 layers, 700 + 16 tokens): measured at most
+# 8e-2 for Llama-3.2-1B's shapes and 1.3e-1 for Llama-3.1-8B's.
+FP8_VS_BF16_TOL = 2e-1
 
 E4M3_NAN = 0x7F
 
@@ -149,7 +161,9 @@ def test_fp8_batched_prefill_matches_the_fp8_reference_and_one_token_steps(layou
         errs.append(rel(batched.logits(), stepped.logits()))
     print(f"fp8 prefill {layout}: caches at most {worst_cache:.2e} from the reference / one-token steps; "
           f"logits {errs[0]:.2e} from the reference, then at most {max(errs[1:]):.2e} from one-token steps")
-    assert worst_cache < FP8_PREFILL_TOL and max(errs) < FP8_PREFILL_TOL, (caches, errs)
+    first = max(v for name, pair in caches.items() if name.startswith("cache.0.") for v in pair)
+    assert first < FP8_PREFILL_FIRST_CACHE_TOL, caches
+    assert worst_cache < FP8_PREFILL_CACHE_TOL and max(errs) < FP8_PREFILL_LOGIT_TOL, (caches, errs)
 
 
 @pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.1-8b"])

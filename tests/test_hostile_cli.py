@@ -114,27 +114,22 @@ def test_weights_and_cache_beyond_the_machines_memory(monkeypatch, tiny):
 
 
 def test_weights_and_cache_beyond_the_gpus_memory(monkeypatch):
-    """The CUDA engine's check adds up bf16 weights and KV cache against the GPU's free memory
-    (a stand-in for CuPy here) and says which --ctx would fit."""
-    from types import SimpleNamespace
-
+    """The CUDA engine's check adds up the weights and the KV cache in its dtype against the GPU's
+    free memory (given here) and says which --ctx would fit."""
+    from fuselm.codegen.kv_cache import graph_kv_bytes
     from fuselm.runtime import cuda_engine
     graph = build_graph(DecoderConfig.from_hf(TINY))
-    weights, state = cuda_engine.value_counts(graph, 64)
-    per_token = 2 * state // 64
-    free = 2 * weights + 40 * per_token + per_token // 2     # room for 40 tokens, not 64
-
-    def fake_cupy(free_bytes):
-        pool = SimpleNamespace(free_bytes=lambda: 0)
-        runtime = SimpleNamespace(memGetInfo=lambda: (free_bytes, 1 << 40))
-        return SimpleNamespace(cuda=SimpleNamespace(runtime=runtime), get_default_memory_pool=lambda: pool)
+    weights, per_token = cuda_engine.weight_bytes(graph), graph_kv_bytes(graph, 64, "bf16") // 64
+    free = weights + 40 * per_token + per_token // 2     # room for 40 tokens, not 64
     monkeypatch.setattr(cuda_engine, "gpu_name", lambda: "Test GPU")
-    cuda_engine.check_device_memory(fake_cupy(free), graph, 40)       # fits: no error
+    cuda_engine.check_device_memory(None, graph, 40, free=free)       # fits: no error
     with pytest.raises(FuselmError, match=r"^the model needs .* of GPU memory \(weights .*, a KV cache of 64 "
-                                          r"tokens .*\) but Test GPU has .* free; lower --ctx to at most 40$"):
-        cuda_engine.check_device_memory(fake_cupy(free), graph, 64)
+                                          r"tokens in bf16 .*\) but Test GPU has .* free; lower --ctx to at most 40$"):
+        cuda_engine.check_device_memory(None, graph, 64, free=free)
+    with pytest.raises(FuselmError, match=r"a KV cache of 64 tokens in fp8 "):
+        cuda_engine.check_device_memory(None, graph, 64, kv="fp8", free=free)
     with pytest.raises(FuselmError, match="the weights alone do not fit$"):
-        cuda_engine.check_device_memory(fake_cupy(weights), graph, 64)
+        cuda_engine.check_device_memory(None, graph, 64, free=weights)
 
 
 def test_version(capsys):
