@@ -149,6 +149,12 @@ PREFILL_TOL = 5e-2
 # the test spreads the routers' logits (weights x 8) so that few tokens sit that close.
 MOE_PREFILL_TOL = 1.5e-1
 
+
+def is_moe(cfg) -> bool:
+    """Whether `cfg` routes over experts: Mixtral's `num_local_experts` or Qwen3-MoE's `num_experts`."""
+    return bool(cfg.extra.get("num_local_experts") or cfg.extra.get("num_experts"))
+
+
 BF16_NAN = 0x7FC0   # a bf16 quiet NaN's bits: the poison of the (uint16) KV caches
 
 
@@ -192,7 +198,7 @@ def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k
     graph = build_graph(cfg)
     weights = random_weights(graph, rng)
     for name in weights:   # routers' logits spread out, so that bf16 vectors rarely flip an expert
-        if name.endswith("block_sparse_moe.gate.weight"):
+        if name.endswith(("block_sparse_moe.gate.weight", "mlp.gate.weight")):   # Mixtral's, Qwen3-MoE's
             weights[name] = weights[name] * 8
     n = 289
     prompt = rng.integers(0, cfg.vocab_size, n).tolist()
@@ -212,7 +218,7 @@ def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k
     stepped.prefill(prompt, SamplingParams())
     a, b = cache_rows(batched, len(prompt)), cache_rows(stepped, len(prompt))
     cache_err = max(rel(a[n], b[n]) for n in a)
-    tol = MOE_PREFILL_TOL if "num_local_experts" in cfg.extra else PREFILL_TOL
+    tol = MOE_PREFILL_TOL if is_moe(cfg) else PREFILL_TOL
     assert all(np.isfinite(a[n]).all() for n in a) and cache_err < tol, f"caches differ: {cache_err:.2e}"
     out = next(iter(graph.outputs))
     with bf16_kv_cache():
@@ -252,8 +258,8 @@ def test_batched_prefill_of_a_long_prompt_at_real_shapes():
     print(f"smollm2 shapes, 700-token batched prefill: caches {cache_err:.2e}, logits {logit_err:.2e} from one-token steps")
     assert cache_err < PREFILL_TOL and logit_err < PREFILL_TOL
     # The same prompt again: every sum over slices of k (split-K prefill gemms, the decode GEMVs'
-    # warps sharing a row) adds them in a fixed order, so the bits do not depend on timing. (Not
-    # so a MoE's batched prefill with over 2 experts per token: moe_down_tokens adds by atomics.)
+    # warps sharing a row) adds them in a fixed order, so the bits do not depend on timing (so does
+    # a MoE's batched prefill: moe_sum_tokens adds each token's expert terms in slot order).
     logits, bits = batched.logits(), cache_bits(batched, len(prompt))
     assert all(bf16_finite(b) for b in bits.values()) and np.isfinite(logits).all()
     batched.reset()
