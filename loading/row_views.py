@@ -4,18 +4,21 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import FuselmError
+from ..quant.layout import take_rows
 from .tensor_store import TensorStore
 
 
 class RowViews(TensorStore):
     """`store`, plus each name of `views` (name -> (tensor of `store`, row indices)) as those rows
-    of that tensor, in that order (models/__init__.checkpoint_rows says which). A view is read as
-    float and kept so on the GPU: the rows of a quantized tensor are not sliced out of its blocks."""
+    of that tensor, in that order (models/__init__.checkpoint_rows says which). A view of a tensor
+    the GPU keeps quantized stays so: its blocks hold whole rows (a GGUF block never spans two), so
+    the view's rows are those rows of every section of the layout (quant/layout.take_rows)."""
 
     def __init__(self, store: TensorStore, views: dict[str, tuple[str, np.ndarray]]):
         self._store, self.source = store, store.source
         have = set(store.names())
         self._views = {name: (src, np.asarray(rows)) for name, (src, rows) in views.items() if src in have}
+        self._last = (None, None)   # (tensor, its quantized weight): Q, K and V are read one after another
 
     def names(self) -> list[str]:
         return self._store.names() + list(self._views)
@@ -38,7 +41,14 @@ class RowViews(TensorStore):
         return np.ascontiguousarray(self._store.get(src, dtype)[rows])
 
     def gpu_format(self, name: str) -> str | None:
-        return None if name in self._views else self._store.gpu_format(name)
+        return self._store.gpu_format(self._views[name][0] if name in self._views else name)
 
     def quantized(self, name: str):
-        return None if name in self._views else self._store.quantized(name)
+        if name not in self._views:
+            return self._store.quantized(name)
+        src, rows = self._views[name]
+        self.shape(name)
+        if self._last[0] != src:
+            self._last = (src, self._store.quantized(src))
+        whole = self._last[1]
+        return None if whole is None else take_rows(whole, rows)

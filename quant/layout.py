@@ -196,6 +196,13 @@ def expert(w: QuantizedWeight, e: int) -> QuantizedWeight:
     return QuantizedWeight(w.format, w.shape[1:], w.data[e * n: (e + 1) * n])
 
 
+def take_rows(w: QuantizedWeight, rows: np.ndarray) -> QuantizedWeight:
+    """Rows `rows` of matrix `w` [N, K], in that order, in its format: every section of the layout
+    is row-major over the N rows, so the rows of each are taken alike and no block is re-encoded."""
+    data = np.concatenate([s[rows].reshape(-1) for s in sections(w)])
+    return QuantizedWeight(w.format, (len(rows), w.shape[1]), data)
+
+
 def sections(w: QuantizedWeight) -> list:
     """The sections of `w`'s buffer (numpy or cupy), each [N, bytes per row]."""
     N, K = w.shape

@@ -25,6 +25,7 @@ from test_gguf_architectures import gguf_name, hf_logits  # noqa: E402
 from fuselm.errors import FuselmError  # noqa: E402
 from fuselm.loading.checkpoint import load_weights, open_checkpoint  # noqa: E402
 from fuselm.models import build_graph  # noqa: E402
+from fuselm.quant.formats import GGUF_FORMATS  # noqa: E402
 from fuselm.runtime.reference import new_state, run_graph  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -161,9 +162,12 @@ def tiny_phi3(h, original: int | None, seed: int = 0):
     return tiny(h, "Phi3", seed, **kw)
 
 
-def write_phi3(path, model, qtype=Q.F32):
-    cfg = model.config
-    w = gguf_writer(path, "phi3", "tiny-phi3", **common_keys(cfg), rope_dimension_count=12, sliding_window=0)
+def write_phi3(path, model, qtype=Q.F32, blocks: dict | None = None):
+    """The GGUF file of `model`, its matrices as `qtype`; `blocks`: GGUF name -> (raw blocks, type)
+    of tensors written as those bytes instead."""
+    cfg, blocks = model.config, blocks or {}
+    rotated = int(cfg.hidden_size // cfg.num_attention_heads * cfg.partial_rotary_factor)
+    w = gguf_writer(path, "phi3", "tiny-phi3", **common_keys(cfg), rope_dimension_count=rotated, sliding_window=0)
     rope = cfg.rope_parameters
     if rope.get("long_factor"):
         original = rope["original_max_position_embeddings"]
@@ -179,7 +183,10 @@ def write_phi3(path, model, qtype=Q.F32):
             name = f"blk.{layer}.{PHI3_LAYER['.'.join(rest[:-1])]}.{rest[-1]}"
         else:
             name = gguf_name(name, "phi3")
-        add(w, name, a, qtype)
+        if name in blocks:
+            w.add_tensor(name, blocks[name][0], raw_dtype=blocks[name][1])
+        else:
+            add(w, name, a, qtype)
     return finish(w, path)
 
 
@@ -221,3 +228,58 @@ def test_phi3_gguf_load_picks_factors_by_ctx(h, tmp_path, ctx, original):
         for _ in range(10):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     assert ours == ids[len(prompt):] and len(set(ours)) > 1
+
+
+def gguf_blocks(qtype, n: int, k: int, rng, std: float = 0.05) -> np.ndarray:
+    """Random GGUF blocks of `qtype` for an [n, k] matrix (gguf cannot quantize to K-quants), the f16
+    scales set so that its weights spread about `std`; raw uint8 [n, bytes per row]."""
+    from test_quant import SCALE_FIELDS, random_blocks
+
+    fmt = GGUF_FORMATS[qtype.name].name
+    raw = random_blocks(fmt, n, k, rng)
+    spread = float(gguf.quants.dequantize(raw, qtype).std())
+    per_block = raw.reshape(n, -1, gguf.GGML_QUANT_SIZES[qtype][1])
+    for at in SCALE_FIELDS[fmt]:           # every weight is linear in these scales
+        d = per_block[..., at: at + 2].copy().view("<f2").astype(np.float32) * (std / spread)
+        per_block[..., at: at + 2] = d.astype("<f2").view(np.uint8)
+    return raw
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+def test_phi3_quantized_fused_tensors_stay_quantized(h, tmp_path, qtype):
+    """`attn_qkv` and `ffn_up` (gate + up) in a quantized type: their blocks hold whole rows, so the
+    graph's Q, K, V, gate and up (rows of them, Q's and K's reordered per head for partial rotary)
+    stay in that format where the GPU keeps it, with the values of the dequantizing load; that load
+    gives transformers' logits for the model holding the blocks' values. hidden_size 256: the
+    K-quants' super-blocks span 256 weights of a row."""
+    from fuselm.loading.checkpoint import gpu_formats
+    from fuselm.quant.formats import QuantizedWeight
+    from fuselm.quant.layout import dequantize
+
+    model = tiny(h, "Phi3", 3, hidden_size=256, partial_rotary_factor=0.75, sliding_window=None)
+    rng, blocks = np.random.default_rng(3), {}
+    with torch.no_grad():
+        for name, p in model.state_dict().items():
+            if name.endswith(("qkv_proj.weight", "gate_up_proj.weight")):
+                raw = gguf_blocks(qtype, *p.shape, rng)
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(p.shape)))
+                layer, fused = name.split(".")[2], "attn_qkv" if "qkv" in name else "ffn_up"
+                blocks[f"blk.{layer}.{fused}.weight"] = (raw, qtype)
+    path = write_phi3(tmp_path / "q.gguf", model, Q.F32, blocks)
+    ckpt = open_checkpoint(path)
+    graph = build_graph(ckpt.config)
+    plain = load_weights(ckpt, graph, progress=False)
+    kept = load_weights(ckpt, graph, progress=False, keep_quantized=True)
+    fmt = GGUF_FORMATS[qtype.name].name
+    parts = [n for n in plain if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
+                                             "gate_proj.weight", "up_proj.weight"))]
+    assert len(parts) == 10
+    formats = gpu_formats(ckpt, graph)
+    for name in parts:
+        w = kept[name]
+        assert isinstance(w, QuantizedWeight) and w.format == fmt == formats[name], name
+        assert w.shape == plain[name].shape, name
+        np.testing.assert_array_equal(dequantize(w), plain[name], err_msg=name)
+    rel = h.rel_err(our_logits(path), hf_logits(model))
+    print(f"\nphi3, fused tensors {qtype.name}: vs transformers {rel:.1e}")
+    assert rel < 1e-4
