@@ -10,13 +10,14 @@ from tqdm import tqdm
 
 from ..dsl import Graph
 from ..errors import FuselmError
-from ..models import checkpoint_rows
+from ..models import checkpoint_rows, language_model
 from ..models.config import DecoderConfig
 from ..quant.layout import stack_experts
 from .gguf_config import config_from_gguf, generation_from_gguf
 from .gguf_store import GGUFStore, read_gguf
 from .gguf_tokenizer import tokenizer_from_gguf
 from .json_file import read_object
+from .renamed_store import RenamedStore
 from .row_views import RowViews
 from .safetensors_store import open_safetensors_folder
 from .tensor_store import TensorStore
@@ -55,11 +56,13 @@ def _open_folder(folder: Path) -> Checkpoint:
     cfg_path = folder / "config.json"
     if not cfg_path.exists():
         raise FuselmError(f"{folder}: no config.json")
-    raw = read_object(cfg_path)
+    raw, rename = language_model(read_object(cfg_path), str(cfg_path))   # a multimodal one's text model
     cfg = DecoderConfig.from_hf(raw, str(cfg_path))
     generation = read_object(folder / "generation_config.json", missing={})
     tokenizer = TextTokenizer.from_folder(folder, raw, generation)
-    return _checked(Checkpoint(folder, cfg, open_safetensors_folder(folder), tokenizer, generation))
+    tensors = open_safetensors_folder(folder)
+    return _checked(Checkpoint(folder, cfg, RenamedStore(tensors, rename) if rename else tensors, tokenizer,
+                               generation))
 
 
 def _open_gguf(path: Path) -> Checkpoint:

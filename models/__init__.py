@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from functools import partial
+from typing import Callable
 
 from ..dsl import Graph
 from . import gemma2, gemma3, llama, mixtral, olmo2, phi3, qwen3, qwen3_moe, smollm3
@@ -24,6 +25,24 @@ ARCHITECTURES = {
 CHECKPOINT_ROWS = {"Phi3ForCausalLM": phi3.checkpoint_rows}
 # Architectures whose graph depends on the engine's context (Phi-3's LongRoPE: long or short factors)
 TAKES_CONTEXT = {"Phi3ForCausalLM"}
+# Multimodal checkpoints read as their language model: architecture -> (the language model's config
+# from the checkpoint's config.json, the language model's name of a tensor or None where it is not one)
+LANGUAGE_MODELS = {"Gemma3ForConditionalGeneration": (gemma3.text_config, gemma3.text_tensor)}
+
+
+def language_model(raw: dict, source: str = "config.json") -> tuple[dict, Callable[[str], str | None] | None]:
+    """(the config.json of the text model to build, the renaming of the checkpoint's tensors to its
+    names, or None): a multimodal checkpoint (LANGUAGE_MODELS) gives its language model's, any
+    other config is itself. A malformed one is a ConfigError naming `source`."""
+    archs = raw.get("architectures") if isinstance(raw, dict) else None
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    if arch not in LANGUAGE_MODELS:
+        return raw, None
+    config, rename = LANGUAGE_MODELS[arch]
+    try:
+        return config(raw), rename
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
 
 
 def checkpoint_rows(cfg: DecoderConfig) -> dict:
@@ -49,4 +68,5 @@ def build_graph(cfg: DecoderConfig, context: int | None = None) -> Graph:
         raise ConfigError(where + str(e)) from None
 
 
-__all__ = ["ARCHITECTURES", "ConfigError", "DecoderConfig", "build_graph", "checkpoint_rows", "rope_inv_freq"]
+__all__ = ["ARCHITECTURES", "ConfigError", "DecoderConfig", "build_graph", "checkpoint_rows", "language_model",
+           "rope_inv_freq"]

@@ -591,6 +591,103 @@ def test_saved_checkpoint_generates_transformers_greedy_tokens(h, tmp_path, arch
     assert ours == ids[len(prompt):] and len(set(ours)) > 1
 
 
+# ---- Gemma 3 multimodal checkpoints, read as their text model ----------------------------------------
+
+# A text_config as the Hub's Gemma 3 4B has it (sizes and window aside: tiny): Gemma3TextConfig's
+# defaults fill the rest (vocabulary 262208, 8 heads / 4 KV heads of 256, RoPE bases 1e6 and 1e4,
+# query_pre_attn_scalar 256, tied embeddings, every 6th layer full).
+HUB_TEXT = dict(hidden_size=32, intermediate_size=40, num_hidden_layers=7, model_type="gemma3_text",
+                rope_scaling={"factor": 8.0, "rope_type": "linear"}, sliding_window=4)
+TINY_VISION = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                   patch_size=14)
+
+
+def test_gemma3_text_config_takes_gemma3_text_configs_defaults():
+    """A Hub-style text_config gives the DecoderConfig of the config transformers fills in; the
+    top level's dtype reaches the embedding's scale."""
+    import transformers
+
+    from fuselm.models import ConfigError, DecoderConfig, build_graph, language_model
+    from fuselm.models.layers import embed_scale
+
+    raw = dict(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3", torch_dtype="bfloat16",
+               eos_token_id=[1, 106], text_config=HUB_TEXT, vision_config=TINY_VISION)
+    text, rename = language_model(raw)
+    ours = DecoderConfig.from_hf(text)
+    full = transformers.Gemma3TextConfig(**HUB_TEXT)
+    theirs = DecoderConfig.from_hf({**full.to_dict(), "architectures": ["Gemma3ForCausalLM"]})
+    same = [dataclasses.replace(c, rope_scaling=None) for c in (ours, theirs)]   # theirs nests rope_theta in it
+    assert same[0] == same[1] and ours.architecture == "Gemma3ForCausalLM"
+    assert (ours.vocab_size, ours.num_heads, ours.num_kv_heads, ours.head_dim, ours.rope_theta) == (262208, 8, 4, 256, 1e6)
+    graphs = [build_graph(c) for c in (ours, theirs)]
+    for name in ("rope.inv_freq", "rope.local_inv_freq"):
+        np.testing.assert_array_equal(graphs[0].constants[name], graphs[1].constants[name])
+    windows = [[n.attrs["window"] for n in g.sources("attention")] for g in graphs]
+    assert windows[0] == windows[1] == [4] * 5 + [0, 4]
+    scales = [[n.attrs["factor"] for n in g.nodes.values() if n.op == "scale"][0] for g in graphs]
+    assert scales[0] == 5.65625 == embed_scale(ours) != scales[1]     # bf16(sqrt(32)); theirs has no dtype
+    assert text["eos_token_id"] == [1, 106] and text["query_pre_attn_scalar"] == 256
+    assert [rename(n) for n in ("language_model.model.norm.weight", "model.language_model.layers.0.mlp.up_proj.weight",
+                                "vision_tower.vision_model.head.probe", "multi_modal_projector.mm_soft_emb_norm.weight",
+                                "model.vision_tower.embeddings.patch_embedding.weight", "language_model.lm_head.weight")] == \
+        ["model.norm.weight", "model.layers.0.mlp.up_proj.weight", None, None, None, "lm_head.weight"]
+    with pytest.raises(ConfigError, match=r"^m/config.json: text_config = \[1\] is not an object$"):
+        language_model({**raw, "text_config": [1]}, "m/config.json")
+
+
+@pytest.mark.parametrize("names", ["language_model.model.", "model.language_model."])
+@pytest.mark.parametrize("form", ["saved", "hub"])
+def test_gemma3_multimodal_checkpoint_loads_as_its_text_model(h, tmp_path, form, names):
+    """A Gemma3ForConditionalGeneration folder (save_pretrained's, tensors `language_model.model.*`,
+    or renamed as newer transformers write them, `model.language_model.*`; vision tower included)
+    loads through fuselm.load as the text model: the CPU engine's logits of a prompt longer than the
+    window are transformers' multimodal model's on text. "saved": transformers' config.json (every
+    key, RoPE nested by layer type); "hub": config.json rewritten as the Hub's 4B has it (HUB_TEXT,
+    the rest Gemma3TextConfig's defaults). No final_logit_softcapping (none of the released models
+    has one): transformers 5's multimodal class ignores it, its text model (and fuselm) apply it."""
+    import json
+
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from tokenizers import Tokenizer, models
+
+    import fuselm
+
+    text = HUB_TEXT if form == "hub" else dict(
+        vocab_size=48, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=4, sliding_window_pattern=2, query_pre_attn_scalar=6,
+        rope_theta=1000.0, rope_local_base_freq=10.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0}, max_position_embeddings=64)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=TINY_VISION, mm_tokens_per_image=4,
+                                    image_token_index=47, boi_token_index=45, eoi_token_index=46)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    h.randomize_(model, 0)
+    model.save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert any(k.startswith("vision_tower.") for k in tensors) and "language_model.model.norm.weight" in tensors
+    if names == "model.language_model.":
+        save_file({k.replace("language_model.model.", names): v for k, v in tensors.items()},
+                  str(tmp_path / "model.safetensors"))
+    if form == "hub":
+        (tmp_path / "config.json").write_text(json.dumps(dict(
+            architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3", torch_dtype="float32",
+            mm_tokens_per_image=4, image_token_index=47, boi_token_index=45, eoi_token_index=46,
+            text_config=HUB_TEXT, vision_config=TINY_VISION)))
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(40)}, unk_token="w0")).save(str(tmp_path / "tokenizer.json"))
+    engine = fuselm.load(tmp_path, device="cpu", ctx=64, progress=False).engine
+    prompt = [3, 14, 15, 9, 2, 26, 5, 35, 8, 7]
+    ours = engine.logits_of(prompt)
+    with torch.no_grad():
+        theirs = model(input_ids=torch.tensor([prompt])).logits[0].numpy()
+    assert float(np.std(theirs)) > 0.1 and ours.shape == theirs.shape
+    rel = h.rel_err(ours, theirs)
+    WORST["gemma3 multimodal"] = max(WORST.get("gemma3 multimodal", 0.0), rel)
+    assert rel < TOL, rel
+
+
 # ---- presets and the compiler ----------------------------------------------------------------------
 
 NEW = ["qwen2.5-7b", "qwen3-8b", "gemma-2-9b", "mixtral-8x7b", "olmo-2-7b", "smollm3-3b", "gemma-3-12b",

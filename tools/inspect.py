@@ -72,7 +72,8 @@ def load_config(model: str):
     if path.exists():
         if path.is_file() and path.suffix.lower() == ".json":
             from ..loading.json_file import read_object
-            return DecoderConfig.from_hf(read_object(path), str(path)), str(path), {}
+            from ..models import language_model
+            return DecoderConfig.from_hf(language_model(read_object(path), str(path))[0], str(path)), str(path), {}
         from ..loading.checkpoint import gpu_formats, open_checkpoint   # headers and metadata only
         ckpt = open_checkpoint(path)
         return ckpt.config, str(path), gpu_formats(ckpt, build_graph(ckpt.config))
