@@ -8,7 +8,7 @@
     fuselm bench [PRESET ...] [--no-fuse]   decode speed vs. the GPU's copy bandwidth
     fuselm trace PRESET [--positions P ...] where a step's time goes between kernels (block timeline)
     fuselm perplexity MODEL TEXT [--ctx N]  llama.cpp's perplexity measure
-    fuselm serve [MODEL] [--host H] [--port P] [--device D] [--ctx N] [--max-waiting N]
+    fuselm serve [MODEL] [--host H] [--port P] [--device D] [--ctx N] [--max-waiting N] [--max-seqs N] [--kv-memory GiB]
                                             an OpenAI-compatible HTTP server
 
 Adding a subcommand: write `add_arguments(parser)` and `handler(args) -> int` in your own module,

@@ -22,6 +22,7 @@ import networkx as nx
 from ..compiler import compile_graph, compile_graphs
 from ..dsl import Graph
 from ..dsl.kv_dtype import with_kv_dtype
+from ..dsl.paging import is_paged
 from ..errors import FuselmError
 from . import sample
 from .emit import generate
@@ -92,6 +93,9 @@ def build_program(graph: Graph, ctx: int, target: Target | None = None, tuning: 
     is the KV cache's dtype, "bf16" or "fp8" (dsl/kv_dtype.py)."""
     if ctx <= 0:
         raise FuselmError(f"context must be a positive number of tokens, got {ctx}")
+    if is_paged(graph):
+        raise FuselmError(f"graph '{graph.name}' reads paged KV caches, which have no CUDA kernels yet "
+                          "(the CPU backend runs them)")
     graph = with_kv_dtype(graph, kv)
     target = target or Target()
     tuning = tuning or Tuning.from_env()

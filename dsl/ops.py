@@ -6,6 +6,9 @@ code generator pick it up from there.
 
 Shapes are tuples of ints and symbols: "T" is the number of tokens in a step and "S" the number of
 rows of the KV cache. Every activation is 2-D, [T, width]; heads are flattened into the width.
+The paged forms of the cache ops (`paged_kv_write`, `paged_attention`; dsl/paging.py) address the
+cache through each token's page table [T, P]: the rows of one sequence lie in pages of `page`
+rows anywhere in a shared pool.
 """
 from __future__ import annotations
 
@@ -126,6 +129,19 @@ def _kv_write_shape(shapes, attrs):
     return cache, "f32"
 
 
+def _paged_kv_write_shape(shapes, attrs):
+    cache, x, pos, pages = shapes
+    if len(pages) != 2 or attrs["page"] < 1:
+        raise ShapeError(f"paged_kv_write: page table {pages} must be [T, P], page {attrs['page']} >= 1")
+    return _kv_write_shape(shapes[:3], attrs)
+
+
+def _paged_attention_shape(shapes, attrs):
+    if len(shapes[4]) != 2 or attrs["page"] < 1:
+        raise ShapeError(f"paged_attention: page table {shapes[4]} must be [T, P], page {attrs['page']} >= 1")
+    return _attention_shape(shapes[:4], attrs)
+
+
 def _attention_shape(shapes, attrs):
     q, kc, vc, pos = shapes
     h, kv, hd = attrs["n_heads"], attrs["n_kv_heads"], attrs["head_dim"]
@@ -185,18 +201,45 @@ def _kv_write(cache, x, pos, kv="bf16", head_dim=0):
 
 def _attention(q, kc, vc, pos, n_heads, n_kv_heads, head_dim, scale, window=0, softcap=0.0):
     """Causal attention of each query row over cache rows [pos - window + 1, pos], in float64."""
-    group = n_heads // n_kv_heads
     out = np.zeros((q.shape[0], n_heads * head_dim), np.float64)
     for i, p in enumerate(pos.astype(np.int64)):
         lo = max(0, p - window + 1) if window else 0
-        k = kc[lo:p + 1].reshape(-1, n_kv_heads, head_dim).astype(np.float64)   # [n, KV, hd]
-        v = vc[lo:p + 1].reshape(-1, n_kv_heads, head_dim).astype(np.float64)
-        qh = q[i].reshape(n_kv_heads, group, head_dim).astype(np.float64)      # [KV, G, hd]
-        s = np.einsum("kgd,nkd->kgn", qh, k) * scale
-        if softcap:
-            s = softcap * np.tanh(s / softcap)
-        e = np.exp(s - s.max(axis=-1, keepdims=True))
-        out[i] = np.einsum("kgn,nkd->kgd", e / e.sum(axis=-1, keepdims=True), v).reshape(-1)
+        out[i] = _attend(q[i], kc[lo:p + 1], vc[lo:p + 1], n_kv_heads, head_dim, scale, softcap)
+    return out.astype(np.float32)
+
+
+def _attend(q, k, v, n_kv_heads, head_dim, scale, softcap):
+    """One query row [H * hd] over its cache rows k, v [n, KV * hd], in float64: [H * hd]."""
+    k = k.reshape(-1, n_kv_heads, head_dim).astype(np.float64)             # [n, KV, hd]
+    v = v.reshape(-1, n_kv_heads, head_dim).astype(np.float64)
+    qh = q.reshape(n_kv_heads, -1, head_dim).astype(np.float64)            # [KV, G, hd]
+    s = np.einsum("kgd,nkd->kgn", qh, k) * scale
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
+    e = np.exp(s - s.max(axis=-1, keepdims=True))
+    return np.einsum("kgn,nkd->kgd", e / e.sum(axis=-1, keepdims=True), v).reshape(-1)
+
+
+def page_rows(pages, positions, page):
+    """The pool rows of logical `positions` [n] of one sequence whose page table is `pages` [P]."""
+    positions = np.asarray(positions, np.int64)
+    return np.asarray(pages, np.int64)[positions // page] * page + positions % page
+
+
+def _paged_kv_write(cache, x, pos, pages, page, kv="bf16", head_dim=0):
+    """kv_write through each token's page table: row pos[t] of token t's sequence."""
+    rows = np.array([page_rows(pages[t], [p], page)[0] for t, p in enumerate(pos)], np.int64)
+    return _kv_write(cache, x, rows, kv, head_dim)
+
+
+def _paged_attention(q, kc, vc, pos, pages, page, n_heads, n_kv_heads, head_dim, scale, window=0,
+                     softcap=0.0):
+    """attention of each token over its own sequence's rows, found through its page table."""
+    out = np.zeros((q.shape[0], n_heads * head_dim), np.float64)
+    for i, p in enumerate(pos.astype(np.int64)):
+        lo = max(0, p - window + 1) if window else 0
+        rows = page_rows(pages[i], np.arange(lo, p + 1), page)
+        out[i] = _attend(q[i], kc[rows], vc[rows], n_kv_heads, head_dim, scale, softcap)
     return out.astype(np.float32)
 
 
@@ -243,6 +286,10 @@ for _op in [
           tile_fits=lambda shapes, attrs: 2 * shapes[2][0] == attrs["head_dim"]),  # no partial rotary
     OpDef("kv_write", Kind.CACHE_WRITE, 3, _kv_write_shape, _kv_write, inplace_of=0),
     OpDef("attention", Kind.ATTENTION, 4, _attention_shape, _attention,
+          attr_defaults={"window": 0, "softcap": 0.0}),
+    # the same through page tables [T, P] (dsl/paging.py): the numpy reference only, so far
+    OpDef("paged_kv_write", Kind.CACHE_WRITE, 4, _paged_kv_write_shape, _paged_kv_write, inplace_of=0),
+    OpDef("paged_attention", Kind.ATTENTION, 5, _paged_attention_shape, _paged_attention,
           attr_defaults={"window": 0, "softcap": 0.0}),
     OpDef("softmax", Kind.REDUCTION, 1, _same_as_first, _softmax),
     # x [T, D], router logits [T, E], gate and up [E, I, D], down [E, D, I] (stacked over experts)

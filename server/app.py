@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
+from .batcher import BatchScheduler
 from .errors import APIError, install_error_handlers
 from .jobs import build_job
 from .metrics import ServerMetrics
@@ -41,13 +42,26 @@ def served_name(model) -> str:
     return path.stem if path.is_file() else path.name
 
 
-def create_app(model, model_name: str | None = None, max_waiting: int = 16) -> FastAPI:
+def batches(model) -> bool:
+    """Whether `model`'s engine can run many requests in one batch (continuous batching): the
+    CPU engine can; the CUDA engine has no kernels for paged caches yet and runs one at a time."""
+    from ..runtime.cpu_engine import CpuEngine
+    return isinstance(model.engine, CpuEngine)
+
+
+def create_app(model, model_name: str | None = None, max_waiting: int = 16, max_seqs: int = 8,
+               kv_pages: int | None = None) -> FastAPI:
     """An ASGI app serving `model` (a fuselm Model) under `model_name` (default: served_name),
-    with at most `max_waiting` requests queued behind the running one. The worker thread starts
-    and stops with the app's lifespan; `app.state.scheduler` is the Scheduler."""
+    with at most `max_waiting` requests queued. Where the engine batches (`batches`), up to
+    `max_seqs` requests run together over `kv_pages` KV pages (default: room for `max_seqs` full
+    contexts); else one at a time. The worker thread starts and stops with the app's lifespan;
+    `app.state.scheduler` is the Scheduler."""
     name = model_name or served_name(model)
     metrics = ServerMetrics()
-    scheduler = Scheduler(model, max_waiting, metrics)
+    if batches(model):
+        scheduler = BatchScheduler(model, max_waiting, metrics, max_seqs=max_seqs, pages=kv_pages)
+    else:
+        scheduler = Scheduler(model, max_waiting, metrics)
     card = ModelCard(id=name, created=int(time.time()))
 
     @asynccontextmanager

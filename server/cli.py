@@ -25,7 +25,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=int, metavar="N", help="context length (KV cache rows), at most the "
                    "model's maximum positions; default min(model's maximum, 4096)")
     p.add_argument("--max-waiting", type=int, default=16, metavar="N",
-                   help="requests queued behind the running one before new ones get 503 (default 16)")
+                   help="requests queued for the engine before new ones get 503 (default 16)")
+    p.add_argument("--max-seqs", type=int, default=8, metavar="N",
+                   help="requests generated together in one continuous batch (default 8; CPU backend "
+                   "only so far, the GPU runs one at a time)")
+    p.add_argument("--kv-memory", type=float, metavar="GiB",
+                   help="memory of the batch's KV page pool (default: room for --max-seqs full contexts)")
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -50,17 +55,23 @@ def main(args: argparse.Namespace) -> int:
     """Bind, load the model, print the URL, serve until interrupted."""
     if args.max_waiting < 1:
         raise FuselmError(f"--max-waiting must be at least 1, got {args.max_waiting}")
+    if args.max_seqs < 1:
+        raise FuselmError(f"--max-seqs must be at least 1, got {args.max_seqs}")
+    if args.kv_memory is not None and not args.kv_memory > 0:
+        raise FuselmError(f"--kv-memory must be a positive number of GiB, got {args.kv_memory}")
     if args.ctx is not None and args.ctx <= 0:
         raise FuselmError(f"--ctx must be a positive number of tokens, got {args.ctx}")
     sock = listen(args.host, args.port)
     import uvicorn
 
     from ..api import load
-    from .app import create_app, served_name
+    from .app import batches, create_app, served_name
+    from .batcher import pages_in
     with sock:
         print(f"loading {args.model or 'the default model'}", file=sys.stderr)
         model = load(args.model, device=args.device, ctx=args.ctx)
-        app = create_app(model, max_waiting=args.max_waiting)
+        pages = None if args.kv_memory is None or not batches(model) else pages_in(model, args.kv_memory)
+        app = create_app(model, max_waiting=args.max_waiting, max_seqs=args.max_seqs, kv_pages=pages)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
         print(f"serving {served_name(model)} on {model.device} at {url_of(sock)} (Ctrl-C stops)",
               file=sys.stderr, flush=True)

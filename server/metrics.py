@@ -8,7 +8,7 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 
 
 class ServerMetrics:
-    """Requests running and waiting, tokens in and out, how requests ended, TTFT and TPOT."""
+    """Requests running and waiting, KV pages held, tokens in and out, how requests ended, TTFT and TPOT."""
 
     content_type = CONTENT_TYPE_LATEST
 
@@ -17,6 +17,10 @@ class ServerMetrics:
         r = self.registry
         self.running = Gauge("fuselm_requests_running", "Requests being generated", registry=r)
         self.waiting = Gauge("fuselm_requests_waiting", "Requests queued for the engine", registry=r)
+        self.kv_pages = Gauge("fuselm_kv_pages_used", "KV cache pages held by running requests "
+                              "(continuous batching only)", registry=r)
+        self.preemptions = Counter("fuselm_preemptions", "Requests sent back to wait because the KV "
+                                   "pool was full (prefilled again later)", registry=r)
         self.prompt_tokens = Counter("fuselm_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generated_tokens = Counter("fuselm_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("fuselm_requests_finished", "Requests ended, by finish reason "

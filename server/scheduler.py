@@ -1,8 +1,8 @@
 """The scheduler: a bounded FIFO of generation jobs and one worker thread that owns the model.
 
-The engine holds one sequence (one KV cache), so the worker runs jobs one after another and
-switches only at request boundaries. Handlers only `submit`, `cancel` and read a ticket's events;
-a batched engine can replace the worker behind the same three calls.
+`Scheduler` is for an engine that holds one sequence (one KV cache): the worker runs jobs one
+after another and switches only at request boundaries. Handlers only `submit`, `cancel` and read
+a ticket's events; `BatchScheduler` (batcher.py) runs many jobs at once behind the same calls.
 
 Events cross from the worker thread to the event loop through `loop.call_soon_threadsafe`. A
 cancelled job stops at the next token: the worker checks its flag between tokens. Every ticket
@@ -119,8 +119,8 @@ class Scheduler:
         """Cancel every job, waiting or running, and wait for the worker to end."""
         with self._wake:
             self._closing = True
-            if self._running is not None:
-                self._running.cancelled.set()
+            for ticket in self._running_tickets():
+                ticket.cancelled.set()
             for ticket in self._waiting:
                 ticket.cancelled.set()
                 ticket.emit(CANCELLED)
@@ -129,6 +129,9 @@ class Scheduler:
             self._wake.notify()
         if self._worker.is_alive():
             self._worker.join()
+
+    def _running_tickets(self) -> list[Ticket]:
+        return [] if self._running is None else [self._running]
 
     def submit(self, job: Job) -> Ticket:
         """Queue `job`; call from the event loop that reads the ticket's events. QueueFull when
@@ -216,6 +219,7 @@ class Scheduler:
         return reason
 
     def _record(self, ticket: Ticket, stats: GenerationStats, started: float, outcome: str) -> None:
+        """Count an ended job in the metrics; `started` is when its generation began."""
         m = self.metrics
         m.finished.labels(outcome).inc()
         m.prompt_tokens.inc(stats.prompt_tokens)

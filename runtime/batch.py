@@ -1,0 +1,83 @@
+"""Steps over many sequences at once: the engine behind continuous batching.
+
+A step feeds a list of chunks, each some tokens of one sequence at its next positions with that
+sequence's page table; prompt chunks and single decode tokens mix freely in one step. The model
+runs as its paged graph (dsl/paging.py) over one pool of KV pages, which runtime/kv_pages.py
+hands out. The step returns the logits of each chunk's last token.
+
+`CpuBatchEngine` runs it on the numpy reference executor, sharing a CpuEngine's weights. There
+is no CUDA batch engine yet: the compiler has no kernels for the paged ops.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..dsl.paging import paged
+from ..errors import FuselmError
+from .reference import new_state, run_graph
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """`ids` of one sequence fed at positions start, start + 1, ...; `table` is the sequence's page
+    table (its pages in position order), covering at least start + len(ids) rows."""
+    ids: Sequence[int]
+    start: int
+    table: Sequence[int]
+
+
+def step_feeds(chunks: Sequence[Chunk], table_width: int) -> dict[str, np.ndarray]:
+    """The paged graph's inputs for one step: ids [T], pos [T] and pages [T, table_width] (each
+    token its sequence's table, padded with page 0, which no position it reads maps to)."""
+    ids, pos, pages = [], [], []
+    for c in chunks:
+        if len(c.table) > table_width:
+            raise FuselmError(f"a page table of {len(c.table)} pages is wider than {table_width}")
+        row = np.zeros(table_width, np.int32)
+        row[:len(c.table)] = c.table
+        ids.extend(c.ids)
+        pos.extend(range(c.start, c.start + len(c.ids)))
+        pages.extend([row] * len(c.ids))
+    return {"ids": np.asarray(ids, np.int32), "pos": np.asarray(pos, np.int32),
+            "pages": np.asarray(pages, np.int32).reshape(len(ids), table_width)}
+
+
+class CpuBatchEngine:
+    """A model's paged graph on the numpy reference executor, over a pool of `pages` KV pages of
+    `page` rows; sequences are at most `max_context` tokens long."""
+
+    device = "cpu"
+
+    def __init__(self, graph, weights, pages: int, page: int, max_context: int):
+        if pages * page < max_context:
+            raise FuselmError(f"a KV pool of {pages} pages of {page} rows cannot hold one sequence of "
+                              f"{max_context} tokens")
+        self.graph, self.weights = paged(graph, page), weights
+        self.pages, self.page, self.max_context = pages, page, max_context
+        self.table_width = math.ceil(max_context / page)
+        self.state = new_state(self.graph, pages * page)     # each cache [pages * page, KV * hd]
+
+    @classmethod
+    def beside(cls, engine, pages: int, page: int) -> "CpuBatchEngine":
+        """A batch engine on `engine`'s (a CpuEngine's) graph and weights, with the same context."""
+        return cls(engine.graph, engine.weights, pages, page, engine.max_context)
+
+    @staticmethod
+    def row_bytes(graph) -> int:
+        """Bytes of one KV row over every layer (float32 caches)."""
+        return sum(4 * math.prod(n.shape[1:]) for n in graph.sources("state"))
+
+    def step(self, chunks: Sequence[Chunk]) -> np.ndarray:
+        """Feed `chunks` in one step; the logits [len(chunks), vocab] of each one's last token."""
+        if not chunks or any(not c.ids for c in chunks):
+            raise FuselmError("a batch step needs at least one chunk, each of at least one token")
+        for c in chunks:
+            if c.start + len(c.ids) > self.max_context:
+                raise FuselmError(f"{len(c.ids)} tokens at position {c.start} pass the context of {self.max_context}")
+        logits = run_graph(self.graph, self.weights, step_feeds(chunks, self.table_width), self.state)["logits"]
+        last = np.cumsum([len(c.ids) for c in chunks]) - 1
+        return logits[last]

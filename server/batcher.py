@@ -1,0 +1,283 @@
+"""Continuous batching: many jobs share every engine step.
+
+The worker owns a batch engine (runtime/batch.py) and its KV page pool (runtime/kv_pages.py).
+Each step:
+
+1. admit waiting jobs while the batch has room (`max_seqs`) and the pool has the pages for
+   their prompts, after taking the pages of any prompt prefix already in the pool;
+2. plan the step: the next token of every sequence that is decoding, then chunks of prompts
+   that are being prefilled, up to `step_tokens` tokens in all, so a long prompt goes in over
+   several steps and never stalls the streams running beside it;
+3. run it, and for each sequence whose fed tokens reach its end sample the next token, stream
+   its text and end it at a stop token, a stop string or its token limit.
+
+A sequence that needs a page when none is left preempts the sequence admitted last: its pages go
+back and it waits at the head of the queue to be prefilled again (its published pages usually
+still hold its prefix). A cancelled job leaves at the next step boundary and its pages return
+at once. Jobs are independent: each has its own sampler (seed) and its own page table.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..errors import FuselmError
+from ..runtime.batch import Chunk, CpuBatchEngine
+from ..runtime.engine import check_logits
+from ..runtime.generate import GenerationStats, encode_prompt
+from ..runtime.kv_pages import PagePool
+from ..runtime.sampling import Sampler
+from .metrics import ServerMetrics
+from .scheduler import CANCELLED, Failed, Finished, Piece, Scheduler, Ticket
+from .stops import StopStrings
+
+log = logging.getLogger("fuselm.server")
+
+
+@dataclass(eq=False)
+class Sequence_:
+    """One admitted job: its tokens (prompt, then the answer so far), the rows of them in the
+    cache (`fed`), its page table, and what turns sampled ids into the job's events."""
+    ticket: Ticket
+    ids: list[int]
+    prompt_tokens: int
+    sampler: Sampler
+    decoder: object                          # the tokenizer's stream decoder
+    stops: StopStrings
+    table: list[int] = field(default_factory=list)
+    fed: int = 0
+    reused: int | None = None                # prompt tokens found in the pool when first placed
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+    @property
+    def pending(self) -> int:
+        """Tokens not yet in the cache: the prompt's rest while prefilling, then 1 per step."""
+        return len(self.ids) - self.fed
+
+    @property
+    def decoding(self) -> bool:
+        return self.fed >= self.prompt_tokens
+
+
+PAGE_ROWS = 16     # KV rows per page: small pages share more of a prompt prefix
+
+
+def pages_in(model, gib: float, page: int = PAGE_ROWS) -> int:
+    """KV pages of `model` (on the CPU) that `gib` GiB hold; a FuselmError when they cannot hold
+    one sequence of the model's context."""
+    pages = int(gib * 2**30) // (CpuBatchEngine.row_bytes(model.engine.graph) * page)
+    need = -(-model.engine.max_context // page)
+    if pages < need:
+        raise FuselmError(f"--kv-memory {gib:g} GiB holds {pages} KV pages of {page} rows; one sequence of the "
+                          f"context ({model.engine.max_context} tokens) needs {need}: raise it or lower --ctx")
+    return pages
+
+
+class BatchScheduler(Scheduler):
+    """Runs jobs on `model` (a fuselm Model on the CPU) in one continuous batch of at most
+    `max_seqs` sequences over a pool of `pages` KV pages of `page` rows, steps of at most
+    `step_tokens` tokens; at most `max_waiting` jobs wait."""
+
+    def __init__(self, model, max_waiting: int = 16, metrics: ServerMetrics | None = None,
+                 max_seqs: int = 8, pages: int | None = None, page: int = PAGE_ROWS, step_tokens: int = 256):
+        super().__init__(model, max_waiting, metrics)
+        if max_seqs < 1 or step_tokens < 1:
+            raise FuselmError(f"max_seqs and step_tokens must be at least 1, got {max_seqs} and {step_tokens}")
+        ctx = model.engine.max_context
+        pages = pages or max_seqs * -(-ctx // page)
+        self.engine = CpuBatchEngine.beside(model.engine, pages, page)
+        self.pool = PagePool(pages, page)
+        self.max_seqs, self.step_tokens = max_seqs, step_tokens
+        self.tokenizer = model.tokenizer
+        self._active: list[Sequence_] = []            # in admission order
+        self._preempted: deque[Sequence_] = deque()   # to admit before any waiting job
+        self.metrics.kv_pages.set(0)
+
+    def _running_tickets(self) -> list[Ticket]:
+        return [s.ticket for s in (*self._active, *self._preempted)]
+
+    # ---- the worker ----
+    def _work(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._waiting or self._active or self._preempted or self._closing):
+                    self._wake.wait()
+                if self._closing:
+                    break
+            self._leave_cancelled()
+            self._admit()
+            chunks, fed = self._plan()
+            if chunks:
+                self._step(chunks, fed)
+            else:     # nothing can run now (no pages): wait for a job to come or leave
+                with self._wake:
+                    self._wake.wait(timeout=0.05)
+            self.metrics.running.set(len(self._active))
+            self.metrics.kv_pages.set(self.pool.held)
+        for seq in (*self._active, *self._preempted):
+            self._end(seq, "cancelled", CANCELLED)
+
+    def _admit(self) -> None:
+        """Move jobs into the batch while there is room and pages (the module docstring, 1)."""
+        while len(self._active) < self.max_seqs:
+            if self._preempted:
+                seq = self._preempted[0]
+            else:
+                with self._wake:
+                    if not self._waiting:
+                        return
+                    ticket = self._waiting.popleft()
+                    self.metrics.waiting.set(len(self._waiting))
+                seq = self._start(ticket)
+                if seq is None:
+                    continue
+                self._preempted.appendleft(seq)     # the head of the line until it is in
+            if not self._place(seq):
+                return
+            self._preempted.popleft()
+            self._active.append(seq)
+
+    def _start(self, ticket: Ticket) -> Sequence_ | None:
+        """A new sequence for `ticket`, or None when its job ended before it began."""
+        if ticket.cancelled.is_set():
+            return None               # cancel() has answered it
+        job = ticket.job
+        try:
+            ids = encode_prompt(self.tokenizer, job.prompt)
+            sampler = Sampler(job.sampling)
+        except FuselmError as e:
+            ticket.emit(Failed(str(e)))
+            self.metrics.finished.labels("error").inc()
+            return None
+        return Sequence_(ticket, ids, len(ids), sampler, self.tokenizer.stream(), StopStrings(job.stop))
+
+    def _place(self, seq: Sequence_) -> bool:
+        """Give `seq` the pages of its tokens: a known prefix shared, the rest fresh. False (and
+        nothing taken) when the pool has too few free pages now."""
+        shared = self.pool.match(seq.ids, limit=len(seq.ids) - 1)
+        fresh = self.pool.allocate(self.pool.pages_for(len(seq.ids)) - len(shared))
+        if fresh is None:
+            self.pool.release(shared)
+            return False
+        seq.table, seq.fed = shared + fresh, len(shared) * self.pool.page
+        if seq.reused is None:
+            seq.reused = seq.fed
+        return True
+
+    def _plan(self) -> tuple[list[Chunk], list[tuple[Sequence_, int]]]:
+        """This step's chunks and, for each, its sequence and token count (docstring, 2)."""
+        budget, planned = self.step_tokens, []
+        for seq in [s for s in self._active if s.decoding] + [s for s in self._active if not s.decoding]:
+            if budget == 0:
+                break
+            if seq not in self._active:             # preempted while planning this step
+                continue
+            n = min(seq.pending, budget)
+            if not self._room_for(seq, seq.fed + n):
+                continue
+            planned.append((seq, n))
+            budget -= n
+        planned = [(s, n) for s, n in planned if s in self._active]
+        return [Chunk(s.ids[s.fed:s.fed + n], s.fed, s.table) for s, n in planned], planned
+
+    def _room_for(self, seq: Sequence_, rows: int) -> bool:
+        """Pages for `rows` rows of `seq`, preempting the sequences admitted after it (last
+        first) while none is free; False when `seq` itself had to go."""
+        while len(seq.table) < self.pool.pages_for(rows):
+            page = self.pool.allocate(1)
+            if page is not None:
+                seq.table += page
+                continue
+            victim = self._active[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence_) -> None:
+        self._active.remove(seq)
+        self.pool.release(seq.table)
+        seq.table, seq.fed = [], 0
+        self._preempted.appendleft(seq)
+        self.metrics.preemptions.inc()
+        log.info("preempted a sequence of %d tokens: the KV pool is full", len(seq.ids))
+
+    def _step(self, chunks: list[Chunk], planned: list[tuple[Sequence_, int]]) -> None:
+        """Run one step and act on its logits (docstring, 3); a failing step fails its jobs."""
+        t = time.perf_counter()
+        try:
+            logits = self.engine.step(chunks)
+        except Exception:   # a bug: keep the worker alive, tell the clients little
+            log.exception("batch step failed")
+            for seq, _ in planned:
+                self._end(seq, "error", Failed("internal error during generation"))
+            return
+        elapsed = time.perf_counter() - t
+        for (seq, n), row in zip(planned, logits):
+            seq.fed += n
+            if seq.decoding and seq.first_token_at is not None:
+                seq.stats.decode_steps += 1
+                seq.stats.decode_s += elapsed
+            if seq.pending:
+                self.pool.publish(seq.table, seq.ids[:seq.fed])
+                continue
+            try:
+                check_logits(row, seq.fed - 1)
+            except FuselmError as e:     # nothing sampled, nothing published from garbage
+                self._end(seq, "error", Failed(str(e)))
+                continue
+            self.pool.publish(seq.table, seq.ids[:seq.fed])
+            self._next_token(seq, row)
+
+    def _next_token(self, seq: Sequence_, logits) -> None:
+        """Sample `seq`'s next token and stream it, or end the sequence."""
+        token = seq.sampler(logits, seq.ids)
+        if seq.first_token_at is None:
+            seq.first_token_at = time.perf_counter()
+            seq.stats.prompt_tokens = seq.prompt_tokens - (seq.reused or 0)
+            seq.stats.ttft_s = seq.first_token_at - seq.started
+        if token in self.tokenizer.stop_ids:
+            seq.stats.stopped = True
+            return self._finish(seq, "stop")
+        seq.stats.generated_tokens += 1
+        piece = seq.decoder.push(token)
+        if piece:
+            text, stopped = seq.stops.push(piece)
+            if text:
+                seq.ticket.emit(Piece(text))
+            if stopped:
+                return self._end(seq, "stop", self._finished(seq, "stop"))
+        if seq.stats.generated_tokens >= seq.ticket.job.max_tokens:
+            return self._finish(seq, "length")
+        seq.ids.append(token)
+
+    def _finish(self, seq: Sequence_, reason: str) -> None:
+        """End `seq` with the text it holds back (a partial character, a possible stop string)."""
+        tail, stopped = seq.stops.push(seq.decoder.flush())
+        tail += "" if stopped else seq.stops.flush()
+        if tail:
+            seq.ticket.emit(Piece(tail))
+        self._end(seq, "stop" if stopped else reason, self._finished(seq, "stop" if stopped else reason))
+
+    @staticmethod
+    def _finished(seq: Sequence_, reason: str) -> Finished:
+        return Finished(reason, seq.prompt_tokens, seq.stats.generated_tokens)
+
+    def _end(self, seq: Sequence_, outcome: str, event) -> None:
+        """Take `seq` out of the batch, return its pages, send its last event, count it."""
+        if seq in self._active:
+            self._active.remove(seq)
+        if seq in self._preempted:
+            self._preempted.remove(seq)
+        self.pool.release(seq.table)
+        seq.table = []
+        self._record(seq.ticket, seq.stats, seq.started, outcome)   # before the client can read the metrics
+        seq.ticket.emit(event)
+
+    def _leave_cancelled(self) -> None:
+        for seq in [s for s in (*self._active, *self._preempted) if s.ticket.cancelled.is_set()]:
+            self._end(seq, "cancelled", CANCELLED)

@@ -1,0 +1,128 @@
+"""Paged KV caches and steps over many sequences (dsl/paging.py, runtime/kv_pages.py,
+runtime/batch.py): a sequence fed in chunks beside others, its rows scattered over pool pages,
+gives the logits the one-sequence engine gives; the page pool shares prefixes and returns every
+page."""
+import numpy as np
+import pytest
+
+from fuselm.dsl.paging import is_paged, paged
+from fuselm.errors import FuselmError
+from fuselm.models import DecoderConfig, build_graph
+from fuselm.runtime.batch import Chunk, CpuBatchEngine
+from fuselm.runtime.cpu_engine import CpuEngine
+from fuselm.runtime.kv_pages import PagePool
+
+from test_generate import tiny_llama
+
+
+def alone(graph, weights, ids, ctx=64):
+    """Every position's logits [len(ids), vocab] of `ids` fed one token at a time, alone."""
+    engine = CpuEngine(graph, weights, ctx)
+    return np.concatenate([engine.logits_of([i]) for i in ids])
+
+
+def rel(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def test_paged_graph_adds_the_page_table_and_keeps_the_rest():
+    graph, _ = tiny_llama()
+    g = paged(graph, 4)
+    ops = [n.op for n in g.nodes.values()]
+    assert is_paged(g) and not is_paged(graph)
+    assert ops.count("paged_kv_write") == 4 and ops.count("paged_attention") == 2
+    assert "kv_write" not in ops and "attention" not in ops
+    assert g.nodes["pages"].shape == ("T", "P") and list(g.nodes)[0] == "pages"
+    assert all(n.attrs["page"] == 4 for n in g.nodes.values() if n.op.startswith("paged_"))
+    with pytest.raises(FuselmError, match="at least one row"):
+        paged(graph, 0)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_interleaved_chunks_on_scattered_pages_match_each_sequence_alone(window):
+    """Three sequences, prompts in chunks of several sizes beside single decode tokens of the
+    others, each on pages taken out of order from the pool (sliding window too)."""
+    cfg = {"sliding_window": window} if window else {}
+    graph, weights = tiny_llama()
+    if window:
+        graph = build_graph(DecoderConfig.from_hf({
+            "architectures": ["MistralForCausalLM"], "vocab_size": 300, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 64, **cfg}))
+    rng = np.random.default_rng(1)
+    seqs = [list(rng.integers(0, 256, n)) for n in (13, 7, 22)]
+    tables = [[9, 2, 14, 5, 0, 11], [3, 12, 7], [1, 8, 4, 15, 6, 10]]     # pages of 4 rows, shuffled
+    engine = CpuBatchEngine(graph, weights, pages=16, page=4, max_context=24)
+    got = [[] for _ in seqs]
+    fed = [0, 0, 0]
+    plan = [[5, 1, 8], [5, 3, 6], [3, 2, 8], [1, 1, 1], [1, 0, 0], [2, 2, 0]]   # tokens per step and sequence
+    while any(fed[i] < len(s) for i, s in enumerate(seqs)):
+        step = plan.pop(0) if plan else [1, 1, 1]
+        chunks, owners = [], []
+        for i, n in enumerate(step):
+            n = min(n, len(seqs[i]) - fed[i])
+            if n:
+                chunks.append(Chunk(seqs[i][fed[i]:fed[i] + n], fed[i], tables[i]))
+                owners.append((i, fed[i] + n - 1))
+                fed[i] += n
+        for (i, position), row in zip(owners, engine.step(chunks)):
+            got[i].append((position, row))
+    for i, ids in enumerate(seqs):
+        want = alone(graph, weights, ids)
+        for position, row in got[i]:
+            assert rel(row, want[position]) < 1e-5, (i, position)
+
+
+def test_a_batch_step_refuses_what_does_not_fit():
+    graph, weights = tiny_llama()
+    with pytest.raises(FuselmError, match="cannot hold one sequence of 24 tokens"):
+        CpuBatchEngine(graph, weights, pages=5, page=4, max_context=24)
+    engine = CpuBatchEngine(graph, weights, pages=8, page=4, max_context=24)
+    with pytest.raises(FuselmError, match="pass the context of 24"):
+        engine.step([Chunk([1, 2], 23, [0, 1, 2, 3, 4, 5])])
+    with pytest.raises(FuselmError, match="at least one token"):
+        engine.step([Chunk([], 0, [0])])
+
+
+def test_the_pool_shares_published_prefixes_and_returns_every_page():
+    pool = PagePool(pages=6, page=4)
+    a = list(range(10))                       # two full pages and a part
+    table_a = pool.allocate(pool.pages_for(len(a)))
+    assert len(table_a) == 3 and pool.held == 3 and pool.match(a) == []
+    pool.publish(table_a, a)                  # its two full pages become findable
+    b = a[:8] + [99, 98, 97]
+    shared = pool.match(b, limit=len(b) - 1)
+    assert shared == table_a[:2] and pool.held == 3     # shared, not copied
+    assert pool.match(a[:4] + [7, 7, 7, 7]) == [table_a[0]]          # agrees only on the first page
+    pool.release([table_a[0]])
+    assert pool.match([5] + a[1:8]) == []                             # the first token differs
+    table_b = shared + pool.allocate(1)
+    pool.release(table_a)
+    assert pool.held == 3 and pool.available == 3
+    pool.release(table_b)
+    assert pool.held == 0 and pool.available == 6
+    # the published pages stay cached until needed, then are forgotten
+    again = pool.match(a)
+    assert again == table_a[:2]
+    pool.release(again)
+    taken = pool.allocate(6)
+    assert sorted(taken) == list(range(6)) and pool.match(a) == []
+    assert pool.allocate(1) is None
+    pool.release(taken)
+    with pytest.raises(FuselmError, match="released but not held"):
+        pool.release([taken[0]])
+
+
+def test_match_limit_keeps_a_token_to_compute():
+    pool = PagePool(pages=4, page=4)
+    ids = list(range(8))
+    table = pool.allocate(2)
+    pool.publish(table, ids)
+    assert pool.match(ids, limit=len(ids) - 1) == table[:1]   # the last page would leave nothing to feed
+
+
+def test_the_cuda_build_refuses_paged_graphs_by_name():
+    from fuselm.codegen.build import build_program
+    graph, _ = tiny_llama()
+    with pytest.raises(FuselmError, match="reads paged KV caches, which have no CUDA kernels yet"):
+        build_program(paged(graph, 4), 64, compile=False)

@@ -1,0 +1,124 @@
+"""Continuous batching in `fuselm serve` on the CPU (server/batcher.py): concurrent requests give
+each the answer it gets alone, prompts share KV pages, a full pool preempts and recovers, and
+every page returns once the clients are gone, disconnects included."""
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from fuselm.loading.default_model import find_default
+from fuselm.server import create_app
+
+from test_server import NAME, NO_MODEL, metric, serving
+
+PROMPTS = ["The capital of France is", "List three colors:", "def fibonacci(n):",
+           "Once upon a time, in a land far away, there lived", "2 + 2 =", "Water boils at"]
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    """SmolLM2 with a context of 96 tokens: a pool of 6 pages of 16 rows holds one sequence."""
+    if find_default() is None:
+        pytest.skip(NO_MODEL)
+    import fuselm
+    return fuselm.load(device="cpu", ctx=96, progress=False)
+
+
+def complete(url: str, prompt: str, tokens: int, **fields) -> dict:
+    body = {"model": NAME, "prompt": prompt, "max_tokens": tokens, **fields}
+    reply = httpx.post(url + "/completions", json=body, timeout=300)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def answers_alone_then_together(url: str, requests: list[tuple[str, int, dict]]) -> tuple[list, list]:
+    """Each request's text and usage sent alone, one after another; then all at once."""
+    def one(r):
+        reply = complete(url, r[0], r[1], **r[2])
+        return reply["choices"][0]["text"], reply["usage"]["completion_tokens"]
+    alone = [one(r) for r in requests]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(one, requests))
+    return alone, together
+
+
+def test_concurrent_requests_each_get_their_own_answer(small_model):
+    requests = [(p, 12 + 3 * i, {"temperature": 0.8, "seed": i} if i % 2 else {}) for i, p in enumerate(PROMPTS)]
+    with serving(create_app(small_model, max_seqs=4)) as url:
+        alone, together = answers_alone_then_together(url, requests)
+        assert together == alone
+        assert metric(url, "fuselm_kv_pages_used") == 0 and metric(url, "fuselm_requests_running") == 0
+
+
+def test_a_full_pool_preempts_and_every_answer_is_still_its_own(small_model):
+    """6 pages of 16 rows: three sequences of up to 46 tokens cannot all stay in the pool."""
+    requests = [(p, 40, {}) for p in PROMPTS[:3]]
+    with serving(create_app(small_model, max_seqs=3, kv_pages=6)) as url:
+        alone, together = answers_alone_then_together(url, requests)
+        assert together == alone
+        assert metric(url, "fuselm_preemptions_total") >= 1 and metric(url, "fuselm_kv_pages_used") == 0
+
+
+def test_a_shared_prompt_prefix_is_prefilled_once(small_model):
+    system = "You are a helpful assistant who answers briefly and politely. " * 4
+    with serving(create_app(small_model, max_seqs=2)) as url:
+        first = complete(url, system + "Name a fruit.", 4)
+        fed = metric(url, "fuselm_prompt_tokens_total")
+        second = complete(url, system + "Name a tree.", 4)
+        again = metric(url, "fuselm_prompt_tokens_total") - fed
+        prompt = second["usage"]["prompt_tokens"]
+        assert first["usage"]["prompt_tokens"] == fed >= 32
+        assert again <= prompt - 16          # at least a page of the prefix came from the pool
+        assert metric(url, "fuselm_kv_pages_used") == 0
+
+
+def test_random_load_with_disconnects_keeps_the_server_whole(small_model):
+    """Clients with random prompts and lengths, some leaving early: the rest get their alone
+    answers, the server stays up, and every page and slot is free at the end."""
+    rng = random.Random(0)
+    requests = [(" ".join(rng.sample(PROMPTS, rng.randint(1, 2))), rng.randint(2, 20), rng.random() < 0.3)
+                for _ in range(16)]
+    with serving(create_app(small_model, max_seqs=4, kv_pages=12, max_waiting=16)) as url:
+        alone = {i: complete(url, p, n)["choices"][0]["text"] for i, (p, n, leaves) in enumerate(requests)
+                 if not leaves}
+
+        def one(i):
+            prompt, n, leaves = requests[i]
+            body = {"model": NAME, "prompt": prompt, "max_tokens": n}
+            if leaves:
+                with pytest.raises(httpx.ReadTimeout):
+                    httpx.post(url + "/completions", json=body, timeout=httpx.Timeout(300, read=0.05))
+                return None
+            return httpx.post(url + "/completions", json=body, timeout=300).json()["choices"][0]["text"]
+        with ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(one, range(len(requests))))
+        assert {i: t for i, t in enumerate(got) if t is not None} == alone
+        assert httpx.get(url.removesuffix("/v1") + "/health").status_code == 200
+        deadline = time.monotonic() + 30
+        while metric(url, "fuselm_requests_running") or metric(url, "fuselm_kv_pages_used"):
+            assert time.monotonic() < deadline, "pages or slots were not returned"
+            time.sleep(0.05)
+        assert metric(url, "fuselm_requests_finished_total", {"finish_reason": "cancelled"}) >= 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-seqs", "0"], "--max-seqs must be at least 1, got 0"),
+    (["--kv-memory", "-1"], "--kv-memory must be a positive number of GiB, got -1.0"),
+    (["--kv-memory", "nan"], "--kv-memory must be a positive number of GiB, got nan"),
+])
+def test_serve_refuses_bad_batch_options_in_one_line(capsys, argv, message):
+    from test_hostile_cli import one_error
+    assert one_error(capsys, "serve", *argv) == f"error: {message}"
+
+
+def test_a_kv_memory_below_one_context_is_refused(small_model):
+    from fuselm.errors import FuselmError
+    from fuselm.server.batcher import pages_in
+    assert pages_in(small_model, 1.0) >= 6
+    with pytest.raises(FuselmError, match=r"^--kv-memory 0.001 GiB holds \d+ KV pages of 16 rows; one sequence of "
+                                          r"the context \(96 tokens\) needs 6: raise it or lower --ctx$"):
+        pages_in(small_model, 0.001)
