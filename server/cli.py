@@ -10,6 +10,7 @@ import os
 import socket
 import sys
 
+from ..dsl.kv_dtype import KV_DTYPES
 from ..errors import FuselmError
 
 
@@ -24,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where to run: cuda, cpu, or auto (the GPU when there is one; default)")
     p.add_argument("--ctx", type=int, metavar="N", help="context length (KV cache rows), at most the "
                    "model's maximum positions; default min(model's maximum, 4096)")
+    p.add_argument("--kv", choices=KV_DTYPES, default="bf16",
+                   help="the KV cache's dtype: bf16 (default) or fp8 (e4m3 with a scale per token and KV head)")
     p.add_argument("--max-waiting", type=int, default=16, metavar="N",
                    help="requests queued for the engine before new ones get 503 (default 16)")
     p.add_argument("--max-seqs", type=int, default=8, metavar="N",
@@ -69,7 +72,7 @@ def main(args: argparse.Namespace) -> int:
     from .batcher import pages_in
     with sock:
         print(f"loading {args.model or 'the default model'}", file=sys.stderr)
-        model = load(args.model, device=args.device, ctx=args.ctx)
+        model = load(args.model, device=args.device, ctx=args.ctx, kv=args.kv)
         pages = None if args.kv_memory is None or not batches(model) else pages_in(model, args.kv_memory)
         app = create_app(model, max_waiting=args.max_waiting, max_seqs=args.max_seqs, kv_pages=pages)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
