@@ -10,6 +10,8 @@
     fuselm perplexity MODEL TEXT [--ctx N]  llama.cpp's perplexity measure
     fuselm serve [MODEL] [--host H] [--port P] [--device D] [--ctx N] [--max-waiting N] [--max-seqs N] [--kv-memory GiB]
                                             an OpenAI-compatible HTTP server
+    fuselm bench-serve URL [--clients 1,32] [--requests R] [--prompt-words W] [--output-tokens T] [--json F]
+                                            load a server with concurrent streaming clients
 
 Adding a subcommand: write `add_arguments(parser)` and `handler(args) -> int` in your own module,
 then add one line to COMMANDS below, importing your module inside a small wrapper so that
@@ -313,6 +315,17 @@ def _serve(args: argparse.Namespace) -> int:
     return serve_cli.main(args)
 
 
+def _bench_serve_arguments(p: argparse.ArgumentParser) -> None:
+    from .tools import bench_serve
+    bench_serve.add_arguments(p)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    """`fuselm bench-serve`: concurrent streaming clients against a running server."""
+    from .tools import bench_serve
+    return bench_serve.main(args)
+
+
 COMMANDS: dict[str, Command] = {
     "run": Command("generate text from a prompt, or chat", add_run_arguments, run),
     "pull": Command("download the embedded default model (SmolLM2-135M-Instruct)",
@@ -327,6 +340,8 @@ COMMANDS: dict[str, Command] = {
                           _perplexity_arguments, _perplexity),
     "serve": Command("serve a model over HTTP with OpenAI's API (/v1/chat/completions, /v1/completions)",
                      _serve_arguments, _serve),
+    "bench-serve": Command("load a running OpenAI-compatible server with concurrent streaming clients: "
+                           "output tok/s, TTFT and TPOT percentiles", _bench_serve_arguments, _bench_serve),
 }
 
 

@@ -90,13 +90,14 @@ def encode_prompt(tok, prompt: str | Sequence[dict]) -> list[int]:
 
 def generate(engine: Engine, tok, prompt: str | Sequence[dict], max_new_tokens: int,
              sampling: SamplingParams = SamplingParams(), stats: GenerationStats | None = None,
-             cache_ids: list[int] | None = None) -> Iterator[str]:
+             cache_ids: list[int] | None = None, ignore_eos: bool = False) -> Iterator[str]:
     """Validate now, then return an iterator of text pieces.
 
     Stops at any id in `tok.stop_ids` (not printed) or after `max_new_tokens` tokens. `stats`, if
     given, is filled in as generation goes. `cache_ids`, if given, mirrors the ids in the engine's
     KV cache: when the new prompt extends it (the next turn of a chat), only the new tokens are
-    fed; otherwise the engine is reset. It is updated in place.
+    fed; otherwise the engine is reset. It is updated in place. `ignore_eos` runs on past stop
+    ids to `max_new_tokens` (for benchmarks).
     """
     start = time.perf_counter()
     if max_new_tokens <= 0:
@@ -111,10 +112,11 @@ def generate(engine: Engine, tok, prompt: str | Sequence[dict], max_new_tokens: 
     if len(ids) + max_new_tokens > ctx:
         raise FuselmError(f"prompt of {len(ids)} tokens plus {max_new_tokens} new tokens does not "
                           f"fit the context of {ctx}; lower the number of new tokens or raise the context")
-    return _run(engine, tok, ids, max_new_tokens, sampling, stats or GenerationStats(), cache_ids, start)
+    stop_ids = frozenset() if ignore_eos else tok.stop_ids
+    return _run(engine, tok, ids, max_new_tokens, sampling, stats or GenerationStats(), cache_ids, start, stop_ids)
 
 
-def _run(engine, tok, ids, max_new_tokens, sampling, stats, cache_ids, start) -> Iterator[str]:
+def _run(engine, tok, ids, max_new_tokens, sampling, stats, cache_ids, start, stop_ids) -> Iterator[str]:
     reuse = (cache_ids is not None and 0 < len(cache_ids) < len(ids)
              and ids[:len(cache_ids)] == cache_ids and engine.position == len(cache_ids))
     if not reuse:
@@ -122,7 +124,6 @@ def _run(engine, tok, ids, max_new_tokens, sampling, stats, cache_ids, start) ->
         if cache_ids is not None:
             cache_ids.clear()
     fed = ids[len(cache_ids):] if reuse else ids
-    stop_ids = tok.stop_ids
     decoder = tok.stream()
 
     try:

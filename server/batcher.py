@@ -240,7 +240,7 @@ class BatchScheduler(Scheduler):
             seq.first_token_at = time.perf_counter()
             seq.stats.prompt_tokens = seq.prompt_tokens - (seq.reused or 0)
             seq.stats.ttft_s = seq.first_token_at - seq.started
-        if token in self.tokenizer.stop_ids:
+        if token in self.tokenizer.stop_ids and not seq.ticket.job.ignore_eos:
             seq.stats.stopped = True
             return self._finish(seq, "stop")
         seq.stats.generated_tokens += 1

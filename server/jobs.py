@@ -74,4 +74,4 @@ def build_job(model, body: GenerationRequest) -> Job:
         raise APIError(400, f"{body.length_field}: the prompt of {prompt_tokens} tokens plus {max_tokens} new tokens "
                        f"does not fit the context of {model.engine.max_context} tokens (at most {room} here)",
                        body.length_field, "context_length_exceeded")
-    return Job(prompt, max_tokens, sampling, tuple(body.stop or ()))
+    return Job(prompt, max_tokens, sampling, tuple(body.stop or ()), body.ignore_eos)

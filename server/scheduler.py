@@ -29,11 +29,13 @@ log = logging.getLogger("fuselm.server")
 
 @dataclass(frozen=True)
 class Job:
-    """What to generate: a prompt string or chat messages, a token limit, sampling, stop strings."""
+    """What to generate: a prompt string or chat messages, a token limit, sampling, stop strings;
+    `ignore_eos` generates past the model's stop tokens up to the limit (benchmarks)."""
     prompt: str | Sequence[dict]
     max_tokens: int
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -195,7 +197,7 @@ class Scheduler:
         job = ticket.job
         stops = StopStrings(job.stop)
         pieces = generate(self.model.engine, self.model.tokenizer, job.prompt, job.max_tokens,
-                          job.sampling, stats)
+                          job.sampling, stats, ignore_eos=job.ignore_eos)
         try:
             for piece in pieces:
                 if ticket.cancelled.is_set():

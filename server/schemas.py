@@ -58,6 +58,7 @@ class GenerationRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None   # OpenAI's end-user id; accepted, used for nothing
+    ignore_eos: bool = False  # not OpenAI's (vLLM's and llama-server's): run to max_tokens past stop tokens
 
     @property
     def length_field(self) -> str:

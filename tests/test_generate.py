@@ -177,6 +177,13 @@ def test_stop_id_ends_generation_and_is_not_printed():
     assert engine.fed == list(b"prompt") + [ord("h"), ord("i")]   # the stop id is never fed
 
 
+def test_ignore_eos_feeds_the_stop_id_and_runs_to_the_limit():
+    engine = ScriptedEngine([ord("h"), STOP, ord("x")])
+    stats = GenerationStats()
+    assert "".join(generate(engine, ByteTokenizer(), "p", 3, stats=stats, ignore_eos=True)) == "hx"
+    assert stats.generated_tokens == 3 and not stats.stopped and engine.fed[-2:] == [ord("h"), STOP]
+
+
 def test_max_new_tokens_is_respected():
     engine = ScriptedEngine([ord(c) for c in "abcdefgh"])
     stats = GenerationStats()

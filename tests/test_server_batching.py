@@ -3,6 +3,7 @@ each the answer it gets alone, prompts share KV pages, a full pool preempts and 
 every page returns once the clients are gone, disconnects included."""
 from __future__ import annotations
 
+import json
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -122,3 +123,33 @@ def test_a_kv_memory_below_one_context_is_refused(small_model):
     with pytest.raises(FuselmError, match=r"^--kv-memory 0.001 GiB holds \d+ KV pages of 16 rows; one sequence of "
                                           r"the context \(96 tokens\) needs 6: raise it or lower --ctx$"):
         pages_in(small_model, 0.001)
+
+
+def test_bench_serve_loads_the_server_and_records_its_figures(small_model, tmp_path, capsys):
+    """`fuselm bench-serve` against the CPU server: every answer runs to --output-tokens
+    (ignore_eos), and the record holds the issue's fields with figures that add up."""
+    from fuselm import cli
+    out = tmp_path / "serve.json"
+    with serving(create_app(small_model, max_seqs=4)) as url:
+        assert cli.main(["bench-serve", url, "--clients", "1,3", "--requests", "3", "--prompt-words", "12",
+                         "--output-tokens", "6", "--json", str(out)]) == 0
+        assert metric(url, "fuselm_kv_pages_used") == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and "output tok/s" in lines[0]
+    records = json.loads(out.read_text())["results"]
+    assert [r["concurrency"] for r in records] == [1, 3]
+    for r in records:
+        assert {"model", "dtype", "concurrency", "output_tok_s", "ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms",
+                "tpot_p95_ms"} <= set(r)
+        assert r["model"] == NAME and r["requests"] == 3 and r["output_tokens"] == 18
+        assert abs(r["output_tok_s"] - 18 / r["wall_s"]) < 0.2 and 0 < r["ttft_p50_ms"] <= r["ttft_p95_ms"]
+        assert 0 < r["tpot_p50_ms"] <= r["tpot_p95_ms"] and r["prompt_tokens_mean"] > 12
+
+
+def test_ignore_eos_runs_to_max_tokens(small_model):
+    """Greedy: the answer that stops at the stop token goes on past it with ignore_eos."""
+    with serving(create_app(small_model, max_seqs=2)) as url:
+        normal, forced = complete(url, "Say hi.", 40), complete(url, "Say hi.", 40, ignore_eos=True)
+    assert normal["choices"][0]["finish_reason"] == "stop" and normal["usage"]["completion_tokens"] < 40
+    assert forced["usage"]["completion_tokens"] == 40 and forced["choices"][0]["finish_reason"] == "length"
+    assert forced["choices"][0]["text"].startswith(normal["choices"][0]["text"])
