@@ -22,7 +22,7 @@ from ..dsl import Graph
 from ..dsl.kv_dtype import check_kv, e4m3_values, quantize_heads
 from ..errors import FuselmError
 from ..quant.formats import QuantizedWeight, format_of
-from .engine import NonFiniteLogits, SamplingParams, size_text
+from .engine import NonFiniteLogits, SamplingError, SamplingParams, size_text
 from .launch import arena_view, bind_launch, load_cubin, pdl_wanted
 from .prefill import Prefill
 
@@ -318,6 +318,9 @@ class CudaEngine:
         if sampling == self._sampling:
             return
         sampling.validate()
+        if sampling.penalizes_answer:
+            name = "presence_penalty" if sampling.presence_penalty else "frequency_penalty"
+            raise SamplingError(name, f"{name} is not supported by the GPU sampler yet (the CPU backend has it)")
         self._sampling = sampling
         self._seed = sampling.seed if sampling.seed is not None else np.random.randint(0, 2**31 - 1)
         self._upload_sampling()

@@ -31,12 +31,14 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0   # OpenAI's: minus this on every id the answer holds already
+    frequency_penalty: float = 0.0  # minus this times the times the answer holds it
     seed: int | None = None
 
     def validate(self) -> "SamplingParams":
         """Raise SamplingError (a ValueError) with a one-line message naming the bad parameter:
         every number finite, each in its range, the seed a non-negative integer below 2**64."""
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise SamplingError(name, f"{name} must be a finite number, got {value!r}")
@@ -49,6 +51,9 @@ class SamplingParams:
             ("top_p", 0 < self.top_p <= 1, f"must be in (0, 1], got {self.top_p}"),
             ("min_p", 0 <= self.min_p < 1, f"must be in [0, 1), got {self.min_p}"),
             ("repetition_penalty", self.repetition_penalty > 0, f"must be > 0, got {self.repetition_penalty}"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, f"must be in [-2, 2], got {self.presence_penalty}"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2,
+             f"must be in [-2, 2], got {self.frequency_penalty}"),
             ("seed", seed_ok, f"must be an integer in [0, 2**64), got {self.seed}"),
         ]
         for name, ok, why in checks:
@@ -60,6 +65,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether sampling reduces to the argmax (temperature 0 or top-k 1)."""
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def penalizes_answer(self) -> bool:
+        """Whether presence or frequency penalties apply (the GPU sampler has neither yet)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
 def value_counts(graph, ctx: int) -> tuple[int, int]:

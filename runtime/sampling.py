@@ -1,7 +1,9 @@
 """Choosing the next token from a logits vector on the CPU.
 
 The filters run in Hugging Face's order: repetition penalty, temperature, top-k, top-p, min-p;
-then one draw from the seeded generator. Greedy decoding (temperature 0 or top_k 1) still applies
+then one draw from the seeded generator. OpenAI's presence and frequency penalties come first and
+count only the ids this sampler has produced (the answer, not the prompt), as vLLM counts them.
+An `allowed` mask (structured output) leaves only its ids. Greedy decoding (temperature 0 or top_k 1) still applies
 the repetition penalty, as `transformers` does.
 """
 from __future__ import annotations
@@ -24,18 +26,40 @@ class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params.validate()
         self.rng = np.random.default_rng(params.seed)
+        self.counts: dict[int, int] = {}      # ids sampled so far -> times
 
-    def __call__(self, logits: np.ndarray, history: Iterable[int] = ()) -> int:
+    def __call__(self, logits: np.ndarray, history: Iterable[int] = (), allowed: np.ndarray | None = None) -> int:
         """The next token id for a logits vector [vocab]; `history` holds the ids seen so far
-        (prompt and generated), which the repetition penalty discourages."""
+        (prompt and generated), which the repetition penalty discourages; `allowed` [vocab] bool,
+        where given, the only ids that may come."""
         p = self.params
-        x = penalize_repetition(np.asarray(logits, np.float64), history, p.repetition_penalty)
+        x = np.asarray(logits, np.float64)
+        if p.penalizes_answer and self.counts:
+            x = penalize_answer(x, self.counts, p.presence_penalty, p.frequency_penalty)
+        x = penalize_repetition(x, history, p.repetition_penalty)
+        if allowed is not None:
+            x = np.where(allowed[:x.size], x, -np.inf)
+        token = self._pick(x)
+        self.counts[token] = self.counts.get(token, 0) + 1
+        return token
+
+    def _pick(self, x: np.ndarray) -> int:
+        p = self.params
         if p.greedy:
             return int(np.argmax(x))
         probs = filtered_probs(x / p.temperature, p.top_k, p.top_p, p.min_p)
         # Inverse-CDF draw: one uniform number per token keeps seeded runs reproducible.
         cdf = np.cumsum(probs)
         return int(min(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"), len(cdf) - 1))
+
+
+def penalize_answer(logits: np.ndarray, counts: dict[int, int], presence: float, frequency: float) -> np.ndarray:
+    """OpenAI's penalties: logit - presence - frequency * count for each id the answer holds.
+    Returns a new array."""
+    out = np.array(logits, np.float64)
+    ids = np.fromiter(counts.keys(), np.int64, len(counts))
+    out[ids] -= presence + frequency * np.fromiter(counts.values(), np.float64, len(counts))
+    return out
 
 
 def penalize_repetition(logits: np.ndarray, history: Iterable[int], penalty: float) -> np.ndarray:

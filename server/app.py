@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
-from .batcher import BatchScheduler
+from .batcher import BatchScheduler, batches
 from .errors import APIError, install_error_handlers
 from .jobs import build_job
 from .metrics import ServerMetrics
@@ -40,13 +40,6 @@ def served_name(model) -> str:
     if path is None:
         return "fuselm"
     return path.stem if path.is_file() else path.name
-
-
-def batches(model) -> bool:
-    """Whether `model`'s engine can run many requests in one batch (continuous batching): the
-    CPU engine can; the CUDA engine has no kernels for paged caches yet and runs one at a time."""
-    from ..runtime.cpu_engine import CpuEngine
-    return isinstance(model.engine, CpuEngine)
 
 
 def create_app(model, model_name: str | None = None, max_waiting: int = 16, max_seqs: int = 8,
@@ -80,7 +73,8 @@ def create_app(model, model_name: str | None = None, max_waiting: int = 16, max_
         if body.model != name:
             raise APIError(404, f"model '{body.model}' is not served here; this server runs '{name}'",
                            "model", "model_not_found")
-        job = await run_in_threadpool(build_job, model, body)   # the chat template may take a while
+        # the chat template and a schema's grammar may take a while
+        job = await run_in_threadpool(build_job, model, body, getattr(scheduler, "grammars", None))
         try:
             ticket = scheduler.submit(job)
         except QueueFull as e:

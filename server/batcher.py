@@ -29,9 +29,11 @@ from ..runtime.engine import check_logits
 from ..runtime.generate import GenerationStats, encode_prompt
 from ..runtime.kv_pages import PagePool
 from ..runtime.sampling import Sampler
+from .errors import APIError
 from .metrics import ServerMetrics
 from .scheduler import CANCELLED, Failed, Finished, Piece, Scheduler, Ticket
 from .stops import StopStrings
+from .structured import Constraint, Grammars
 
 log = logging.getLogger("fuselm.server")
 
@@ -46,6 +48,7 @@ class Sequence_:
     sampler: Sampler
     decoder: object                          # the tokenizer's stream decoder
     stops: StopStrings
+    constraint: Constraint | None = None     # response_format's grammar state
     table: list[int] = field(default_factory=list)
     fed: int = 0
     reused: int | None = None                # prompt tokens found in the pool when first placed
@@ -61,6 +64,13 @@ class Sequence_:
     @property
     def decoding(self) -> bool:
         return self.fed >= self.prompt_tokens
+
+
+def batches(model) -> bool:
+    """Whether `model`'s engine can run many requests in one batch (continuous batching): the
+    CPU engine can; the CUDA engine has no kernels for paged caches yet and runs one at a time."""
+    from ..runtime.cpu_engine import CpuEngine
+    return isinstance(model.engine, CpuEngine)
 
 
 PAGE_ROWS = 16     # KV rows per page: small pages share more of a prompt prefix
@@ -93,6 +103,7 @@ class BatchScheduler(Scheduler):
         self.pool = PagePool(pages, page)
         self.max_seqs, self.step_tokens = max_seqs, step_tokens
         self.tokenizer = model.tokenizer
+        self.grammars = Grammars(model.tokenizer)
         self._active: list[Sequence_] = []            # in admission order
         self._preempted: deque[Sequence_] = deque()   # to admit before any waiting job
         self.metrics.kv_pages.set(0)
@@ -149,11 +160,12 @@ class BatchScheduler(Scheduler):
         try:
             ids = encode_prompt(self.tokenizer, job.prompt)
             sampler = Sampler(job.sampling)
-        except FuselmError as e:
+            constraint = self.grammars.constraint(job.grammar) if job.grammar else None
+        except (FuselmError, APIError) as e:
             ticket.emit(Failed(str(e)))
             self.metrics.finished.labels("error").inc()
             return None
-        return Sequence_(ticket, ids, len(ids), sampler, self.tokenizer.stream(), StopStrings(job.stop))
+        return Sequence_(ticket, ids, len(ids), sampler, self.tokenizer.stream(), StopStrings(job.stop), constraint)
 
     def _place(self, seq: Sequence_) -> bool:
         """Give `seq` the pages of its tokens: a known prefix shared, the rest fresh. False (and
@@ -231,11 +243,18 @@ class BatchScheduler(Scheduler):
                 self._end(seq, "error", Failed(str(e)))
                 continue
             self.pool.publish(seq.table, seq.ids[:seq.fed])
-            self._next_token(seq, row)
+            try:
+                self._next_token(seq, row)
+            except Exception:    # a bug (sampler, grammar, tokenizer): this request fails, the rest go on
+                log.exception("sampling failed")
+                self._end(seq, "error", Failed("internal error during generation"))
 
     def _next_token(self, seq: Sequence_, logits) -> None:
         """Sample `seq`'s next token and stream it, or end the sequence."""
-        token = seq.sampler(logits, seq.ids)
+        allowed = seq.constraint.allowed(len(logits)) if seq.constraint else None
+        token = seq.sampler(logits, seq.ids, allowed)
+        if seq.constraint:
+            seq.constraint.accept(token)
         if seq.first_token_at is None:
             seq.first_token_at = time.perf_counter()
             seq.stats.prompt_tokens = seq.prompt_tokens - (seq.reused or 0)

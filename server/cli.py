@@ -68,8 +68,8 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..api import load
-    from .app import batches, create_app, served_name
-    from .batcher import pages_in
+    from .app import create_app, served_name
+    from .batcher import batches, pages_in
     with sock:
         print(f"loading {args.model or 'the default model'}", file=sys.stderr)
         model = load(args.model, device=args.device, ctx=args.ctx, kv=args.kv)

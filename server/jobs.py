@@ -11,21 +11,25 @@ import dataclasses
 from ..errors import FuselmError
 from ..runtime.engine import SamplingError, SamplingParams
 from ..runtime.generate import encode_prompt
+from .batcher import batches
 from .errors import APIError
 from .scheduler import Job
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
 
 COMPLETION_DEFAULT_TOKENS = 16   # OpenAI's default max_tokens of /v1/completions
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "seed")
 
 
-def reject_unsupported(body: GenerationRequest) -> None:
-    """APIError 400 for an option OpenAI has that this server does not implement, or a conflict."""
+def reject_unsupported(body: GenerationRequest, batching: bool) -> None:
+    """APIError 400 for an option OpenAI has that this server does not implement, or a conflict;
+    `batching`: whether the batch scheduler runs the request (the CPU backend), which samples on
+    the host and so has the penalties and structured output."""
     if body.n not in (None, 1):
         raise APIError(400, f"n: only one choice per request is supported, got {body.n}", "n")
     for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) not in (None, 0):
-            raise APIError(400, f"{name} is not supported yet (use repetition_penalty)", name)
+        if getattr(body, name) not in (None, 0) and not batching:
+            raise APIError(400, f"{name} is not supported on the GPU yet (use repetition_penalty)", name)
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
     if isinstance(body, CompletionRequest):
@@ -49,10 +53,20 @@ def sampling_of(body: GenerationRequest, defaults: SamplingParams) -> SamplingPa
         raise APIError(400, str(e), e.param) from None
 
 
-def build_job(model, body: GenerationRequest) -> Job:
+def build_job(model, body: GenerationRequest, grammars=None) -> Job:
     """The Job for `body` on `model` (a fuselm Model); APIError when the request cannot run.
-    Encodes the prompt (through the chat template for chat), so call it off the event loop."""
-    reject_unsupported(body)
+    `grammars` (structured.Grammars; None where the scheduler cannot constrain sampling)
+    compiles response_format. Encodes the prompt (through the chat template for chat) and
+    compiles any schema, so call it off the event loop."""
+    reject_unsupported(body, batches(model))
+    grammar = None
+    if body.response_format is not None and body.response_format.type != "text":
+        if grammars is None:
+            raise APIError(400, "response_format is not supported on the GPU yet (the CPU backend has it)",
+                           "response_format")
+        if body.ignore_eos:
+            raise APIError(400, "ignore_eos cannot be combined with a response_format", "ignore_eos")
+        grammar = grammars.compile(body.response_format)
     sampling = sampling_of(body, model.defaults)
     if isinstance(body, ChatCompletionRequest):
         prompt_field, prompt = "messages", [m.as_template_input() for m in body.messages]
@@ -74,4 +88,4 @@ def build_job(model, body: GenerationRequest) -> Job:
         raise APIError(400, f"{body.length_field}: the prompt of {prompt_tokens} tokens plus {max_tokens} new tokens "
                        f"does not fit the context of {model.engine.max_context} tokens (at most {room} here)",
                        body.length_field, "context_length_exceeded")
-    return Job(prompt, max_tokens, sampling, tuple(body.stop or ()), body.ignore_eos)
+    return Job(prompt, max_tokens, sampling, tuple(body.stop or ()), body.ignore_eos, grammar)

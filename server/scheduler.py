@@ -30,12 +30,14 @@ log = logging.getLogger("fuselm.server")
 @dataclass(frozen=True)
 class Job:
     """What to generate: a prompt string or chat messages, a token limit, sampling, stop strings;
-    `ignore_eos` generates past the model's stop tokens up to the limit (benchmarks)."""
+    `ignore_eos` generates past the model's stop tokens up to the limit (benchmarks); `grammar`
+    (structured.py) constrains the answer."""
     prompt: str | Sequence[dict]
     max_tokens: int
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    grammar: str | None = None
 
 
 @dataclass(frozen=True)

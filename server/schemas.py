@@ -2,7 +2,7 @@
 
 Requests are strict (a string is never taken for a number) and refuse unknown fields, so nothing a
 client asks for is silently ignored. Fields OpenAI has but this engine does not implement yet
-(`n` > 1, penalties, logprobs) are declared, so `jobs.reject_unsupported` can name them.
+(`n` > 1, logprobs; penalties and response_format on the GPU) are declared, so `jobs.reject_unsupported` can name them.
 """
 from __future__ import annotations
 
@@ -40,6 +40,21 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """`response_format.json_schema`: the schema the answer must follow, and its name."""
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """`response_format`: plain text, any JSON object, or JSON following a schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class GenerationRequest(_Strict):
     """The fields both endpoints share: the model, the length, sampling, stops and streaming."""
     model: str
@@ -58,6 +73,7 @@ class GenerationRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None   # OpenAI's end-user id; accepted, used for nothing
+    response_format: ResponseFormat | None = None
     ignore_eos: bool = False  # not OpenAI's (vLLM's and llama-server's): run to max_tokens past stop tokens
 
     @property

@@ -110,7 +110,30 @@ def test_frequencies_follow_softmax(temp, top_k):
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_k=-2), dict(top_p=0), dict(top_p=1.5),
-                                 dict(min_p=1.0), dict(repetition_penalty=0)])
+                                 dict(min_p=1.0), dict(repetition_penalty=0), dict(presence_penalty=2.5),
+                                 dict(frequency_penalty=-2.1), dict(presence_penalty=float("nan"))])
 def test_invalid_parameters_are_rejected(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         Sampler(SamplingParams(**bad))
+
+
+def test_presence_and_frequency_penalties_count_only_the_answer():
+    """OpenAI's rule on the ids this sampler produced: logit - presence - frequency * count; the
+    history (the prompt) does not count."""
+    logits = np.array([3.0, 2.9, 2.0, 0.0])
+    sampler = Sampler(SamplingParams(presence_penalty=0.05, frequency_penalty=0.5))
+    picks = [sampler(logits, history=[0, 0, 0, 1]) for _ in range(4)]
+    # 0 first (3.0), then 1: 0's logit is down to 3.0 - 0.05 - 0.5 = 2.45 < 2.9
+    assert picks[:2] == [0, 1] and sampler.counts == {i: picks.count(i) for i in set(picks)}
+    expected = logits.copy()
+    for i, n in sampler.counts.items():
+        expected[i] -= 0.05 + 0.5 * n
+    assert sampler(logits) == int(np.argmax(expected))
+
+
+def test_the_allowed_mask_leaves_only_its_ids():
+    logits = np.array([5.0, 1.0, 4.0, 3.0])
+    allowed = np.array([False, True, False, True])
+    assert Sampler(SamplingParams())(logits, allowed=allowed) == 3
+    seeded = Sampler(SamplingParams(temperature=1.0, seed=3))
+    assert {seeded(logits, allowed=allowed) for _ in range(200)} <= {1, 3}

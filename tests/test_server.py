@@ -177,7 +177,7 @@ def test_stop_string_cuts_the_answer(client, expected, stream):
 def test_a_client_that_disconnects_frees_the_worker(url, stream):
     cancelled = {"finish_reason": "cancelled"}
     before = metric(url, "fuselm_requests_finished_total", cancelled)
-    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 400, "stream": stream}
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 400, "stream": stream, "ignore_eos": True}
     if stream:
         with httpx.stream("POST", url + "/completions", json=body, timeout=120) as response:
             next(line for line in response.iter_lines() if line.startswith("data: "))
@@ -226,7 +226,7 @@ BAD_REQUESTS = [   # (endpoint, body, status, the field the error names)
     ("chat/completions", {**CHAT_OK, "max_completion_tokens": 600}, 400, "max_completion_tokens"),
     ("chat/completions", {**CHAT_OK, "n": 2}, 400, "n"),
     ("chat/completions", {**CHAT_OK, "logprobs": True}, 400, "logprobs"),
-    ("chat/completions", {**CHAT_OK, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("chat/completions", {**CHAT_OK, "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("chat/completions", {**CHAT_OK, "tools": []}, 400, "tools"),
     ("chat/completions", {**CHAT_OK, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("completions", {**COMPLETION_OK, "prompt": "word " * 600}, 400, "prompt"),
@@ -236,7 +236,7 @@ BAD_REQUESTS = [   # (endpoint, body, status, the field the error names)
     ("completions", {**COMPLETION_OK, "stop": 3}, 400, "stop"),
     ("completions", {**COMPLETION_OK, "max_tokens": 1.5}, 400, "max_tokens"),
     ("completions", {**COMPLETION_OK, "logprobs": 1}, 400, "logprobs"),
-    ("completions", {**COMPLETION_OK, "frequency_penalty": 1.0}, 400, "frequency_penalty"),
+    ("completions", {**COMPLETION_OK, "frequency_penalty": -3}, 400, "frequency_penalty"),
 ]
 
 

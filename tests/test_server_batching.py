@@ -153,3 +153,58 @@ def test_ignore_eos_runs_to_max_tokens(small_model):
     assert normal["choices"][0]["finish_reason"] == "stop" and normal["usage"]["completion_tokens"] < 40
     assert forced["usage"]["completion_tokens"] == 40 and forced["choices"][0]["finish_reason"] == "length"
     assert forced["choices"][0]["text"].startswith(normal["choices"][0]["text"])
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_output_parses_and_follows_the_schema(small_model, stream):
+    """The answer, sampled with a temperature, is JSON of the schema's shape (llguidance's mask)."""
+    openai = pytest.importorskip("openai")
+    with serving(create_app(small_model, max_seqs=2)) as url:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+        request = dict(model=NAME, max_tokens=60, temperature=0.9, seed=5,
+                       messages=[{"role": "user", "content": "Describe a person as JSON."}],
+                       response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+        if stream:
+            chunks = list(client.chat.completions.create(**request, stream=True))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        else:
+            reply = client.chat.completions.create(**request)
+            text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+    assert finish == "stop", text
+    person = json.loads(text)
+    assert set(person) == {"name", "age"} and isinstance(person["name"], str) and len(person["name"]) <= 20
+    assert isinstance(person["age"], int) and 0 <= person["age"] <= 150
+
+
+def test_json_object_output_is_an_object_and_penalties_are_taken(small_model):
+    with serving(create_app(small_model, max_seqs=2)) as url:
+        reply = httpx.post(url + "/chat/completions", timeout=300, json={
+            "model": NAME, "max_tokens": 50, "messages": [{"role": "user", "content": "Give me a JSON object."}],
+            "response_format": {"type": "json_object"}, "presence_penalty": 0.5, "frequency_penalty": 0.5}).json()
+    choice = reply["choices"][0]
+    if choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(choice["message"]["content"]), dict)
+    else:     # cut by max_tokens: still the start of an object
+        assert choice["message"]["content"].lstrip().startswith("{")
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"response_format": {"type": "json_schema"}}, "needs a json_schema object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "the schema is not"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "cannot be combined"),
+])
+def test_a_bad_response_format_gets_a_400_naming_it(small_model, body, message):
+    with serving(create_app(small_model, max_seqs=2)) as url:
+        response = httpx.post(url + "/completions", timeout=60, json={"model": NAME, "prompt": "x", **body})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert message in error["message"] and error["param"].split(".")[0] in ("response_format", "ignore_eos")
+        assert complete(url, "2 + 2 =", 2)["usage"]["completion_tokens"] == 2    # still serving
