@@ -1,7 +1,8 @@
 """The attention family: flash-decoding over the KV cache (a split launch and a combine launch),
 with variants by position: one launch walking the whole context while it is short, and the wide
 split (longer chunks) where the split's blocks would outnumber the SMs. For steps of several
-tokens (batched prefill), one block per KV head and token.
+tokens (batched prefill), one block per KV head and token; for steps over many sequences'
+paged caches (continuous batching), a block per KV head and token walking its own sequence's pages.
 
 Where the head layout allows (head size 64 or 128, at most 8 query heads per KV head), every
 pass runs on tensor cores (MmaPass), else on CUDA cores (LanePass). The wide split's MmaPass
@@ -18,7 +19,7 @@ import networkx as nx
 from ..errors import FuselmError
 from . import cexpr
 from .kernel import KernelSource, KernelSpec, Launch, Variant
-from .kv_cache import check_target, layout_of
+from .kv_cache import check_target, fixed_table, layout_of
 from .params import Params, storage_of
 from .render import render
 from .tuning import SMEM_STATIC, Target, Tuning
@@ -187,7 +188,7 @@ def generate(spec: KernelSpec) -> KernelSource:
     params = Params(G)
     (n,) = launch.nodes
     d = G.nodes[n]
-    q, kc, vc, pos = d["inputs"]
+    q, kc, vc, pos = d["inputs"][:4]
     a = d["attrs"]
     H, KV, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
     caches = layout_of(G, kc), layout_of(G, vc)
@@ -203,6 +204,8 @@ def generate(spec: KernelSpec) -> KernelSource:
     if (need := _softmax_smem(1, hd, layout.group, spec.target)) > SMEM_STATIC:
         raise FuselmError(f"{n}: {layout.group} query heads per KV head of {hd} need {need} bytes of shared memory "
                           f"per warp in the attention kernel; at most {SMEM_STATIC} are supported")
+    if d["op"] == "paged_attention":
+        return _paged(spec, params, layout)
     split = layout.split_pass
     nchunk = -(-ctx // split.chunk)
     record = (hd + 3) // 4 * 4 + 4                                      # Record<HD>::FLOATS
@@ -224,7 +227,8 @@ def generate(spec: KernelSpec) -> KernelSource:
         single_pass=layout.single_pass.type, q=params.ref(q), kc=params.ref(kc), vc=params.ref(vc),
         pos=params.ref(pos), out=params.ref(n, written=True),
         ws=params.extra("float*", "workspace") if tokens == 1 else None,   # the split's records
-        tokens=tokens, wide=wide, rows=rows and {"pass_": rows[0].type, "tokens": rows[1], "threads": rows[2] * 32})
+        tokens=tokens, wide=wide, rows=rows and {"pass_": rows[0].type, "tokens": rows[1], "threads": rows[2] * 32},
+        paged=None)
     args = params.values
     if tokens > 1:
         grid, threads = ((KV, tokens // rows[1]), rows[2] * 32) if rows else ((KV, "T"), single_threads)
@@ -247,3 +251,35 @@ def generate(spec: KernelSpec) -> KernelSource:
     order = [f"{name}_{f}" for f in ("split", "combine", *(("split_wide", "combine_wide") if wide else ()), "single")]
     return KernelSource(name, "attention", source, launch.nodes, split_launches, launch.layer,
                         workspace_floats=H * nchunk * record, variants=variants, passes=passes, source_order=order)
+
+
+def paged_pass(kv: int, head_dim: int, group: int, target: Target, tuning: Tuning) -> tuple[Pass, int]:
+    """The paged kernel's pass and warps: attn_paged_warps (fewer where their softmax states
+    would not fit), the one-launch pass's rows per lane. A KV page holds whole chunks of it."""
+    warps = warps_fitting(tuning.attn_paged_warps, head_dim, group, target)
+    return pass_of(kv, head_dim, group, warps, tuning.attn_single_rows, target), warps
+
+
+def _paged(spec: KernelSpec, params: Params, layout: Layout) -> KernelSource:
+    """The kernel of a PAGED_ATTENTION node: a block per KV head and token, each token walking its
+    own sequence's rows through its page table (templates/attention.cuh: attention_paged)."""
+    G, launch, tokens = spec.G, spec.launch, spec.tokens
+    (n,) = launch.nodes
+    q, kc, vc, pos, pages = G.nodes[n]["inputs"]
+    a = G.nodes[n]["attrs"]
+    H, KV, hd, page = a["n_heads"], a["n_kv_heads"], a["head_dim"], a["page"]
+    if layout.cache != "KvBf16":
+        raise FuselmError(f"{n}: paged fp8 KV caches have no kernels yet (page a bf16 cache)")
+    walk, warps = paged_pass(KV, hd, layout.group, spec.target, spec.tuning)
+    if page % walk.chunk:
+        raise FuselmError(f"{n}: pages of {page} rows are no multiple of the attention pass's {walk.chunk}-row "
+                          f"chunks (fewer attn_paged_warps make them shorter)")
+    name, source = render(
+        "attention.cu.j2", "attention", f"h{H}_kv{KV}_d{hd}_paged{page}", params=params.decls, H=H, KV=KV, HD=hd,
+        scale=cexpr.float_literal(a["scale"]), softcap=cexpr.float_literal(a.get("softcap") or 0.0),
+        window=int(a.get("window") or 0), single_threads=warps * 32, single_pass=walk.type,
+        q=params.ref(q), kc=params.ref(kc), vc=params.ref(vc), pos=params.ref(pos), out=params.ref(n, written=True),
+        tokens=tokens, paged={"page": page, "table": fixed_table(G, pages), "pages": params.ref(pages)})
+    return KernelSource(name, "attention", source, launch.nodes,
+                        [Launch(f"{name}_paged", (KV, "T"), warps * 32, params.values)], launch.layer,
+                        passes={"paged": walk})

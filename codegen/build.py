@@ -5,6 +5,7 @@
     program.prefill             one PrefillStep per prompt step size (largest first), or none:
     program.prefill_refused     why prompts then go one token at a time
     program.decode.cubin        compiled by NVRTC (build_program(..., compile=False) leaves it None)
+    build_batch(graph, ctx)     steps over many sequences' paged caches (continuous batching)
 
 The CUDA engine loads weights, allocates and binds what this returns; `fuselm inspect` prints it;
 the replay manifest hashes it.
@@ -22,9 +23,10 @@ import networkx as nx
 from ..compiler import compile_graph, compile_graphs
 from ..dsl import Graph
 from ..dsl.kv_dtype import with_kv_dtype
-from ..dsl.paging import is_paged
+from ..dsl.paging import is_paged, paged, table_width
 from ..errors import FuselmError
 from . import sample
+from .attention import paged_pass
 from .emit import generate
 from .kernel import KernelSource
 from .nvrtc import compile_cubins, options
@@ -50,6 +52,19 @@ class PrefillStep:
     tokens: int
     G: nx.DiGraph
     kernels: list[KernelSource]
+    source: str = ""
+    cubin: bytes | None = None
+
+
+@dataclass
+class BatchStep:
+    """A step of `tokens` tokens of many sequences over paged KV caches (continuous batching):
+    the model's paged graph compiled for that many tokens, with logits for every one."""
+    tokens: int
+    page: int                      # rows per KV page
+    G: nx.DiGraph
+    kernels: list[KernelSource]
+    logits: str                    # the graph value holding them, [tokens, vocab]
     source: str = ""
     cubin: bytes | None = None
 
@@ -94,8 +109,7 @@ def build_program(graph: Graph, ctx: int, target: Target | None = None, tuning: 
     if ctx <= 0:
         raise FuselmError(f"context must be a positive number of tokens, got {ctx}")
     if is_paged(graph):
-        raise FuselmError(f"graph '{graph.name}' reads paged KV caches, which have no CUDA kernels yet "
-                          "(the CPU backend runs them)")
+        raise FuselmError(f"graph '{graph.name}' reads paged KV caches: its steps come from build_batch")
     graph = with_kv_dtype(graph, kv)
     target = target or Target()
     tuning = tuning or Tuning.from_env()
@@ -136,6 +150,46 @@ def prefill_steps(graph: Graph, ctx: int, target: Target, tuning: Tuning, fuse: 
         except FuselmError as e:
             why = str(e)
     return steps or why
+
+
+def batch_page(graph: Graph, target: Target, tuning: Tuning) -> int:
+    """Rows per KV page of `graph`'s batch steps: the longest chunk of its paged attention passes
+    (a chunk lies inside one page), at least 16."""
+    chunks = [paged_pass(n.attrs["n_kv_heads"], n.attrs["head_dim"], n.attrs["n_heads"] // n.attrs["n_kv_heads"],
+                         target, tuning)[0].chunk for n in graph.nodes.values() if n.op == "attention"]
+    return max([16, *chunks])
+
+
+def build_batch(graph: Graph, ctx: int, target: Target | None = None, tuning: Tuning | None = None,
+                formats=None, sizes: tuple[int, ...] | None = None, compile: bool = True) -> list[BatchStep]:
+    """`graph`'s batch steps (continuous batching), one per size of `sizes` tokens (default
+    tuning.prefill_tokens) that it has kernels for: its paged graph (dsl/paging.py; pages of batch_page rows, a table
+    for sequences of at most `ctx` tokens) compiled with logits for every token, and (unless
+    compile=False) built with NVRTC. The caches are the pool's, bf16; `formats` as build_program's."""
+    if ctx <= 0:
+        raise FuselmError(f"context must be a positive number of tokens, got {ctx}")
+    target = target or Target()
+    tuning = tuning or Tuning.from_env()
+    page = batch_page(graph, target, tuning)
+    g = paged(graph, page, table=table_width(ctx, page))
+    steps, why = [], None
+    for tokens, G in compile_graphs(g, list(sizes or tuning.prefill_tokens), formats=formats).items():
+        logits = G.graph["outputs"].get("logits")
+        if not logits:
+            raise FuselmError(f"graph '{graph.name}' has no logits: batch steps are for language models")
+        try:   # a size whose tiles do not fit is left out (MoE routing above 128 tokens)
+            kernels = generate(G, ctx=ctx, target=target, tuning=tuning, tokens=tokens)
+        except FuselmError as e:
+            why = why or str(e)
+            continue
+        steps.append(BatchStep(tokens, page, G, kernels, logits, module_source(kernels)))
+    if not steps:
+        raise FuselmError(f"graph '{graph.name}' has no batch steps: {why}")
+    if compile:
+        results = compile_cubins([s.source for s in steps], headers(), options(target.arch))
+        for step, (cubin, _, _) in zip(steps, results):
+            step.cubin = cubin
+    return steps
 
 
 def module_source(kernels: list[KernelSource], trace: bool = False) -> str:

@@ -22,6 +22,8 @@ def fits(G: nx.DiGraph, node: str, tokens: int) -> bool:
     """Whether this attention node's prefill steps of `tokens` tokens run as flash attention:
     head size 64 or 128 (rows of whole groups of 8 chunks: the swizzle stays inside them), at
     most 64 query heads per KV head, bf16 caches (2-byte rows)."""
+    if G.nodes[node]["op"] != "attention":   # paged attention: tokens of many sequences
+        return False
     a = G.nodes[node]["attrs"]
     _, kc, _, _ = G.nodes[node]["inputs"]
     hd, group = a["head_dim"], a["n_heads"] // a["n_kv_heads"]

@@ -11,7 +11,8 @@ from ..dsl import Kind, get
 from ..quant.formats import Format, format_of
 from . import cexpr
 from .kernel import KernelSource, KernelSpec, Launch
-from .kv_cache import layout_of, staging
+from ..errors import FuselmError
+from .kv_cache import cache_row, layout_of, staging
 from .params import Params
 from .render import render
 from .tuning import SMEM_STATIC, Target, Tuning
@@ -206,12 +207,12 @@ def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False, pr
         kind = d["kind"]
         v = f"v{len(decls)}"
         if kind is Kind.CACHE_WRITE:
-            cache, src, pos = d["inputs"]
+            cache, src, pos = d["inputs"][:3]
             if layout_of(G, n).fp8:
                 body += _fp8_write(G, launch, n, var[src], R, params, batched, paired)
                 continue
             width = d["shape"][-1]
-            at = _ahead(f"{params.ref(pos)}[{token}]", [pos], "int", f"__ldcg({params.ref(pos)})", launch, preload,
+            at = _ahead(cache_row(G, n, params, token), [pos], "int", f"__ldcg({params.ref(pos)})", launch, preload,
                         batched)
             body.append(f"if (active) {params.ref(cache, written=True)}[(size_t){at} * "
                         f"{width} + row] = f32_to_bf16({var[src]});")
@@ -243,7 +244,9 @@ def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False, pr
 def _fp8_write(G, launch, node, value: str, R: int, params, batched: bool, paired: bool) -> list[str]:
     """The fp8 cache write of kv_write `node` (kv_cache.cuh: kv_fp8_epilogue): the block's values
     staged, the last block of each head writing it. A gemm round takes THREADS / R tokens."""
-    cache, _, pos = G.nodes[node]["inputs"]
+    cache, _, pos = G.nodes[node]["inputs"][:3]
+    if G.nodes[node]["op"] == "paged_kv_write":
+        raise FuselmError(f"{node}: paged fp8 KV caches have no kernels yet (page a bf16 cache)")
     lay = layout_of(G, node)
     st = staging(G, launch.nodes, G.graph.get("tokens", 1))[0][node]
     unit = 2 if paired else 1

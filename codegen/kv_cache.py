@@ -14,6 +14,8 @@ import networkx as nx
 from ..errors import FuselmError
 from .params import storage_of
 
+KV_WRITES = ("kv_write", "paged_kv_write")   # the ops that write a cache row
+
 
 def _align(n: int, a: int) -> int:
     return -(-n // a) * a
@@ -58,7 +60,7 @@ def kv_write_of(G: nx.DiGraph, value: str) -> dict | None:
     """The attributes of the kv_write node that writes the cache holding `value` (None: none)."""
     store = storage_of(G, value)
     for n in G.successors(store) if store in G else ():
-        if G.nodes[n]["op"] == "kv_write" and G.nodes[n]["inputs"][0] == store:
+        if G.nodes[n]["op"] in KV_WRITES and G.nodes[n]["inputs"][0] == store:
             return G.nodes[n]["attrs"]
     return None
 
@@ -69,6 +71,27 @@ def layout_of(G: nx.DiGraph, value: str) -> CacheLayout:
     attrs = kv_write_of(G, value) or {}
     kv = attrs.get("kv", "bf16")
     return CacheLayout(kv, width, attrs.get("head_dim") or width) if kv == "fp8" else CacheLayout("bf16", width, width)
+
+
+def cache_row(G: nx.DiGraph, node: str, params, token: str) -> str:
+    """The C expression of the cache row that cache write `node` writes for token `token` of the
+    step: its position, or where the write is paged, the pool row its sequence's page table maps
+    that position to (kv_cache.cuh: paged_row)."""
+    d = G.nodes[node]
+    pos = f"{params.ref(d['inputs'][2])}[{token}]"
+    if d["op"] != "paged_kv_write":
+        return pos
+    pages = d["inputs"][3]
+    return f"paged_row({params.ref(pages)} + (size_t)({token}) * {fixed_table(G, pages)}, {d['attrs']['page']}, {pos})"
+
+
+def fixed_table(G: nx.DiGraph, pages: str) -> int:
+    """The width of page table `pages`, which kernels need fixed (dsl/paging.py: paged(table=))."""
+    width = G.nodes[pages]["shape"][-1]
+    if not isinstance(width, int):
+        raise FuselmError(f"'{pages}': the kernels need a page table of a fixed width, not '{width}' "
+                          "(paged(graph, page, table=...))")
+    return width
 
 
 def check_target(layout: CacheLayout, target, where: str) -> None:
@@ -91,7 +114,7 @@ def staging(G: nx.DiGraph, nodes: list[str], tokens: int) -> tuple[dict[str, Sta
     out, floats, counts = {}, 0, 0
     for n in nodes:
         d = G.nodes[n]
-        if d["op"] == "kv_write" and d["attrs"].get("kv") == "fp8":
+        if d["op"] in KV_WRITES and d["attrs"].get("kv") == "fp8":
             lay = layout_of(G, n)
             out[n] = Staging(floats, counts)
             floats += tokens * lay.width
@@ -116,7 +139,7 @@ def graph_kv_bytes(graph, ctx: int, kv: str) -> int:
     """Bytes of a DSL graph's KV caches of `ctx` rows each held as `kv` (before any compiling)."""
     from ..dsl.kv_dtype import with_kv_dtype
     g = with_kv_dtype(graph, kv)
-    writes = {n.inputs[0]: n for n in g.nodes.values() if n.op == "kv_write"}
+    writes = {n.inputs[0]: n for n in g.nodes.values() if n.op in KV_WRITES}
     total = 0
     for n in g.sources("state"):
         w = writes.get(n.name)

@@ -10,10 +10,11 @@ import networkx as nx
 
 from ..compiler.kernels import materialized
 from ..dsl import Kind
+from ..errors import FuselmError
 from ..quant.formats import format_of
 from . import cexpr
 from .kernel import KernelSource, KernelSpec, Launch
-from .kv_cache import layout_of
+from .kv_cache import cache_row, layout_of
 from .params import Params
 from .render import render
 
@@ -106,16 +107,18 @@ def _rope(G, n, params, at, row):
 
 
 def _kv_write(G, n, params, at, row):
-    cache, x, pos = G.nodes[n]["inputs"]
+    cache, x, pos = G.nodes[n]["inputs"][:3]
     width = G.nodes[n]["shape"][-1]
     lay = layout_of(G, n)
+    if lay.fp8 and G.nodes[n]["op"] == "paged_kv_write":
+        raise FuselmError(f"{n}: paged fp8 KV caches have no kernels yet (page a bf16 cache)")
     if lay.fp8:   # the block holds the whole row: a warp per KV head writes it (kv_fp8_head)
         dst = f"{params.ref(cache, written=True)} + (size_t){params.ref(pos)}[t] * {lay.stride}"
         return (f"for (int h = threadIdx.x >> 5; h < {lay.kv_heads}; h += blockDim.x >> 5) {{\n"
                 f"    unsigned char* dst = {dst};\n"
                 f"    kv_fp8_head<{lay.head_dim}>(dst + h * {lay.head_dim}, reinterpret_cast<float*>(dst + {lay.scale_at}) + h,\n"
                 f"        [&](int d) {{ const int i = h * {lay.head_dim} + d; return (float)({at(x)}); }});\n}}")
-    return _loop(width, f"{params.ref(cache, written=True)}[(size_t){params.ref(pos)}[t] * {width} + i] = "
+    return _loop(width, f"{params.ref(cache, written=True)}[(size_t){cache_row(G, n, params, 't')} * {width} + i] = "
                         f"f32_to_bf16({at(x)});")
 
 
@@ -131,5 +134,5 @@ def _argmax(G, n, params, at, row):
             f"if (threadIdx.x == 0) {params.ref(n, written=True)}[t] = best; }}")
 
 
-PHASES = {"embedding": _embedding, "rmsnorm": _rmsnorm, "rope": _rope, "kv_write": _kv_write,
+PHASES = {"embedding": _embedding, "rmsnorm": _rmsnorm, "rope": _rope, "kv_write": _kv_write, "paged_kv_write": _kv_write,
           "softmax": _softmax, "argmax": _argmax}

@@ -73,6 +73,7 @@ _RANGES = {
     "attn_single_passes": (0, 64, "longest walk of the one-launch attention, in passes (0: never)"),
     "attn_single_rows": (1, 32, "cache rows per lane of the one-launch CUDA-core pass, at most"),
     "attn_wide_warps": (0, 32, "warps per block of the wide split (0: none)"),
+    "attn_paged_warps": (1, 32, "warps per block of the paged (batch) attention; its chunk sets the KV page"),
     "sampler_blocks": (1, 1024, "blocks sharing the sampler's pass over the vocabulary"),
 }
 POWERS_OF_TWO = {"gemv_warps"}
@@ -107,6 +108,7 @@ class Tuning:
     attn_single_passes: int = 2
     attn_single_rows: int = 4
     attn_wide_warps: int = 9
+    attn_paged_warps: int = 2       # chunks of 32 (head size 128) or 64 rows: pages of 64 hold whole ones
     sampler_blocks: int = 32        # one block took 26 us a token
     prefill_tokens: tuple[int, ...] = (256, 64, 32)   # prefill step sizes, largest first: a module each
 

@@ -1,6 +1,7 @@
 """Paged KV caches: many sequences' rows in one pool of fixed-size pages.
 
-    paged(graph, page=16)      a copy of `graph` for steps that mix sequences
+    paged(graph, page=16)      a copy of `graph` for steps that mix sequences (table=: its width fixed)
+    table_width(ctx, page)     the pages of one sequence's table
 
 A model graph writes and reads one sequence's cache, row p for position p. Its paged copy takes
 one more input, `pages` [T, P] (int32): token t's sequence's page table, whose entry j is the
@@ -21,21 +22,27 @@ from .graph import Graph, Node
 PAGED_OPS = {"kv_write": "paged_kv_write", "attention": "paged_attention"}
 
 
-def paged(graph: Graph, page: int) -> Graph:
+def paged(graph: Graph, page: int, table: int | None = None) -> Graph:
     """A copy of `graph` whose caches are addressed through the input `pages` [T, P] (see the
-    module docstring); `page` is the rows per page."""
+    module docstring); `page` is the rows per page, `table` fixes P (the GPU kernels need it
+    fixed: table_width of the longest sequence)."""
     if page < 1:
         raise FuselmError(f"a KV page must hold at least one row, got {page}")
     if "pages" in graph.nodes:
         raise FuselmError(f"graph '{graph.name}' already has a node named 'pages'")
     g = copy.deepcopy(graph)
-    nodes = {"pages": Node("pages", "input", (), {}, ("T", "P"), "i32")}
+    nodes = {"pages": Node("pages", "input", (), {}, ("T", table or "P"), "i32")}
     for n in g.nodes.values():
         if n.op in PAGED_OPS:
             n.op, n.inputs, n.attrs = PAGED_OPS[n.op], (*n.inputs, "pages"), {**n.attrs, "page": page}
         nodes[n.name] = n
     g.nodes = nodes     # `pages` first: the order stays topological
     return g
+
+
+def table_width(ctx: int, page: int) -> int:
+    """Pages in the table of a sequence of at most `ctx` tokens."""
+    return -(-ctx // page)
 
 
 def is_paged(graph: Graph) -> bool:

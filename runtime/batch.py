@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..dsl.paging import paged
+from ..dsl.paging import paged, table_width
 from ..errors import FuselmError
 from .reference import new_state, run_graph
 
@@ -58,7 +58,7 @@ class CpuBatchEngine:
                               f"{max_context} tokens")
         self.graph, self.weights = paged(graph, page), weights
         self.pages, self.page, self.max_context = pages, page, max_context
-        self.table_width = math.ceil(max_context / page)
+        self.table_width = table_width(max_context, page)
         self.state = new_state(self.graph, pages * page)     # each cache [pages * page, KV * hd]
 
     @classmethod

@@ -47,6 +47,26 @@ def step_sizes(n: int, room: int, sizes: tuple[int, ...]) -> list[int]:
     return steps
 
 
+def step_buffers(cp, steps) -> dict:
+    """The runtime buffers that steps of several tokens (prefill or batch steps, run one after
+    another on one stream) share, each as large as the largest step needs."""
+    kernels = [k for s in steps for k in s.kernels]
+    return {
+        # the moe kernels' activations of every expert for every token of the step
+        "workspace": cp.empty(max([k.workspace_floats for k in kernels] + [1]), cp.float32),
+        # split-K gemm tiles: each block's slice of the dot products, and per tile a count of
+        # the blocks done, which the last one leaves at 0
+        "gemm_slabs": cp.empty(max([k.slab_floats for k in kernels] + [1]), cp.float32),
+        "gemm_counts": cp.zeros(max([k.tile_counts for k in kernels] + [1]), cp.uint32),
+        # the step's vectors as the gemms stage them, and their sums of squares per token
+        "gemm_x": cp.empty(max([k.staged_floats for k in kernels] + [1]), cp.float32),
+        # fp8 cache writes: the gemm blocks' staged values, and per (token, head) the blocks
+        # counted in (the last one writes the head and leaves 0)
+        "kv_stage": cp.empty(max(staging_sizes(s.G)[0] for s in steps), cp.float32),
+        "kv_counts": cp.zeros(max(staging_sizes(s.G)[1] for s in steps), cp.uint32),
+    }
+
+
 class Prefill:
     """The prefill graphs of a CudaEngine's model, one per step size, bound to the engine's
     buffers (see the module docstring); `steps` are its Program's, compiled. The steps run one
@@ -59,21 +79,7 @@ class Prefill:
         self.engine = weakref.proxy(engine)
         self.sizes = tuple(s.tokens for s in steps)
         self.arena = cp.empty(max([s.G.graph["arena_bytes"] for s in steps] + [256]), cp.uint8)
-        kernels = [k for s in steps for k in s.kernels]
-        self.buffers = {
-            # the moe kernels' activations of every expert for every token of the step
-            "workspace": cp.empty(max([k.workspace_floats for k in kernels] + [1]), cp.float32),
-            # split-K gemm tiles: each block's slice of the dot products, and per tile a count of
-            # the blocks done, which the last one leaves at 0
-            "gemm_slabs": cp.empty(max([k.slab_floats for k in kernels] + [1]), cp.float32),
-            "gemm_counts": cp.zeros(max([k.tile_counts for k in kernels] + [1]), cp.uint32),
-            # the step's vectors as the gemms stage them, and their sums of squares per token
-            "gemm_x": cp.empty(max([k.staged_floats for k in kernels] + [1]), cp.float32),
-            # fp8 cache writes: the gemm blocks' staged values, and per (token, head) the blocks
-            # counted in (the last one writes the head and leaves 0)
-            "kv_stage": cp.empty(max(staging_sizes(s.G)[0] for s in steps), cp.float32),
-            "kv_counts": cp.zeros(max(staging_sizes(s.G)[1] for s in steps), cp.uint32),
-        }
+        self.buffers = step_buffers(cp, steps)
         self.workspace = self.buffers["workspace"]
         self.steps = {s.tokens: _Step(self.engine, self.arena, self.buffers, s) for s in steps}
 

@@ -68,18 +68,43 @@ class Sequence_:
 
 def batches(model) -> bool:
     """Whether `model`'s engine can run many requests in one batch (continuous batching): the
-    CPU engine can; the CUDA engine has no kernels for paged caches yet and runs one at a time."""
+    CPU engine, and the CUDA engine with a bf16 KV cache on a GPU with bf16 tensor cores (the
+    batch steps' gemms: sm_80 on)."""
     from ..runtime.cpu_engine import CpuEngine
-    return isinstance(model.engine, CpuEngine)
+    from ..runtime.cuda_engine import CudaEngine
+    engine = model.engine
+    if isinstance(engine, CpuEngine):
+        return True
+    return isinstance(engine, CudaEngine) and engine.kv_dtype == "bf16" and engine.program.target.capability >= 80
 
 
-PAGE_ROWS = 16     # KV rows per page: small pages share more of a prompt prefix
+PAGE_ROWS = 16     # KV rows per page on the CPU: small pages share more of a prompt prefix
 
 
-def pages_in(model, gib: float, page: int = PAGE_ROWS) -> int:
-    """KV pages of `model` (on the CPU) that `gib` GiB hold; a FuselmError when they cannot hold
-    one sequence of the model's context."""
-    pages = int(gib * 2**30) // (CpuBatchEngine.row_bytes(model.engine.graph) * page)
+def page_rows(model) -> int:
+    """KV rows per page of `model`'s batch engine: PAGE_ROWS on the CPU; on the GPU what the
+    paged attention kernel's passes need (codegen/build.py: batch_page)."""
+    from ..runtime.cpu_engine import CpuEngine
+    engine = model.engine
+    if isinstance(engine, CpuEngine):
+        return PAGE_ROWS
+    from ..codegen.build import batch_page
+    return batch_page(engine.graph, engine.program.target, engine.program.tuning)
+
+
+def _engine_class(model):
+    from ..runtime.cpu_engine import CpuEngine
+    if isinstance(model.engine, CpuEngine):
+        return CpuBatchEngine
+    from ..runtime.cuda_batch import CudaBatchEngine
+    return CudaBatchEngine
+
+
+def pages_in(model, gib: float, page: int | None = None) -> int:
+    """KV pages of `model` (of `page` rows, default page_rows) that `gib` GiB hold; a FuselmError
+    when they cannot hold one sequence of the model's context."""
+    page = page or page_rows(model)
+    pages = int(gib * 2**30) // (_engine_class(model).row_bytes(model.engine.graph) * page)
     need = -(-model.engine.max_context // page)
     if pages < need:
         raise FuselmError(f"--kv-memory {gib:g} GiB holds {pages} KV pages of {page} rows; one sequence of the "
@@ -88,20 +113,21 @@ def pages_in(model, gib: float, page: int = PAGE_ROWS) -> int:
 
 
 class BatchScheduler(Scheduler):
-    """Runs jobs on `model` (a fuselm Model on the CPU) in one continuous batch of at most
-    `max_seqs` sequences over a pool of `pages` KV pages of `page` rows, steps of at most
-    `step_tokens` tokens; at most `max_waiting` jobs wait."""
+    """Runs jobs on `model` (a fuselm Model whose engine `batches`) in one continuous batch of at
+    most `max_seqs` sequences over a pool of `pages` KV pages (of page_rows rows), steps of at
+    most `step_tokens` tokens (on the GPU at most its largest batch step); at most `max_waiting`
+    jobs wait."""
 
     def __init__(self, model, max_waiting: int = 16, metrics: ServerMetrics | None = None,
-                 max_seqs: int = 8, pages: int | None = None, page: int = PAGE_ROWS, step_tokens: int = 256):
+                 max_seqs: int = 8, pages: int | None = None, step_tokens: int = 256):
         super().__init__(model, max_waiting, metrics)
         if max_seqs < 1 or step_tokens < 1:
             raise FuselmError(f"max_seqs and step_tokens must be at least 1, got {max_seqs} and {step_tokens}")
-        ctx = model.engine.max_context
+        ctx, page = model.engine.max_context, page_rows(model)
         pages = pages or max_seqs * -(-ctx // page)
-        self.engine = CpuBatchEngine.beside(model.engine, pages, page)
+        self.engine = _engine_class(model).beside(model.engine, pages, page)
         self.pool = PagePool(pages, page)
-        self.max_seqs, self.step_tokens = max_seqs, step_tokens
+        self.max_seqs, self.step_tokens = max_seqs, min(step_tokens, getattr(self.engine, "step_tokens", step_tokens))
         self.tokenizer = model.tokenizer
         self.grammars = Grammars(model.tokenizer)
         self._active: list[Sequence_] = []            # in admission order

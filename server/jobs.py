@@ -23,13 +23,14 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty
 
 def reject_unsupported(body: GenerationRequest, batching: bool) -> None:
     """APIError 400 for an option OpenAI has that this server does not implement, or a conflict;
-    `batching`: whether the batch scheduler runs the request (the CPU backend), which samples on
-    the host and so has the penalties and structured output."""
+    `batching`: whether the batch scheduler runs the request, which samples on the host and so
+    has the penalties and structured output (the one-at-a-time GPU scheduler samples on the GPU)."""
     if body.n not in (None, 1):
         raise APIError(400, f"n: only one choice per request is supported, got {body.n}", "n")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name) not in (None, 0) and not batching:
-            raise APIError(400, f"{name} is not supported on the GPU yet (use repetition_penalty)", name)
+            raise APIError(400, f"{name} needs continuous batching, which this server runs without "
+                                f"(use repetition_penalty)", name)
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
     if isinstance(body, CompletionRequest):
@@ -62,7 +63,7 @@ def build_job(model, body: GenerationRequest, grammars=None) -> Job:
     grammar = None
     if body.response_format is not None and body.response_format.type != "text":
         if grammars is None:
-            raise APIError(400, "response_format is not supported on the GPU yet (the CPU backend has it)",
+            raise APIError(400, "response_format needs continuous batching, which this server runs without",
                            "response_format")
         if body.ignore_eos:
             raise APIError(400, "ignore_eos cannot be combined with a response_format", "ignore_eos")

@@ -38,6 +38,25 @@ def test_paged_graph_adds_the_page_table_and_keeps_the_rest():
         paged(graph, 0)
 
 
+def feed_in_steps(engine, seqs, tables, plan, until_done=False):
+    """Feed sequences `seqs` (on page tables `tables`) to a batch engine, step k taking plan[k][i]
+    tokens of sequence i (fewer where it has fewer left), then with `until_done` one token of each
+    a step until all are in. Each sequence's [(position, logits row)] of its chunks' last tokens,
+    and the tokens fed of each."""
+    got, fed, plan = [[] for _ in seqs], [0] * len(seqs), list(plan)
+    while (plan or until_done) and any(f < len(s) for f, s in zip(fed, seqs)):
+        chunks, owners = [], []
+        for i, n in enumerate(plan.pop(0) if plan else [1] * len(seqs)):
+            n = min(n, len(seqs[i]) - fed[i])
+            if n:
+                chunks.append(Chunk(seqs[i][fed[i]:fed[i] + n], fed[i], tables[i]))
+                owners.append((i, fed[i] + n - 1))
+                fed[i] += n
+        for (i, position), row in zip(owners, engine.step(chunks) if chunks else []):
+            got[i].append((position, row))
+    return got, fed
+
+
 @pytest.mark.parametrize("window", [0, 5])
 def test_interleaved_chunks_on_scattered_pages_match_each_sequence_alone(window):
     """Three sequences, prompts in chunks of several sizes beside single decode tokens of the
@@ -53,20 +72,8 @@ def test_interleaved_chunks_on_scattered_pages_match_each_sequence_alone(window)
     seqs = [list(rng.integers(0, 256, n)) for n in (13, 7, 22)]
     tables = [[9, 2, 14, 5, 0, 11], [3, 12, 7], [1, 8, 4, 15, 6, 10]]     # pages of 4 rows, shuffled
     engine = CpuBatchEngine(graph, weights, pages=16, page=4, max_context=24)
-    got = [[] for _ in seqs]
-    fed = [0, 0, 0]
     plan = [[5, 1, 8], [5, 3, 6], [3, 2, 8], [1, 1, 1], [1, 0, 0], [2, 2, 0]]   # tokens per step and sequence
-    while any(fed[i] < len(s) for i, s in enumerate(seqs)):
-        step = plan.pop(0) if plan else [1, 1, 1]
-        chunks, owners = [], []
-        for i, n in enumerate(step):
-            n = min(n, len(seqs[i]) - fed[i])
-            if n:
-                chunks.append(Chunk(seqs[i][fed[i]:fed[i] + n], fed[i], tables[i]))
-                owners.append((i, fed[i] + n - 1))
-                fed[i] += n
-        for (i, position), row in zip(owners, engine.step(chunks)):
-            got[i].append((position, row))
+    got, _ = feed_in_steps(engine, seqs, tables, plan, until_done=True)
     for i, ids in enumerate(seqs):
         want = alone(graph, weights, ids)
         for position, row in got[i]:
@@ -124,5 +131,47 @@ def test_match_limit_keeps_a_token_to_compute():
 def test_the_cuda_build_refuses_paged_graphs_by_name():
     from fuselm.codegen.build import build_program
     graph, _ = tiny_llama()
-    with pytest.raises(FuselmError, match="reads paged KV caches, which have no CUDA kernels yet"):
+    with pytest.raises(FuselmError, match="reads paged KV caches: its steps come from build_batch"):
         build_program(paged(graph, 4), 64, compile=False)
+
+
+GPU_SHAPES = {"head 32 (CUDA-core pass)": dict(hidden_size=256, num_attention_heads=8),
+              "head 128 (tensor-core pass)": dict(hidden_size=1024, num_attention_heads=8)}
+
+
+@pytest.mark.parametrize("shape", list(GPU_SHAPES))
+def test_the_batch_build_pages_every_cache_and_compiles(shape):
+    """build_batch: a module per step size, compiled by NVRTC for sm_90; every attention the
+    paged kernel (a block per KV head and token), every cache row written through the page
+    table, logits for every token; pages a whole number of the paged pass's chunks."""
+    from fuselm.codegen import Target, Tuning
+    from fuselm.codegen.build import batch_page, build_batch
+    graph = build_graph(DecoderConfig.from_hf({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 500, "intermediate_size": 640, "num_hidden_layers": 2,
+        "num_key_value_heads": 2, "max_position_embeddings": 256, **GPU_SHAPES[shape]}))
+    steps = build_batch(graph, 200, Target(), Tuning(), sizes=(64, 32))
+    page = batch_page(graph, Target(), Tuning())
+    assert [s.tokens for s in steps] == [64, 32] and all(s.page == page for s in steps) and page % 16 == 0
+    for s in steps:
+        attention = [k for k in s.kernels if k.family == "attention"]
+        assert len(attention) == 2 and all(k.passes["paged"].chunk <= page and page % k.passes["paged"].chunk == 0
+                                           and k.launches[0].grid == (2, "T") for k in attention)
+        assert s.source.count("attention_paged<") == 1 and "paged_row(" in s.source   # one kernel shared by both layers
+        assert s.G.nodes[s.logits]["shape"] == ("T", 500) and s.cubin
+        assert s.G.nodes["pages"]["shape"] == ("T", -(-200 // page))
+
+
+def test_paged_kernels_refuse_what_they_cannot_run():
+    from fuselm.codegen import Target, Tuning, generate
+    from fuselm.compiler import compile_graph
+    from fuselm.dsl.kv_dtype import with_kv_dtype
+    graph = build_graph(DecoderConfig.from_hf({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 500, "hidden_size": 1024, "intermediate_size": 640,
+        "num_hidden_layers": 1, "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 256}))
+    cases = [(paged(graph, 16, table=8), 32, "pages of 16 rows are no multiple of the attention pass's 32-row chunks"),
+             (paged(graph, 32), 32, "a page table of a fixed width"),
+             (paged(graph, 32, table=8), 1, "runs in steps of several tokens"),
+             (paged(with_kv_dtype(graph, "fp8"), 32, table=8), 32, "paged fp8 KV caches have no kernels yet")]
+    for g, tokens, message in cases:
+        with pytest.raises(FuselmError, match=message):
+            generate(compile_graph(g, tokens=tokens), ctx=256, target=Target(), tuning=Tuning(), tokens=tokens)

@@ -372,3 +372,27 @@ def check_prefill_arguments(P, kernels) -> None:
                 store = storage_of(P, a) if a in P else None
                 assert store is not None and (P.nodes[store]["op"] in ("weight", "constant", "input", "state")
                                               or store in P.graph["buffers"]), f"{launch.function}: argument {a} has no memory"
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_batch_module_compiles_and_does_not_spill(name):
+    """The continuous-batching module of every config (its paged graph in steps of 32 tokens:
+    gemm kernels writing the caches through the page tables, the paged attention kernel, logits
+    for every token) compiles for sm_90 without spills in its gemm and attention kernels."""
+    from fuselm.codegen.build import build_batch
+    from fuselm.errors import FuselmError
+    cfg = CONFIGS[name]()
+    graph = build_graph(cfg)
+    if name in PREFILL_UNSUPPORTED:
+        with pytest.raises(FuselmError, match=PREFILL_UNSUPPORTED[name]):
+            build_batch(graph, min(cfg.max_position_embeddings, 4096), Target(), Tuning(), sizes=(32,), compile=False)
+        return
+    (step,) = build_batch(graph, min(cfg.max_position_embeddings, 4096), Target(), Tuning(), sizes=(32,),
+                          compile=False)
+    assert any(k.name.startswith("attention") and "_paged" in k.name for k in step.kernels)
+    cubin, log, _ = compile_cubin(step.source, headers(), options("sm_90", verbose=True), use_cache=False)
+    functions = {launch.function for k in step.kernels for launch in k.all_launches()}
+    assert all(f.encode() in cubin for f in functions)
+    report = spills(log)
+    spilling = {f: report[f] for f in functions if report[f] and not f.startswith("rowwise")}
+    assert not spilling, f"{name}: batch kernels spill (bytes stored + loaded): {spilling}"

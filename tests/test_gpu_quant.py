@@ -39,6 +39,9 @@ QCFG = dict(architectures=["LlamaForCausalLM"], vocab_size=1001, hidden_size=512
 # step spikes: measured 2e-4 per step on the float path, 1e-3 typical and up to 3.4e-2 at one
 # step of twenty with the staged vector (tied Q4_K_M mix). A wrong kernel misses by far more.
 STAGED_MODEL_TOL = 5e-2
+# Past the first layer of a quantized prefill: measured up to 2.6e-2 on the caches and 6.7e-2 on
+# the last logits (Q4_K_M mix, every-tile) where the first layer's caches were within 5e-3.
+FLASH_MODEL_TOL = 1e-1
 
 
 def model_tol(formats) -> float:
@@ -167,10 +170,11 @@ def test_quantized_batched_prefill_matches_the_reference(mix, split_k):
     32, the last padded; the runtime buffers poisoned with NaN first) leaves the numpy reference's
     KV cache rows (on the dequantized weights, bf16 KV cache on both sides) and its last logits,
     and those of one-token steps. The quantized tiles feed integer codes to the tensor cores with
-    float32 sums per group: the bf16 prefill's tolerance holds against the reference. One-token
-    steps (the GEMVs' int16-staged vector) are further from it: measured up to 7.7e-3 on the
-    caches where the prefill's were 5.9e-4 (Q4_K), so they get the staged tolerance. "every-tile":
-    every gemm splits its K as far as it goes."""
+    float32 sums per group, so the first layer's caches (no attention before them) hold the
+    float32 bound against the reference. Later layers see the causal flash attention's bf16
+    queries and probabilities (a few 2^-9 of each output, test_flash_prefill_kernel_matches_float64),
+    which this random model's sharp softmax spreads: FLASH_MODEL_TOL. "every-tile": every gemm
+    splits its K as far as it goes."""
     import cupy as cp
 
     from fuselm.codegen import Tuning
@@ -195,14 +199,17 @@ def test_quantized_batched_prefill_matches_the_reference(mix, split_k):
                         state)[next(iter(graph.outputs))][-1]
     n = len(prompt) - 1                      # rows the prefill steps wrote (the last is the decode step's)
     got, one_by_one = cache_rows(batched, n), cache_rows(stepped, n)
-    cache_err = max(rel(got[c], np.asarray(state[c][:n], np.float32)) for c in got)
+    errs = {c: rel(got[c], np.asarray(state[c][:n], np.float32)) for c in got}
+    first_layer = max(e for c, e in errs.items() if c.startswith("cache.0."))
     cache_vs_steps = max(rel(got[c], one_by_one[c]) for c in got)
-    logit_err = rel(batched.logits(), ref)
-    print(f"{mix} batched prefill ({split_k}): caches {cache_err:.2e} from the reference, {cache_vs_steps:.2e} from "
-          f"one-token steps; last logits {logit_err:.2e} from the reference")
+    logit_err, logits_vs_steps = rel(batched.logits(), ref), rel(batched.logits(), stepped.logits())
+    print(f"{mix} batched prefill ({split_k}): first layer's caches {first_layer:.2e} from the reference, all "
+          f"{max(errs.values()):.2e}, {cache_vs_steps:.2e} from one-token steps; last logits {logit_err:.2e} "
+          f"from the reference, {logits_vs_steps:.2e} from one-token steps")
     assert all(np.isfinite(got[c]).all() for c in got)
-    assert cache_err < 5e-3 and logit_err < 5e-3, (cache_err, logit_err)
-    assert cache_vs_steps < STAGED_MODEL_TOL and rel(batched.logits(), stepped.logits()) < STAGED_MODEL_TOL
+    assert first_layer < 5e-3, f"the quantized tiles' caches: {first_layer:.2e}"
+    assert max(errs.values()) < FLASH_MODEL_TOL and logit_err < FLASH_MODEL_TOL, (errs, logit_err)
+    assert cache_vs_steps < FLASH_MODEL_TOL and logits_vs_steps < FLASH_MODEL_TOL
 
 
 MIXTRAL_QCFG = {**QCFG, "architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2}

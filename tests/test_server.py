@@ -8,19 +8,18 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from types import SimpleNamespace
 
 import httpx
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from fuselm.loading.default_model import find_default
 from fuselm.runtime.engine import SamplingParams
 from fuselm.server import create_app
-from fuselm.server.cli import listen, url_of
 from fuselm.server.stops import StopStrings
+
+from http_server import serving
 
 openai = pytest.importorskip("openai")
 
@@ -29,25 +28,6 @@ NAME = "SmolLM2-135M-Instruct.Q4_1"
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Say hi"}]
 TOKENS = 8
-
-
-@contextmanager
-def serving(app):
-    """Run `app` with uvicorn in a background thread; yield its base URL (ending in /v1)."""
-    sock = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield url_of(sock)
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 def metric(url: str, name: str, labels: dict | None = None) -> float:

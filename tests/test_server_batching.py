@@ -14,7 +14,8 @@ import pytest
 from fuselm.loading.default_model import find_default
 from fuselm.server import create_app
 
-from test_server import NAME, NO_MODEL, metric, serving
+from http_server import serving
+from test_server import NAME, NO_MODEL, metric
 
 PROMPTS = ["The capital of France is", "List three colors:", "def fibonacci(n):",
            "Once upon a time, in a land far away, there lived", "2 + 2 =", "Water boils at"]

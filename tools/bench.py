@@ -7,7 +7,8 @@ bytes per token and the fraction of the bandwidth achieved, time to first token 
 context (and from any start positions asked for, `--positions`), compile time cold and warm,
 warm start to the first token, load time, peak GPU memory, optionally per-kernel-family time,
 each kernel's marginal time inside the step and the prefill step's time per kernel function
-(`--profile`), and Hugging Face transformers on the same shapes (`--peers hf`).
+(`--profile`), continuous batching's output tok/s at several numbers of sequences (`--batch`),
+and Hugging Face transformers on the same shapes (`--peers hf`).
 """
 from __future__ import annotations
 
@@ -101,6 +102,39 @@ def _decode_rate(engine, prompt, n: int, start: int = 0) -> tuple[float, float]:
     return ttft, n / (time.perf_counter() - t1)
 
 
+def batch_rates(engine, batches: tuple[int, ...], tokens: int, vocab: int, prompt: int = 32) -> dict:
+    """Decode throughput of continuous batching (runtime/cuda_batch.py) beside `engine`: for each
+    B of `batches`, B sequences of `prompt` random tokens prefilled together, then `tokens` steps
+    of one token of each (ids given, not sampled: host sampling is left out), timed with the
+    logits rows copied back. {"B": {"tok_s", "step_ms"}}, and the page rows, under "pages"."""
+    from ..runtime.batch import Chunk
+    from ..runtime.cuda_batch import CudaBatchEngine
+    rows = prompt + tokens
+    batch = None
+    rng = np.random.default_rng(1)
+    out = {}
+    for b in batches:
+        if batch is None:
+            from ..codegen.build import batch_page
+            page = batch_page(engine.graph, engine.program.target, engine.program.tuning)
+            per_seq = -(-rows // page)
+            batch = CudaBatchEngine(engine, pages=max(max(batches) * per_seq, -(-engine.max_context // page)))
+        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
+        chunks = [Chunk(rng.integers(0, vocab, prompt).tolist(), 0, t) for t in tables]
+        per_step = max(1, batch.step_tokens // prompt)
+        for i in range(0, b, per_step):
+            batch.step(chunks[i:i + per_step])
+        ids = rng.integers(0, vocab, (tokens + 2, b))
+        step = lambda k: batch.step([Chunk([int(ids[k, i])], prompt + k, tables[i]) for i in range(b)])  # noqa: E731
+        step(0)                                                     # warm-up (and the step's graph capture)
+        t0 = time.perf_counter()
+        for k in range(1, tokens + 1):
+            step(k)
+        elapsed = time.perf_counter() - t0
+        out[str(b)] = {"tok_s": round(b * tokens / elapsed, 1), "step_ms": round(elapsed / tokens * 1e3, 3)}
+    return {"pages": batch.page, **out} if batch else {}
+
+
 def step_bytes(kernels, states, context: float) -> float:
     """Bytes one decode step moves: every kernel's weights and activations as codegen counted them
     (an embedding reads one row, a MoE only its chosen experts), plus the KV cache at `context`."""
@@ -113,12 +147,13 @@ def step_bytes(kernels, states, context: float) -> float:
 def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do_profile: bool = False,
                 peers: tuple[str, ...] = (), copy_Bps: float | None = None, fuse: bool = True,
                 decode_only: bool = False, positions: tuple[int, ...] = (), tuning=None,
-                quant: str | None = None, kv: str = "bf16") -> dict:
+                quant: str | None = None, kv: str = "bf16", batches: tuple[int, ...] = ()) -> dict:
     """Measure one preset or checkpoint (see the module docstring); `decode_only` skips the compile
     and long-prompt measurements and the profile at 4k (for quick A/B runs); `positions`: decode
     tok/s also from each of these start positions (the cache grows to hold the last one's run);
     `quant`: a preset's weights made in that scheme's formats (quant/schemes.py); `kv`: the KV
-    cache's dtype (bf16 or fp8)."""
+    cache's dtype (bf16 or fp8); `batches`: continuous-batching throughput at these numbers of
+    sequences (batch_rates)."""
     import cupy as cp
 
     from ..runtime.cuda_engine import CudaEngine
@@ -177,6 +212,7 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
     tok_s_at = {str(p): round(rate_from(p), 1) for p in positions}
     if do_profile and not decode_only:
         ablation_4k = step_ablation(engine)
+    batched = batch_rates(engine, batches, tokens, cfg.vocab_size) if batches else None
     bytes_per_token = step_bytes(engine.kernels, engine.states, context=32 + tokens / 2)
     res = {"model": name, "dtype": dtype, "kv_dtype": kv, "weights": "checkpoint" if ckpt is not None else "random", "fused": fuse, "decode_tok_s": round(tok_s, 1),
            "ms_per_token": round(1e3 / tok_s, 3), "bytes_per_token": int(bytes_per_token),
@@ -189,6 +225,8 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
            "decode_tok_s_at_4k": _round(tok_s_4k, 1, 1), "ratio_4k": _round(tok_s_4k, 1 / tok_s, 3),
            # start position -> decode tok/s of a run from there (--positions)
            **({"decode_tok_s_at": tok_s_at} if tok_s_at else {}),
+           # sequences in one continuous batch -> output tok/s of them all, ms per step (--batch)
+           **({"batch_decode": batched} if batched else {}),
            "compile_cold_s": _round(cold, 1, 2), "compile_warm_s": _round(warm, 1, 2),
            "warm_start_s": _round(warm_start, 1, 2),
            "load_s": round(load, 2), "peak_gpu_GiB": round(cp.get_default_memory_pool().total_bytes() / 2**30, 2),
@@ -318,6 +356,9 @@ def _row(r: dict) -> str:
     if at:
         s += f" | from{' (' + r['kv_dtype'] + ' KV)' if r.get('kv_dtype', 'bf16') != 'bf16' else ''} " + \
             ", ".join(f"{p}: {v}" for p, v in at.items()) + " tok/s"
+    if r.get("batch_decode"):
+        s += " | batched " + ", ".join(f"{b}: {v['tok_s']}" for b, v in r["batch_decode"].items() if b != "pages") + \
+            " tok/s"
     if r["compile_cold_s"] is not None:
         s += (f" | compile {r['compile_cold_s']}s cold {r['compile_warm_s']}s warm"
               f" | warm start {r['warm_start_s']}s")
@@ -343,6 +384,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only decode speed, short and at 4k (no compile or 512-token prompt runs)")
     p.add_argument("--positions", type=_positions, default=(), metavar="P[,P...]",
                    help="decode tok/s also from these start positions (context lengths), e.g. 1024,2048,8000")
+    p.add_argument("--batch", dest="batches", type=_positions, default=(), metavar="B[,B...]",
+                   help="continuous-batching decode throughput of B sequences at once, e.g. 1,8,32,64")
     p.add_argument("--json", dest="out", help="write the JSON record here")
     p.add_argument("--quant", choices=SCHEMES, default=None,
                    help="presets: weights made in this quantization scheme's formats (q4_k_m as llama.cpp's)")
@@ -365,7 +408,8 @@ def main(args: argparse.Namespace) -> int:
     from .inspect import tuning_of
     run(args.models, out=args.out, tuning=tuning_of(args), runs=args.runs, tokens=args.tokens, do_profile=args.profile,
         peers=tuple(p for p in args.peers.split(",") if p), fuse=not args.no_fuse,
-        decode_only=args.decode_only, positions=args.positions, quant=args.quant, kv=args.kv)
+        decode_only=args.decode_only, positions=args.positions, quant=args.quant, kv=args.kv,
+        batches=args.batches)
     return 0
 
 

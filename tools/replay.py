@@ -6,7 +6,7 @@ which kernels it altered.
     python -m fuselm.tools.replay --write    refresh the manifest (a change that means to alter code)
 
 The manifest (tests/replay_manifest.json) holds, per preset and step (decode; prefill_T for a
-prefill step of T tokens), the sha256 of each distinct kernel's source and of the launch schedule
+prefill step of T tokens; batch_T for a continuous-batching step of T tokens), the sha256 of each distinct kernel's source and of the launch schedule
 (functions, grids, blocks, arguments), and the sha256 of every .cuh header the kernels include.
 Generated at the default tuning (codegen's Tuning) for sm_90, with each preset's default context;
 QUANTIZED adds presets with weights in a quantization scheme's formats ("preset@scheme").
@@ -40,6 +40,7 @@ def steps_of(name: str) -> dict[str, list]:
     """Step label -> the kernels generated for preset `name` ("preset" or "preset@scheme") at its
     default context."""
     from ..codegen import Target, Tuning, build_program
+    from ..codegen.build import build_batch
     from ..models import build_graph
     from ..models.presets import preset
     from ..quant.schemes import graph_formats
@@ -47,9 +48,11 @@ def steps_of(name: str) -> dict[str, list]:
     base, _, scheme = name.partition("@")
     cfg = preset(base)
     graph = build_graph(cfg)
-    program = build_program(graph, min(cfg.max_position_embeddings, 4096), Target(), Tuning(), compile=False,
-                            formats=graph_formats(graph, scheme) if scheme else None)
-    return {"decode": program.decode.kernels, **{f"prefill_{s.tokens}": s.kernels for s in program.prefill}}
+    ctx, formats = min(cfg.max_position_embeddings, 4096), graph_formats(graph, scheme) if scheme else None
+    program = build_program(graph, ctx, Target(), Tuning(), compile=False, formats=formats)
+    batch = build_batch(graph, ctx, Target(), Tuning(), formats=formats, compile=False)
+    return {"decode": program.decode.kernels, **{f"prefill_{s.tokens}": s.kernels for s in program.prefill},
+            **{f"batch_{s.tokens}": s.kernels for s in batch}}
 
 
 def manifest() -> dict:

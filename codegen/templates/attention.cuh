@@ -104,6 +104,41 @@ __device__ __forceinline__ void attention_prefill_rows(const float* q, const typ
     });
 }
 
+// Continuous batching: token blockIdx.y of the step belongs to any of several sequences, whose
+// rows lie in pages of PAGE rows listed by its page table (TABLE entries a token, pages_p points
+// at the step's first). It walks its own positions as attention_single does; a pass's chunk lies
+// inside one page (PAGE is a multiple of CHUNK), so each chunk reads through cache pointers moved
+// by the page's offset: position p then lands on its pool row. The step's own rows were written
+// by the kernel before: it waits first.
+template <int H, int KV, int HD, class P, int PAGE, int TABLE>
+__device__ __forceinline__ void attention_paged(const float* q, const bf16_t* kc, const bf16_t* vc, const int* pos_p,
+                                                const int* pages_p, int window, float scale, float softcap, float* o) {
+    static_assert(PAGE % P::CHUNK == 0, "a pass's chunk must lie inside one page");
+    constexpr int G = H / KV;
+    grid_wait_then_release();
+    const int t = blockIdx.y, pos = pos_p[t];
+    const int* table = pages_p + (size_t)t * TABLE;
+    const int lo = window > 0 ? max(0, pos - window + 1) : 0;
+    // the pointers that put position `base` .. base + CHUNK - 1 on their page's rows
+    const auto moved = [&](const bf16_t* cache, int base) {
+        return cache + ((long long)table[base / PAGE] * PAGE + base % PAGE - base) * P::W;
+    };
+    int base = lo / P::CHUNK * P::CHUNK;
+    P pass;
+    pass.load(moved(kc, base), moved(vc, base), base, lo, min(base + P::CHUNK, pos + 1), -1);
+    pass.load_queries(q + (size_t)t * H * HD, scale);
+    typename P::State st, part;
+    pass.softmax(softcap, st);
+    for (base += P::CHUNK; base <= pos; base += P::CHUNK) {
+        pass.load(moved(kc, base), moved(vc, base), base, base, min(base + P::CHUNK, pos + 1), -1);
+        pass.softmax(softcap, part);
+        st.merge(part);
+    }
+    P::block_merge(st, [&](int g, int d, float, float l, float a) {
+        o[(size_t)t * H * HD + (blockIdx.x * G + g) * HD + d] = a / l;
+    });
+}
+
 // Merge the chunks c0 .. c1 of query head blockIdx.x (the ones the split kernel filled). At long
 // contexts there are dozens of chunks, so each warp takes every WARPS-th chunk, GROUP at a time
 // with all their loads issued together (4 dims per lane), keeps a running softmax state, and

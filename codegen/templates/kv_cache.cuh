@@ -6,6 +6,9 @@
 #pragma once
 #include "common.cuh"
 
+// The pool row of position p of a sequence whose page table (pages of `page` rows) is `table`.
+__device__ __forceinline__ int paged_row(const int* table, int page, int p) { return table[p / page] * page + p % page; }
+
 // bf16 rows of W values.
 struct KvBf16 {
     using Elem = bf16_t;

@@ -1,0 +1,99 @@
+"""GPU checks of continuous batching (runtime/cuda_batch.py, codegen's paged kernels): steps that
+mix prompt chunks and decode tokens of several sequences, whose rows lie on shuffled pool pages,
+give each sequence the cache rows and logits the numpy reference gives it alone (bf16 KV cache
+on both sides; the gemms take bf16 vectors, as the prefill's: PREFILL_TOL over a sequence's
+rows, twice that for a single row's spike). Fresh random weights each run; the batch engine's
+arena and its pool poisoned with NaN first, so a row read before it is written, or a logits row
+left unwritten, shows."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fuselm.dsl.ops import page_rows
+from fuselm.models import DecoderConfig, build_graph
+from fuselm.runtime.batch import Chunk
+from fuselm.runtime.cuda_engine import gpu_available
+from fuselm.runtime.reference import new_state, run_graph
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_batch import feed_in_steps  # noqa: E402
+from test_gpu import (ARCH_TINY, MOE_PREFILL_TOL, PREFILL_TOL, TINY, bf16_kv_cache, engine_for,  # noqa: E402
+                      is_moe, random_weights, rel)
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU on this machine")]
+
+CTX = 200
+CONFIGS = {   # the paged pass on CUDA cores (head 32) and on tensor cores (head 128), windows, soft-caps, experts
+    "llama head 32": {},
+    "llama head 128": dict(hidden_size=1024, num_attention_heads=8),
+    "mistral window 8": {"architectures": ["MistralForCausalLM"], **ARCH_TINY["MistralForCausalLM"]},
+    "gemma2": {"architectures": ["Gemma2ForCausalLM"], **ARCH_TINY["Gemma2ForCausalLM"]},
+    "mixtral": {"architectures": ["MixtralForCausalLM"], **ARCH_TINY["MixtralForCausalLM"]},
+}
+# tokens per step and sequence: a full 64-token step, mixed chunks, single tokens (steps of 32 mostly padding)
+PLAN = [[40, 9, 15], [20, 1, 30], [10, 1, 40], [1, 1, 1], [1, 0, 33], [30, 1, 1], [1, 1, 1]]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_mixed_batch_steps_on_shuffled_pages_match_each_sequence_alone(name):
+    import cupy as cp
+
+    from fuselm.codegen.build import batch_page
+    from fuselm.runtime.cuda_batch import CudaBatchEngine
+    rng = np.random.default_rng()
+    cfg = DecoderConfig.from_hf({**TINY, "max_position_embeddings": 256, **CONFIGS[name]})
+    graph = build_graph(cfg)
+    weights = random_weights(graph, rng)
+    for w in weights:   # routers' logits spread out, as in the prefill tests
+        if w.endswith("block_sparse_moe.gate.weight"):
+            weights[w] = weights[w] * 8
+    engine = engine_for(graph, weights, ctx=CTX, batched_prefill=False)
+    program = engine.program
+    per_seq = -(-CTX // batch_page(graph, program.target, program.tuning))
+    batch = CudaBatchEngine(engine, pages=3 * per_seq + 2, sizes=(64, 32))
+    order = rng.permutation(batch.pages)[:3 * per_seq].reshape(3, per_seq).tolist()   # shuffled pages
+    with engine.stream:
+        batch.arena.view(cp.float32).fill(cp.nan)
+        for c in batch.states.values():
+            c.fill(0x7FC0)                                                        # bf16 NaN
+    seqs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (102, 14, 121)]
+    got, fed = feed_in_steps(batch, seqs, order, PLAN)
+    tol = MOE_PREFILL_TOL if is_moe(cfg) else PREFILL_TOL
+    worst, worst_row, worst_cache = 0.0, 0.0, 0.0
+    pool = {n: (cp.asnumpy(c).astype(np.uint32) << 16).view(np.float32) for n, c in batch.states.items()}
+    for i, ids in enumerate(seqs):
+        state = new_state(graph, CTX)
+        with bf16_kv_cache():
+            want = run_graph(graph, weights, {"ids": np.array(ids[:fed[i]], np.int32),
+                                              "pos": np.arange(fed[i], dtype=np.int32)}, state)["logits"]
+        rows = page_rows(order[i], np.arange(fed[i]), batch.page)
+        cache_err = max(rel(pool[c][rows], np.asarray(state[c][:fed[i]], np.float32)) for c in pool)
+        assert cache_err < tol, f"{name}: sequence {i}: its pool rows {cache_err:.2e} from the reference's cache"
+        rows_got = np.stack([row for _, row in got[i]])
+        assert np.isfinite(rows_got).all(), f"{name}: sequence {i}: non-finite logits"
+        errs = [rel(row, want[position]) for position, row in got[i]]
+        err = rel(rows_got, want[[position for position, _ in got[i]]])
+        assert err < tol and max(errs) < 2 * tol, f"{name}: sequence {i}: rel error {err:.2e}, rows {errs}"
+        worst, worst_row, worst_cache = max(worst, err), max(worst_row, *errs), max(worst_cache, cache_err)
+    print(f"batch steps {name} (pages of {batch.page} rows): caches {worst_cache:.2e} from the reference; "
+          f"logits {worst:.2e} over a sequence's rows, {worst_row:.2e} at worst in one of {sum(map(len, got))} rows")
+
+
+def test_a_batch_step_refuses_a_page_outside_the_pool_and_too_many_tokens():
+    from fuselm.errors import FuselmError
+    from fuselm.runtime.cuda_batch import CudaBatchEngine
+    rng = np.random.default_rng()
+    graph = build_graph(DecoderConfig.from_hf(TINY))
+    engine = engine_for(graph, random_weights(graph, rng), ctx=CTX, batched_prefill=False)
+    batch = CudaBatchEngine(engine, pages=8, sizes=(32,))
+    with pytest.raises(FuselmError, match="outside the pool of 8"):
+        batch.step([Chunk([1, 2], 0, [8, 0, 1, 2])])
+    with pytest.raises(FuselmError, match="larger than the largest, 32"):
+        batch.step([Chunk(list(range(33)), 0, [0, 1, 2, 3])])
+    with pytest.raises(FuselmError, match="cannot hold one sequence"):
+        CudaBatchEngine(engine, pages=1, sizes=(32,))
