@@ -46,6 +46,35 @@ def step_feeds(chunks: Sequence[Chunk], table_width: int) -> dict[str, np.ndarra
             "pages": np.asarray(pages, np.int32).reshape(len(ids), table_width)}
 
 
+class StepLogits:
+    """The logits rows [chunks, vocab] of one batch step where the engine left them (a numpy or a
+    CuPy array): every row's finiteness and argmax at once, a whole row copied only on demand."""
+
+    def __init__(self, rows):
+        self.rows = rows
+        if isinstance(rows, np.ndarray):
+            self._xp = np
+        else:
+            import cupy
+            self._xp = cupy
+
+    def finite(self) -> np.ndarray:
+        """[chunks] bool: whether each row holds no NaN or inf."""
+        return self._host(self._xp.isfinite(self.rows).all(axis=1))
+
+    def argmax(self) -> np.ndarray:
+        """[chunks] int: each row's greedy pick."""
+        return self._host(self._xp.argmax(self.rows, axis=1))
+
+    def row(self, i: int) -> np.ndarray:
+        """Row i on the host, float32."""
+        return self._host(self.rows[i])
+
+    @staticmethod
+    def _host(x) -> np.ndarray:
+        return x if isinstance(x, np.ndarray) else x.get()
+
+
 class CpuBatchEngine:
     """A model's paged graph on the numpy reference executor, over a pool of `pages` KV pages of
     `page` rows; sequences are at most `max_context` tokens long."""
@@ -81,3 +110,21 @@ class CpuBatchEngine:
         logits = run_graph(self.graph, self.weights, step_feeds(chunks, self.table_width), self.state)["logits"]
         last = np.cumsum([len(c.ids) for c in chunks]) - 1
         return logits[last]
+
+    def warm_up(self) -> None:
+        """Nothing to prepare on the CPU (the CUDA engine's captures its graphs)."""
+
+    def launch(self, chunks: Sequence[Chunk]) -> "Done":
+        """step() as the batch scheduler calls it (the CUDA engine's runs while it waits): here
+        at once, its rows as StepLogits."""
+        return Done(StepLogits(self.step(chunks)))
+
+
+class Done:
+    """A batch step already run: result() gives its StepLogits."""
+
+    def __init__(self, logits: StepLogits):
+        self._logits = logits
+
+    def result(self) -> StepLogits:
+        return self._logits

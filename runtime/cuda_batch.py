@@ -9,10 +9,12 @@ tokens; the rest is padding, whose tokens write and read one page kept for them 
 pool's last), so the real sequences never see them.
 
 The batch engine shares a CudaEngine's weights and constants; its KV pool is its own, bf16. One
-CUDA graph per step size, captured on first use.
+CUDA graph per step size, captured on first use or by warm_up. launch() queues a step and
+returns at once, so the host can stream the previous step's text while the GPU runs it.
 """
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import numpy as np
@@ -21,9 +23,12 @@ from ..codegen.build import build_batch
 from ..codegen.params import storage_of
 from ..dsl.paging import table_width
 from ..errors import FuselmError
-from .batch import Chunk, step_feeds
+from .batch import Chunk, StepLogits, step_feeds
 from .launch import arena_view, bind_launch, load_cubin
 from .prefill import step_buffers
+
+
+POLL_S = 50e-6   # between looks at a queued step's event (a step takes milliseconds)
 
 
 class CudaBatchEngine:
@@ -65,6 +70,15 @@ class CudaBatchEngine:
             raise FuselmError(f"the batch kernels take KV pages of {batch.page} rows, not {page}")
         return batch
 
+    def warm_up(self) -> None:
+        """Run every step size once (one token on page 0, the rest padding) and the picks on its
+        rows: the CUDA graphs are captured and CuPy's kernels for the picks compiled before the
+        first request waits for them (seconds on a fresh machine). Leaves page 0's first row
+        written, which any sequence given page 0 writes again before reading it."""
+        for size in self.sizes:
+            logits = self._steps[size].run(step_feeds([Chunk([0], 0, [0])], self.table_width), np.array([0])).result()
+            logits.finite(), logits.argmax(), logits.row(0)
+
     @staticmethod
     def row_bytes(graph) -> int:
         """Bytes of one KV row over every layer (bf16 caches)."""
@@ -77,6 +91,11 @@ class CudaBatchEngine:
 
     def step(self, chunks: Sequence[Chunk]) -> np.ndarray:
         """Feed `chunks` in one step; the logits [len(chunks), vocab] of each one's last token."""
+        return self.launch(chunks).result().rows.get()
+
+    def launch(self, chunks: Sequence[Chunk]) -> "Queued":
+        """Queue step(chunks) on the engine's stream and return at once; its result() waits and
+        gives the rows as StepLogits, left on the GPU (greedy picks without copying them)."""
         tokens = sum(len(c.ids) for c in chunks)
         if not chunks or any(not c.ids for c in chunks):
             raise FuselmError("a batch step needs at least one chunk, each of at least one token")
@@ -92,13 +111,25 @@ class CudaBatchEngine:
         return step.run(step_feeds(chunks, self.table_width), last)
 
 
+class Queued:
+    """A batch step queued on the stream: result() waits for it."""
+
+    def __init__(self, rows, done):
+        self._rows, self._done = rows, done    # the logits rows [chunks, vocab], the event after them
+
+    def result(self) -> StepLogits:
+        while not self._done.done:   # polled, sleeping between: the server's HTTP thread may take the GIL
+            time.sleep(POLL_S)
+        return StepLogits(self._rows)
+
+
 class _Step:
     """One batch step size: its module, launches and inputs (ids, pos, pages), bound to the batch
     engine's pool, arena and runtime buffers and to the CudaEngine's weights."""
 
     def __init__(self, batch: CudaBatchEngine, step):
         cp = batch.cp
-        self.batch, self.G, self.tokens = batch, step.G, step.tokens
+        self.batch, self.G, self.tokens, self.kernels = batch, step.G, step.tokens, step.kernels
         self.inputs = {"ids": cp.zeros(step.tokens, cp.int32),                          # [T]
                        "pos": cp.zeros(step.tokens, cp.int32),                          # [T]
                        "pages": cp.zeros((step.tokens, batch.table_width), cp.int32)}   # [T, table]
@@ -125,9 +156,22 @@ class _Step:
             return batch.engine.buffer(store)
         return arena_view(batch.cp, batch.arena, self.G, store)
 
-    def run(self, feeds: dict[str, np.ndarray], last: np.ndarray) -> np.ndarray:
-        """One step on `feeds` (fewer tokens than the step takes: padded onto the pad page); the
-        logits rows `last`, on the host."""
+    def replay(self) -> None:
+        """Queue the step on the inputs in place: its CUDA graph (captured on first use), or its
+        launches one by one where the engine uses no graphs."""
+        engine = self.batch.engine
+        with engine.stream:
+            if not engine.use_graph:
+                for call in self.calls:
+                    call(engine.stream)
+                return
+            if self._graph is None:
+                self._graph = engine.capture([(None, None, c) for c in self.calls])
+            self._graph.launch(engine.stream)
+
+    def run(self, feeds: dict[str, np.ndarray], last: np.ndarray) -> Queued:
+        """Queue one step on `feeds` (fewer tokens than the step takes: padded onto the pad page),
+        then a copy of its logits rows `last` [len(last), vocab]."""
         engine, n = self.batch.engine, len(feeds["ids"])
         ids, pos = np.zeros(self.tokens, np.int32), np.zeros(self.tokens, np.int32)
         pages = np.full((self.tokens, self.batch.table_width), self.batch.pages, np.int32)
@@ -136,14 +180,8 @@ class _Step:
         with stream:
             for name, host in (("ids", ids), ("pos", pos), ("pages", pages)):
                 self.inputs[name].set(host, stream=stream)
-            if not engine.use_graph:
-                for call in self.calls:
-                    call(stream)
-            else:
-                if self._graph is None:
-                    self._graph = engine.capture([(None, None, c) for c in self.calls])
-                self._graph.launch(stream)
-            rows = self.logits[self.batch.cp.asarray(last)]
-            out = rows.get(stream=stream)
-        stream.synchronize()
-        return out
+            self.replay()
+            rows = self.logits[self.batch.cp.asarray(last)]    # a copy: the next step reuses the arena
+            done = self.batch.cp.cuda.Event(disable_timing=True)
+            done.record(stream)
+        return Queued(rows, done)

@@ -43,6 +43,13 @@ class Sampler:
         self.counts[token] = self.counts.get(token, 0) + 1
         return token
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether the next id is the logits' argmax whatever came before (greedy, no penalty):
+        a batch engine may then pick it where the logits are, without copying them."""
+        p = self.params
+        return p.greedy and p.repetition_penalty == 1.0 and not p.penalizes_answer
+
     def _pick(self, x: np.ndarray) -> int:
         p = self.params
         if p.greedy:

@@ -3,6 +3,9 @@
 # Usage (device machine): bash scripts/gpu_check.sh [bench models...]; results land in $OUT (or ./gpu_out).
 # Bench models are presets, PRESET@SCHEME (quantized, e.g. llama-3.1-8b@q4_k_m) or checkpoint paths;
 # the real-file GPU test reads .gpu_fixtures/ (carry it: scripts/trim_gguf.py makes its GGUF).
+# SERVE=MODEL serves MODEL on the GPU and loads it with bench-serve (SERVE_OPTS: serve's options,
+# SERVE_ARGS: bench-serve's), into $OUT/serve.json and serve.log; a preset name serves its shapes
+# with random weights (scripts/serve_random.py, the carried SmolLM2 GGUF's tokenizer).
 # SKIP_TESTS=1 / SKIP_BENCH=1 leave a part out; PEERS= (empty) skips the transformers comparison;
 # BENCH_ARGS adds options to the bench (e.g. --decode-only); TESTS picks the GPU test files.
 # AB="FUSELM_TUNE=gemv_unroll=8;FUSELM_TUNE=attn_wide_warps=0" adds decode-only runs of $AB_MODELS, one
@@ -24,6 +27,19 @@ fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   models=${*:-llama-3.2-1b llama-3.1-8b smollm2-135m}
   python3 -m fuselm.tools.bench $models --profile --peers "${PEERS-hf}" ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+fi
+if [ -n "${SERVE:-}" ]; then   # fuselm serve on the GPU, loaded by bench-serve (SERVE_ARGS: its options)
+  if [ -e "$SERVE" ]; then   # a checkpoint; else a preset's shapes, random weights, the fixture's tokenizer
+    python3 -m fuselm serve "$SERVE" --device cuda --port 8765 ${SERVE_OPTS:-} > "$OUT/serve.log" 2>&1 &
+  else
+    python3 scripts/serve_random.py "$SERVE" --tokenizer-from .gpu_fixtures/smollm2-q4_1-6layers.gguf \
+      --port 8765 ${SERVE_OPTS:-} > "$OUT/serve.log" 2>&1 &
+  fi
+  server=$!
+  for _ in $(seq 120); do python3 -c "import httpx; httpx.get('http://127.0.0.1:8765/health')" 2>/dev/null && break; sleep 1; done
+  python3 -m fuselm bench-serve http://127.0.0.1:8765/v1 ${SERVE_ARGS:---clients 1,32} --json "$OUT/serve.json" 2>&1 \
+    | tee -a "$OUT/serve.log"
+  kill $server; wait $server 2>/dev/null
 fi
 if [ -n "${AB:-}" ]; then
   IFS=';' read -ra settings <<< "$AB"

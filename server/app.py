@@ -42,12 +42,13 @@ def served_name(model) -> str:
     return path.stem if path.is_file() else path.name
 
 
-def create_app(model, model_name: str | None = None, max_waiting: int = 16, max_seqs: int = 8,
+def create_app(model, model_name: str | None = None, max_waiting: int = 256, max_seqs: int | None = None,
                kv_pages: int | None = None) -> FastAPI:
     """An ASGI app serving `model` (a fuselm Model) under `model_name` (default: served_name),
     with at most `max_waiting` requests queued. Where the engine batches (`batches`), up to
-    `max_seqs` requests run together over `kv_pages` KV pages (default: room for `max_seqs` full
-    contexts); else one at a time. The worker thread starts and stops with the app's lifespan;
+    `max_seqs` requests (default: 8 on the CPU, 32 on the GPU) run together over `kv_pages` KV
+    pages (default: room for `max_seqs` full contexts, on the GPU within 80% of its free
+    memory); else one at a time. The worker thread starts and stops with the app's lifespan;
     `app.state.scheduler` is the Scheduler."""
     name = model_name or served_name(model)
     metrics = ServerMetrics()

@@ -8,8 +8,11 @@ Each step:
 2. plan the step: the next token of every sequence that is decoding, then chunks of prompts
    that are being prefilled, up to `step_tokens` tokens in all, so a long prompt goes in over
    several steps and never stalls the streams running beside it;
-3. run it, and for each sequence whose fed tokens reach its end sample the next token, stream
-   its text and end it at a stop token, a stop string or its token limit.
+3. queue it on the engine; meanwhile stream the text of the tokens the step before picked.
+   When it is done, pick the next token of each sequence whose fed tokens reach its end
+   (appended to its ids at once, so the next step can be planned and queued before their text
+   is streamed) and end a sequence at a stop token; a stop string or the token limit ends it
+   when its text is streamed, and the step queued for it meanwhile is wasted.
 
 A sequence that needs a page when none is left preempts the sequence admitted last: its pages go
 back and it waits at the head of the queue to be prefilled again (its published pages usually
@@ -52,6 +55,7 @@ class Sequence_:
     table: list[int] = field(default_factory=list)
     fed: int = 0
     reused: int | None = None                # prompt tokens found in the pool when first placed
+    ended: bool = False                      # its last event is sent (a step may still hold it)
     stats: GenerationStats = field(default_factory=GenerationStats)
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -112,20 +116,47 @@ def pages_in(model, gib: float, page: int | None = None) -> int:
     return pages
 
 
+GPU_POOL_SHARE = 0.8   # of the GPU's free memory that a default KV pool may take
+
+
+def default_max_seqs(model) -> int:
+    """--max-seqs when not given: 8 on the CPU (each sequence costs it time), 32 on the GPU
+    (each step streams the weights once for all of them)."""
+    from ..runtime.cpu_engine import CpuEngine
+    return 8 if isinstance(model.engine, CpuEngine) else 32
+
+
+def default_pages(model, max_seqs: int, page: int) -> int:
+    """The pool when --kv-memory is not given: room for `max_seqs` full contexts, on the GPU at
+    most GPU_POOL_SHARE of its free memory (but always one full context)."""
+    from ..runtime.cpu_engine import CpuEngine
+    per_seq = -(-model.engine.max_context // page)
+    pages = max_seqs * per_seq
+    if not isinstance(model.engine, CpuEngine):
+        from ..runtime.cuda_engine import free_device_memory
+        row_bytes = _engine_class(model).row_bytes(model.engine.graph)
+        fits = int(free_device_memory(model.engine.cp) * GPU_POOL_SHARE) // (row_bytes * page)
+        pages = max(per_seq, min(pages, fits))
+    return pages
+
+
 class BatchScheduler(Scheduler):
     """Runs jobs on `model` (a fuselm Model whose engine `batches`) in one continuous batch of at
-    most `max_seqs` sequences over a pool of `pages` KV pages (of page_rows rows), steps of at
+    most `max_seqs` sequences (default_max_seqs) over a pool of `pages` KV pages (of page_rows
+    rows; default_pages), steps of at
     most `step_tokens` tokens (on the GPU at most its largest batch step); at most `max_waiting`
     jobs wait."""
 
-    def __init__(self, model, max_waiting: int = 16, metrics: ServerMetrics | None = None,
-                 max_seqs: int = 8, pages: int | None = None, step_tokens: int = 256):
+    def __init__(self, model, max_waiting: int = 256, metrics: ServerMetrics | None = None,
+                 max_seqs: int | None = None, pages: int | None = None, step_tokens: int = 256):
         super().__init__(model, max_waiting, metrics)
+        max_seqs = default_max_seqs(model) if max_seqs is None else max_seqs
         if max_seqs < 1 or step_tokens < 1:
             raise FuselmError(f"max_seqs and step_tokens must be at least 1, got {max_seqs} and {step_tokens}")
-        ctx, page = model.engine.max_context, page_rows(model)
-        pages = pages or max_seqs * -(-ctx // page)
+        page = page_rows(model)
+        pages = pages or default_pages(model, max_seqs, page)
         self.engine = _engine_class(model).beside(model.engine, pages, page)
+        self.engine.warm_up()       # before the first request waits on it
         self.pool = PagePool(pages, page)
         self.max_seqs, self.step_tokens = max_seqs, min(step_tokens, getattr(self.engine, "step_tokens", step_tokens))
         self.tokenizer = model.tokenizer
@@ -139,22 +170,26 @@ class BatchScheduler(Scheduler):
 
     # ---- the worker ----
     def _work(self) -> None:
+        launched = None    # the step on the engine: (its handle, its planned sequences, launch time)
         while True:
             with self._wake:
-                while not (self._waiting or self._active or self._preempted or self._closing):
+                while not (launched or self._waiting or self._active or self._preempted or self._closing):
                     self._wake.wait()
                 if self._closing:
                     break
             self._leave_cancelled()
+            picked = self._collect(*launched) if launched else []
             self._admit()
-            chunks, fed = self._plan()
-            if chunks:
-                self._step(chunks, fed)
-            else:     # nothing can run now (no pages): wait for a job to come or leave
+            chunks, planned = self._plan()
+            launched = self._launch(chunks, planned) if chunks else None
+            self._stream(picked)      # the text of the tokens just picked, while the next step runs
+            if not (launched or picked):   # nothing can run now (no pages): wait for a job to come or leave
                 with self._wake:
                     self._wake.wait(timeout=0.05)
             self.metrics.running.set(len(self._active))
             self.metrics.kv_pages.set(self.pool.held)
+        if launched:
+            launched[0].result()      # let it finish before its sequences' pages go
         for seq in (*self._active, *self._preempted):
             self._end(seq, "cancelled", CANCELLED)
 
@@ -215,6 +250,8 @@ class BatchScheduler(Scheduler):
             if seq not in self._active:             # preempted while planning this step
                 continue
             n = min(seq.pending, budget)
+            if n == 0:                              # its last token is picked: nothing more to feed
+                continue
             if not self._room_for(seq, seq.fed + n):
                 continue
             planned.append((seq, n))
@@ -244,18 +281,35 @@ class BatchScheduler(Scheduler):
         self.metrics.preemptions.inc()
         log.info("preempted a sequence of %d tokens: the KV pool is full", len(seq.ids))
 
-    def _step(self, chunks: list[Chunk], planned: list[tuple[Sequence_, int]]) -> None:
-        """Run one step and act on its logits (docstring, 3); a failing step fails its jobs."""
-        t = time.perf_counter()
+    def _launch(self, chunks: list[Chunk], planned: list[tuple[Sequence_, int]]):
+        """Queue one step on the engine (docstring, 3): (its handle, `planned`, the time), or None
+        when it failed (its jobs fail)."""
         try:
-            logits = self.engine.step(chunks)
+            return self.engine.launch(chunks), planned, time.perf_counter()
         except Exception:   # a bug: keep the worker alive, tell the clients little
-            log.exception("batch step failed")
-            for seq, _ in planned:
-                self._end(seq, "error", Failed("internal error during generation"))
-            return
-        elapsed = time.perf_counter() - t
-        for (seq, n), row in zip(planned, logits):
+            self._fail_step(planned)
+            return None
+
+    def _fail_step(self, planned) -> None:
+        log.exception("batch step failed")
+        for seq, _ in planned:
+            self._end(seq, "error", Failed("internal error during generation"))
+
+    def _collect(self, handle, planned: list[tuple[Sequence_, int]], launched_at: float) -> list:
+        """Wait for a step and pick the next token of every sequence it completed (ids appended,
+        so the next step can be planned at once); [(sequence, token)] for _stream. Sequences
+        that ended while it ran are passed over; a failing step fails its jobs."""
+        try:
+            logits = handle.result()
+            finite, best = logits.finite(), logits.argmax()   # every row's, in two small copies
+        except Exception:
+            self._fail_step([(s, n) for s, n in planned if not s.ended])
+            return []
+        elapsed = time.perf_counter() - launched_at
+        picked = []
+        for k, (seq, n) in enumerate(planned):
+            if seq.ended:
+                continue
             seq.fed += n
             if seq.decoding and seq.first_token_at is not None:
                 seq.stats.decode_steps += 1
@@ -263,22 +317,32 @@ class BatchScheduler(Scheduler):
             if seq.pending:
                 self.pool.publish(seq.table, seq.ids[:seq.fed])
                 continue
-            try:
-                check_logits(row, seq.fed - 1)
-            except FuselmError as e:     # nothing sampled, nothing published from garbage
-                self._end(seq, "error", Failed(str(e)))
+            if not finite[k]:     # nothing sampled, nothing published from garbage
+                try:
+                    check_logits(logits.row(k), seq.fed - 1)
+                except FuselmError as e:
+                    self._end(seq, "error", Failed(str(e)))
                 continue
             self.pool.publish(seq.table, seq.ids[:seq.fed])
-            try:
-                self._next_token(seq, row)
-            except Exception:    # a bug (sampler, grammar, tokenizer): this request fails, the rest go on
+            try:   # a greedy pick needs no copy of its row
+                token = self._pick(seq, lambda: logits.row(k),
+                                   int(best[k]) if seq.sampler.argmax_only and not seq.constraint else None)
+            except Exception:    # a bug (sampler, grammar): this request fails, the rest go on
                 log.exception("sampling failed")
                 self._end(seq, "error", Failed("internal error during generation"))
+                continue
+            if token is not None:
+                picked.append((seq, token))
+        return picked
 
-    def _next_token(self, seq: Sequence_, logits) -> None:
-        """Sample `seq`'s next token and stream it, or end the sequence."""
-        allowed = seq.constraint.allowed(len(logits)) if seq.constraint else None
-        token = seq.sampler(logits, seq.ids, allowed)
+    def _pick(self, seq: Sequence_, row, token: int | None = None) -> int | None:
+        """`seq`'s next token, sampled from its logits (`row()` gives them) unless `token` is the
+        pick already made (argmax_only); appended to its ids unless it is the last. None (and
+        the sequence ended) at a stop token."""
+        if token is None:
+            logits = row()
+            allowed = seq.constraint.allowed(len(logits)) if seq.constraint else None
+            token = seq.sampler(logits, seq.ids, allowed)
         if seq.constraint:
             seq.constraint.accept(token)
         if seq.first_token_at is None:
@@ -287,18 +351,33 @@ class BatchScheduler(Scheduler):
             seq.stats.ttft_s = seq.first_token_at - seq.started
         if token in self.tokenizer.stop_ids and not seq.ticket.job.ignore_eos:
             seq.stats.stopped = True
-            return self._finish(seq, "stop")
+            self._finish(seq, "stop")
+            return None
         seq.stats.generated_tokens += 1
-        piece = seq.decoder.push(token)
-        if piece:
-            text, stopped = seq.stops.push(piece)
-            if text:
-                seq.ticket.emit(Piece(text))
-            if stopped:
-                return self._end(seq, "stop", self._finished(seq, "stop"))
-        if seq.stats.generated_tokens >= seq.ticket.job.max_tokens:
-            return self._finish(seq, "length")
-        seq.ids.append(token)
+        if seq.stats.generated_tokens < seq.ticket.job.max_tokens:
+            seq.ids.append(token)
+        return token
+
+    def _stream(self, picked: list) -> None:
+        """Each picked token's text through its sequence's stop strings to its client; a stop
+        string or the token limit ends the sequence (a step already queued for it is wasted)."""
+        for seq, token in picked:
+            if seq.ended:     # (a sequence preempted since streams on: its ids keep the token)
+                continue
+            try:
+                piece = seq.decoder.push(token)
+                if piece:
+                    text, stopped = seq.stops.push(piece)
+                    if text:
+                        seq.ticket.emit(Piece(text))
+                    if stopped:
+                        self._end(seq, "stop", self._finished(seq, "stop"))
+                        continue
+                if seq.stats.generated_tokens >= seq.ticket.job.max_tokens:
+                    self._finish(seq, "length")
+            except Exception:    # a bug (tokenizer, stop strings): this request fails, the rest go on
+                log.exception("streaming failed")
+                self._end(seq, "error", Failed("internal error during generation"))
 
     def _finish(self, seq: Sequence_, reason: str) -> None:
         """End `seq` with the text it holds back (a partial character, a possible stop string)."""
@@ -314,6 +393,7 @@ class BatchScheduler(Scheduler):
 
     def _end(self, seq: Sequence_, outcome: str, event) -> None:
         """Take `seq` out of the batch, return its pages, send its last event, count it."""
+        seq.ended = True
         if seq in self._active:
             self._active.remove(seq)
         if seq in self._preempted:

@@ -27,13 +27,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "model's maximum positions; default min(model's maximum, 4096)")
     p.add_argument("--kv", choices=KV_DTYPES, default="bf16",
                    help="the KV cache's dtype: bf16 (default) or fp8 (e4m3 with a scale per token and KV head)")
-    p.add_argument("--max-waiting", type=int, default=16, metavar="N",
-                   help="requests queued for the engine before new ones get 503 (default 16)")
-    p.add_argument("--max-seqs", type=int, default=8, metavar="N",
-                   help="requests generated together in one continuous batch (default 8; CPU backend "
-                   "only so far, the GPU runs one at a time)")
+    p.add_argument("--max-waiting", type=int, default=256, metavar="N",
+                   help="requests queued for the engine before new ones get 503 (default 256)")
+    p.add_argument("--max-seqs", type=int, metavar="N",
+                   help="requests generated together in one continuous batch (default 8 on the CPU, 32 on "
+                   "the GPU)")
     p.add_argument("--kv-memory", type=float, metavar="GiB",
-                   help="memory of the batch's KV page pool (default: room for --max-seqs full contexts)")
+                   help="memory of the batch's KV page pool (default: room for --max-seqs full contexts; on "
+                   "the GPU at most 80%% of its free memory)")
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -58,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
     """Bind, load the model, print the URL, serve until interrupted."""
     if args.max_waiting < 1:
         raise FuselmError(f"--max-waiting must be at least 1, got {args.max_waiting}")
-    if args.max_seqs < 1:
+    if args.max_seqs is not None and args.max_seqs < 1:
         raise FuselmError(f"--max-seqs must be at least 1, got {args.max_seqs}")
     if args.kv_memory is not None and not args.kv_memory > 0:
         raise FuselmError(f"--kv-memory must be a positive number of GiB, got {args.kv_memory}")

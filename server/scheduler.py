@@ -99,7 +99,7 @@ class Scheduler:
     """Runs jobs on `model` (a fuselm Model) one at a time, first come first served, with at most
     `max_waiting` jobs queued behind the running one."""
 
-    def __init__(self, model, max_waiting: int = 16, metrics: ServerMetrics | None = None):
+    def __init__(self, model, max_waiting: int = 256, metrics: ServerMetrics | None = None):
         if max_waiting < 1:
             raise FuselmError(f"max_waiting must be at least 1, got {max_waiting}")
         self.model, self.max_waiting = model, max_waiting

@@ -71,7 +71,9 @@ class Grammars:
         else:
             schema = fmt.json_schema.schema_
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+            # compact JSON: a model that drifts cannot fill its answer with whitespace
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
+                                                                    defaults={"whitespace_flexible": False})
         except ValueError as e:
             raise APIError(400, f"response_format: the schema is not valid: {_one_line(e)}", FIELD) from None
         error = llguidance.LLMatcher.validate_grammar(grammar, self._lltokenizer)

@@ -49,9 +49,9 @@ def test_mixed_batch_steps_on_shuffled_pages_match_each_sequence_alone(name):
     cfg = DecoderConfig.from_hf({**TINY, "max_position_embeddings": 256, **CONFIGS[name]})
     graph = build_graph(cfg)
     weights = random_weights(graph, rng)
-    for w in weights:   # routers' logits spread out, as in the prefill tests
-        if w.endswith("block_sparse_moe.gate.weight"):
-            weights[w] = weights[w] * 8
+    for w in weights:   # routers' logits spread out (more than the prefill tests': 19 rows of 3 sequences
+        if w.endswith("block_sparse_moe.gate.weight"):   # are compared, where a flipped expert moved a row by 0.4)
+            weights[w] = weights[w] * 32
     engine = engine_for(graph, weights, ctx=CTX, batched_prefill=False)
     program = engine.program
     per_seq = -(-CTX // batch_page(graph, program.target, program.tuning))

@@ -29,7 +29,7 @@ from ..models.presets import PRESETS, preset
 from ..quant.formats import QuantizedWeight
 from ..quant.schemes import SCHEMES
 from ..runtime.engine import SamplingParams
-from .profile import kernel_profile, prefill_profile, step_ablation
+from .profile import kernel_profile, prefill_profile, step_ablation, step_profile
 
 GREEDY = SamplingParams()
 
@@ -102,11 +102,13 @@ def _decode_rate(engine, prompt, n: int, start: int = 0) -> tuple[float, float]:
     return ttft, n / (time.perf_counter() - t1)
 
 
-def batch_rates(engine, batches: tuple[int, ...], tokens: int, vocab: int, prompt: int = 32) -> dict:
+def batch_rates(engine, batches: tuple[int, ...], tokens: int, vocab: int, prompt: int = 32,
+                profile: bool = False) -> dict:
     """Decode throughput of continuous batching (runtime/cuda_batch.py) beside `engine`: for each
     B of `batches`, B sequences of `prompt` random tokens prefilled together, then `tokens` steps
-    of one token of each (ids given, not sampled: host sampling is left out), timed with the
-    logits rows copied back. {"B": {"tok_s", "step_ms"}}, and the page rows, under "pages"."""
+    of one token of each (ids given), timed as the server runs a step of greedy picks: each row's
+    argmax on the GPU and copied back. {"B": {"tok_s", "step_ms"}}, and the page rows, under "pages";
+    with `profile`, each B's step timed per kernel function too ("profile", as prefill_profile)."""
     from ..runtime.batch import Chunk
     from ..runtime.cuda_batch import CudaBatchEngine
     rows = prompt + tokens
@@ -119,19 +121,26 @@ def batch_rates(engine, batches: tuple[int, ...], tokens: int, vocab: int, promp
             page = batch_page(engine.graph, engine.program.target, engine.program.tuning)
             per_seq = -(-rows // page)
             batch = CudaBatchEngine(engine, pages=max(max(batches) * per_seq, -(-engine.max_context // page)))
+        if b > batch.step_tokens:
+            out[str(b)] = {"skipped": f"more sequences than the largest batch step, {batch.step_tokens} tokens"}
+            continue
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
         chunks = [Chunk(rng.integers(0, vocab, prompt).tolist(), 0, t) for t in tables]
         per_step = max(1, batch.step_tokens // prompt)
         for i in range(0, b, per_step):
             batch.step(chunks[i:i + per_step])
         ids = rng.integers(0, vocab, (tokens + 2, b))
-        step = lambda k: batch.step([Chunk([int(ids[k, i])], prompt + k, tables[i]) for i in range(b)])  # noqa: E731
+        def step(k):   # as the server runs a step of greedy picks: the argmax on the GPU, ids copied back
+            return batch.launch([Chunk([int(ids[k, i])], prompt + k, tables[i]) for i in range(b)]).result().argmax()
         step(0)                                                     # warm-up (and the step's graph capture)
         t0 = time.perf_counter()
         for k in range(1, tokens + 1):
             step(k)
         elapsed = time.perf_counter() - t0
         out[str(b)] = {"tok_s": round(b * tokens / elapsed, 1), "step_ms": round(elapsed / tokens * 1e3, 3)}
+        if profile:   # the last step's inputs are in place
+            size = min(s for s in batch.sizes if s >= b)
+            out[str(b)]["profile"] = step_profile(engine, batch._steps[size], size)
     return {"pages": batch.page, **out} if batch else {}
 
 
@@ -212,7 +221,7 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
     tok_s_at = {str(p): round(rate_from(p), 1) for p in positions}
     if do_profile and not decode_only:
         ablation_4k = step_ablation(engine)
-    batched = batch_rates(engine, batches, tokens, cfg.vocab_size) if batches else None
+    batched = batch_rates(engine, batches, tokens, cfg.vocab_size, profile=do_profile) if batches else None
     bytes_per_token = step_bytes(engine.kernels, engine.states, context=32 + tokens / 2)
     res = {"model": name, "dtype": dtype, "kv_dtype": kv, "weights": "checkpoint" if ckpt is not None else "random", "fused": fuse, "decode_tok_s": round(tok_s, 1),
            "ms_per_token": round(1e3 / tok_s, 3), "bytes_per_token": int(bytes_per_token),
@@ -328,9 +337,13 @@ def run(models: list[str], out: str | None = None, tuning=None, **kw) -> dict:
                       "saved without:")
                 for fn, w in a["without"].items():
                     print(f"      {w['saved_us']:8.1f} us  {w['launches']:3d} x {fn}")
-        if r.get("prefill_profile"):
-            pp = r["prefill_profile"]
-            print(f"    prefill step of {pp['tokens']} tokens: {pp['step_us']} us as a graph; launches alone:")
+        steps = [("prefill step of", r.get("prefill_profile"))] + [
+            (f"batch step of {b} sequences in", v.get("profile")) for b, v in (r.get("batch_decode") or {}).items()
+            if b != "pages"]
+        for what, pp in steps:
+            if not pp:
+                continue
+            print(f"    {what} {pp['tokens']} tokens: {pp['step_us']} us as a graph; launches alone:")
             for fn, f in sorted(pp["functions"].items(), key=lambda kv: -kv[1]["us"]):
                 rate = f"{f['GBps']:8.1f} GB/s" if f["GBps"] is not None else f"{'-':>8s}     "
                 flops = f"{f['TFLOPs']:6.1f} TFLOP/s" if f.get("TFLOPs") else f"{'':14s}"
@@ -357,8 +370,8 @@ def _row(r: dict) -> str:
         s += f" | from{' (' + r['kv_dtype'] + ' KV)' if r.get('kv_dtype', 'bf16') != 'bf16' else ''} " + \
             ", ".join(f"{p}: {v}" for p, v in at.items()) + " tok/s"
     if r.get("batch_decode"):
-        s += " | batched " + ", ".join(f"{b}: {v['tok_s']}" for b, v in r["batch_decode"].items() if b != "pages") + \
-            " tok/s"
+        s += " | batched " + ", ".join(f"{b}: {v['tok_s']}" for b, v in r["batch_decode"].items()
+                                       if b != "pages" and "tok_s" in v) + " tok/s"
     if r["compile_cold_s"] is not None:
         s += (f" | compile {r['compile_cold_s']}s cold {r['compile_warm_s']}s warm"
               f" | warm start {r['warm_start_s']}s")

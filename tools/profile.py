@@ -81,6 +81,13 @@ def prefill_profile(engine, start: int = 0, reps: int = 10) -> dict:
     step = prefill.steps[tokens]
     ids = np.random.default_rng(0).integers(0, engine.G.nodes[engine.logits_value]["shape"][-1], tokens)
     step.run(ids.tolist(), start)            # ids and positions in place, graph captured
+    return {"start": start, **step_profile(engine, step, tokens, reps)}
+
+
+def step_profile(engine, step, tokens: int, reps: int = 10) -> dict:
+    """A step of several tokens (a prefill or batch step: its calls, kernels, G and replay, its
+    inputs in place) replayed whole, then each launch alone (see prefill_profile)."""
+    import cupy as cp
     whole = _elapsed_us(cp, engine.stream, step.replay, reps)
     per = {}
     calls = iter(step.calls)
@@ -100,7 +107,7 @@ def prefill_profile(engine, start: int = 0, reps: int = 10) -> dict:
         f["GBps"] = round(f["bytes"] / f["us"] / 1e3, 1) if f["us"] and f["bytes"] else None
         f["TFLOPs"] = round(f.pop("flops") / f["us"] / 1e6, 1) if f["us"] and f["flops"] else None
         f["us"] = round(f["us"], 1)
-    return {"tokens": tokens, "start": start, "step_us": round(whole, 1), "functions": per}
+    return {"tokens": tokens, "step_us": round(whole, 1), "functions": per}
 
 
 def gemm_flops(G, nodes, tokens: int) -> int:
