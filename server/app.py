@@ -70,12 +70,13 @@ def create_app(model, model_name: str | None = None, max_waiting: int = 256, max
     app.state.scheduler = scheduler
     install_error_handlers(app)
 
-    async def answer(request: Request, body: GenerationRequest, reply: Reply):
+    async def answer(request: Request, body: GenerationRequest, reply_of: type[Reply]):
         if body.model != name:
             raise APIError(404, f"model '{body.model}' is not served here; this server runs '{name}'",
                            "model", "model_not_found")
         # the chat template and a schema's grammar may take a while
         job = await run_in_threadpool(build_job, model, body, getattr(scheduler, "grammars", None))
+        reply = reply_of(name, with_logprobs=job.logprobs is not None)
         try:
             ticket = scheduler.submit(job)
         except QueueFull as e:
@@ -91,12 +92,12 @@ def create_app(model, model_name: str | None = None, max_waiting: int = 256, max
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         """A chat completion of `messages`, whole or streamed."""
-        return await answer(request, body, ChatReply(name))
+        return await answer(request, body, ChatReply)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         """A completion of `prompt`, whole or streamed."""
-        return await answer(request, body, CompletionReply(name))
+        return await answer(request, body, CompletionReply)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -130,7 +131,7 @@ async def stream_events(scheduler: Scheduler, ticket: Ticket, reply: Reply, incl
             yield _sse(opening)
         async for event in ticket.events():
             if isinstance(event, Piece):
-                yield _sse(reply.chunk(event.text))
+                yield _sse(reply.chunk(event.text, event.logprobs))
             elif isinstance(event, Finished):
                 yield _sse(reply.closing(event))
                 if include_usage:
@@ -153,12 +154,13 @@ async def collect(request: Request, scheduler: Scheduler, ticket: Ticket, reply:
     """The whole response of one request; a client that disconnects first cancels its job."""
     watcher = asyncio.create_task(_cancel_on_disconnect(request, scheduler, ticket))
     try:
-        parts = []
+        parts, logprobs = [], []
         async for event in ticket.events():
             if isinstance(event, Piece):
                 parts.append(event.text)
+                logprobs += event.logprobs
             elif isinstance(event, Finished):
-                return reply.whole("".join(parts), event)
+                return reply.whole("".join(parts), event, logprobs)
             else:
                 raise APIError(500, event.message, type="server_error")
     finally:

@@ -33,6 +33,7 @@ from ..runtime.generate import GenerationStats, encode_prompt
 from ..runtime.kv_pages import PagePool
 from ..runtime.sampling import Sampler
 from .errors import APIError
+from .logprobs import token_logprob
 from .metrics import ServerMetrics
 from .scheduler import CANCELLED, Failed, Finished, Piece, Scheduler, Ticket
 from .stops import StopStrings
@@ -56,6 +57,7 @@ class Sequence_:
     fed: int = 0
     reused: int | None = None                # prompt tokens found in the pool when first placed
     ended: bool = False                      # its last event is sent (a step may still hold it)
+    logprobs: list = field(default_factory=list)   # TokenLogprobs of tokens whose text is not sent yet
     stats: GenerationStats = field(default_factory=GenerationStats)
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -324,9 +326,9 @@ class BatchScheduler(Scheduler):
                     self._end(seq, "error", Failed(str(e)))
                 continue
             self.pool.publish(seq.table, seq.ids[:seq.fed])
+            fast = seq.sampler.argmax_only and not seq.constraint and seq.ticket.job.logprobs is None
             try:   # a greedy pick needs no copy of its row
-                token = self._pick(seq, lambda: logits.row(k),
-                                   int(best[k]) if seq.sampler.argmax_only and not seq.constraint else None)
+                token = self._pick(seq, lambda: logits.row(k), int(best[k]) if fast else None)
             except Exception:    # a bug (sampler, grammar): this request fails, the rest go on
                 log.exception("sampling failed")
                 self._end(seq, "error", Failed("internal error during generation"))
@@ -339,8 +341,8 @@ class BatchScheduler(Scheduler):
         """`seq`'s next token, sampled from its logits (`row()` gives them) unless `token` is the
         pick already made (argmax_only); appended to its ids unless it is the last. None (and
         the sequence ended) at a stop token."""
+        logits = row() if token is None or seq.ticket.job.logprobs is not None else None
         if token is None:
-            logits = row()
             allowed = seq.constraint.allowed(len(logits)) if seq.constraint else None
             token = seq.sampler(logits, seq.ids, allowed)
         if seq.constraint:
@@ -354,9 +356,14 @@ class BatchScheduler(Scheduler):
             self._finish(seq, "stop")
             return None
         seq.stats.generated_tokens += 1
+        if seq.ticket.job.logprobs is not None:
+            seq.logprobs.append(token_logprob(logits, token, seq.ticket.job.logprobs, self._token_text))
         if seq.stats.generated_tokens < seq.ticket.job.max_tokens:
             seq.ids.append(token)
         return token
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
 
     def _stream(self, picked: list) -> None:
         """Each picked token's text through its sequence's stop strings to its client; a stop
@@ -369,7 +376,7 @@ class BatchScheduler(Scheduler):
                 if piece:
                     text, stopped = seq.stops.push(piece)
                     if text:
-                        seq.ticket.emit(Piece(text))
+                        seq.ticket.emit(Piece(text, self._take_logprobs(seq)))
                     if stopped:
                         self._end(seq, "stop", self._finished(seq, "stop"))
                         continue
@@ -383,9 +390,15 @@ class BatchScheduler(Scheduler):
         """End `seq` with the text it holds back (a partial character, a possible stop string)."""
         tail, stopped = seq.stops.push(seq.decoder.flush())
         tail += "" if stopped else seq.stops.flush()
-        if tail:
-            seq.ticket.emit(Piece(tail))
+        if tail or seq.logprobs and not stopped:   # the last tokens' logprobs, with the text they end
+            seq.ticket.emit(Piece(tail, self._take_logprobs(seq)))
         self._end(seq, "stop" if stopped else reason, self._finished(seq, "stop" if stopped else reason))
+
+    @staticmethod
+    def _take_logprobs(seq: Sequence_) -> tuple:
+        """The TokenLogprobs of the tokens whose text is now sent."""
+        out, seq.logprobs = tuple(seq.logprobs), []
+        return out
 
     @staticmethod
     def _finished(seq: Sequence_, reason: str) -> Finished:

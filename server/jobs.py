@@ -13,6 +13,7 @@ from ..runtime.engine import SamplingError, SamplingParams
 from ..runtime.generate import encode_prompt
 from .batcher import batches
 from .errors import APIError
+from .logprobs import MAX_TOP_CHAT, MAX_TOP_COMPLETION
 from .scheduler import Job
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
 
@@ -33,16 +34,30 @@ def reject_unsupported(body: GenerationRequest, batching: bool) -> None:
                                 f"(use repetition_penalty)", name)
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
+    if logprobs_of(body) is not None and not batching:
+        raise APIError(400, "logprobs need continuous batching, which this server runs without", "logprobs")
     if isinstance(body, CompletionRequest):
-        if body.logprobs is not None:   # an integer here: even 0 asks for the chosen token's
-            raise APIError(400, "logprobs are not supported yet", "logprobs")
         return
-    for name in ("logprobs", "top_logprobs"):
-        if getattr(body, name):
-            raise APIError(400, f"{name} is not supported yet", name)
     if None not in (body.max_tokens, body.max_completion_tokens) and body.max_tokens != body.max_completion_tokens:
         raise APIError(400, "max_tokens and max_completion_tokens differ; give one of them",
                        "max_completion_tokens")
+
+
+def logprobs_of(body: GenerationRequest) -> int | None:
+    """The alternatives per token a request's logprobs ask for (0: the chosen token's alone), or
+    None where it asks for none; APIError 400 for values outside OpenAI's bounds."""
+    if isinstance(body, CompletionRequest):   # an integer here: even 0 asks for the chosen token's
+        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_COMPLETION:
+            raise APIError(400, f"logprobs must be from 0 to {MAX_TOP_COMPLETION}, got {body.logprobs}", "logprobs")
+        return body.logprobs
+    top = body.top_logprobs
+    if top is not None and not 0 <= top <= MAX_TOP_CHAT:
+        raise APIError(400, f"top_logprobs must be from 0 to {MAX_TOP_CHAT}, got {top}", "top_logprobs")
+    if not body.logprobs:
+        if top:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+    return top or 0
 
 
 def sampling_of(body: GenerationRequest, defaults: SamplingParams) -> SamplingParams:
@@ -89,4 +104,4 @@ def build_job(model, body: GenerationRequest, grammars=None) -> Job:
         raise APIError(400, f"{body.length_field}: the prompt of {prompt_tokens} tokens plus {max_tokens} new tokens "
                        f"does not fit the context of {model.engine.max_context} tokens (at most {room} here)",
                        body.length_field, "context_length_exceeded")
-    return Job(prompt, max_tokens, sampling, tuple(body.stop or ()), body.ignore_eos, grammar)
+    return Job(prompt, max_tokens, sampling, tuple(body.stop or ()), body.ignore_eos, grammar, logprobs_of(body))

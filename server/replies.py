@@ -1,19 +1,22 @@
 """OpenAI's response objects for one request: the whole answer, or the chunks of a stream.
 
 `ChatReply` and `CompletionReply` share the request's id, creation time and model name; each
-knows how its endpoint shapes text, the finish reason and the usage.
+knows how its endpoint shapes text, logprobs, the finish reason and the usage.
 """
 from __future__ import annotations
 
 import time
 import uuid
 from abc import ABC, abstractmethod
+from typing import Sequence
 
 from pydantic import BaseModel
 
+from .logprobs import TokenLogprob
 from .scheduler import Finished
 from .schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
-                      Completion, CompletionChoice, Delta, Usage)
+                      ChatLogprobs, Completion, CompletionChoice, CompletionLogprobs, ContentLogprob, Delta,
+                      TopLogprob, Usage)
 
 
 def usage_of(done: Finished) -> Usage:
@@ -26,10 +29,10 @@ class Reply(ABC):
     """What the replies of one request have in common."""
     id_prefix = ""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, with_logprobs: bool = False):
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.model = model_name
+        self.model, self.with_logprobs = model_name, with_logprobs
 
     def _head(self) -> dict:
         return {"id": self.id, "created": self.created, "model": self.model}
@@ -39,12 +42,12 @@ class Reply(ABC):
         return None
 
     @abstractmethod
-    def whole(self, text: str, done: Finished) -> BaseModel:
-        """The non-streamed response."""
+    def whole(self, text: str, done: Finished, logprobs: Sequence[TokenLogprob] = ()) -> BaseModel:
+        """The non-streamed response; `logprobs` those of every token, where asked for."""
 
     @abstractmethod
-    def chunk(self, text: str) -> BaseModel:
-        """A chunk adding `text`."""
+    def chunk(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> BaseModel:
+        """A chunk adding `text` (and the logprobs of the tokens it completes)."""
 
     @abstractmethod
     def closing(self, done: Finished) -> BaseModel:
@@ -59,18 +62,28 @@ class ChatReply(Reply):
     """`chat.completion` and `chat.completion.chunk` objects."""
     id_prefix = "chatcmpl"
 
-    def whole(self, text: str, done: Finished) -> ChatCompletion:
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=done.finish_reason)
+    def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> ChatLogprobs | None:
+        if not self.with_logprobs:
+            return None
+        return ChatLogprobs(content=[
+            ContentLogprob(token=e.token, logprob=e.logprob, bytes=list(e.token.encode()),
+                           top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in e.top])
+            for e in logprobs])
+
+    def whole(self, text: str, done: Finished, logprobs: Sequence[TokenLogprob] = ()) -> ChatCompletion:
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=done.finish_reason,
+                            logprobs=self._logprobs(logprobs))
         return ChatCompletion(**self._head(), choices=[choice], usage=usage_of(done))
 
-    def _chunk(self, delta: Delta, finish_reason: str | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(**self._head(), choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
+    def _chunk(self, delta: Delta, finish_reason: str | None = None, logprobs=None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(**self._head(), choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason,
+                                                                            logprobs=logprobs)])
 
     def opening(self) -> ChatCompletionChunk:
         return self._chunk(Delta(role="assistant", content=""))
 
-    def chunk(self, text: str) -> ChatCompletionChunk:
-        return self._chunk(Delta(content=text))
+    def chunk(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> ChatCompletionChunk:
+        return self._chunk(Delta(content=text), logprobs=self._logprobs(logprobs))
 
     def closing(self, done: Finished) -> ChatCompletionChunk:
         return self._chunk(Delta(), done.finish_reason)
@@ -83,15 +96,28 @@ class CompletionReply(Reply):
     """`text_completion` objects, whole or as chunks."""
     id_prefix = "cmpl"
 
-    def _completion(self, text: str, finish_reason: str | None = None, usage: Usage | None = None) -> Completion:
-        return Completion(**self._head(), choices=[CompletionChoice(text=text, finish_reason=finish_reason)],
-                          usage=usage)
+    offset = 0   # characters of the answer before the next token (text_offset), over a stream's chunks
 
-    def whole(self, text: str, done: Finished) -> Completion:
-        return self._completion(text, done.finish_reason, usage_of(done))
+    def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> CompletionLogprobs | None:
+        if not self.with_logprobs:
+            return None
+        offsets = []
+        for e in logprobs:
+            offsets.append(self.offset)
+            self.offset += len(e.token)
+        return CompletionLogprobs(tokens=[e.token for e in logprobs], token_logprobs=[e.logprob for e in logprobs],
+                                  top_logprobs=[dict(e.top) for e in logprobs], text_offset=offsets)
 
-    def chunk(self, text: str) -> Completion:
-        return self._completion(text)
+    def _completion(self, text: str, finish_reason: str | None = None, usage: Usage | None = None,
+                    logprobs=None) -> Completion:
+        return Completion(**self._head(), choices=[CompletionChoice(text=text, finish_reason=finish_reason,
+                                                                    logprobs=logprobs)], usage=usage)
+
+    def whole(self, text: str, done: Finished, logprobs: Sequence[TokenLogprob] = ()) -> Completion:
+        return self._completion(text, done.finish_reason, usage_of(done), self._logprobs(logprobs))
+
+    def chunk(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> Completion:
+        return self._completion(text, logprobs=self._logprobs(logprobs))
 
     def closing(self, done: Finished) -> Completion:
         return self._completion("", done.finish_reason)

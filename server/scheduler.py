@@ -31,19 +31,23 @@ log = logging.getLogger("fuselm.server")
 class Job:
     """What to generate: a prompt string or chat messages, a token limit, sampling, stop strings;
     `ignore_eos` generates past the model's stop tokens up to the limit (benchmarks); `grammar`
-    (structured.py) constrains the answer."""
+    (structured.py) constrains the answer; `logprobs`: report each token's log probability and
+    that many alternatives (None: none)."""
     prompt: str | Sequence[dict]
     max_tokens: int
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     grammar: str | None = None
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
 class Piece:
-    """Text of the answer, in order; never part of a stop string."""
+    """Text of the answer, in order; never part of a stop string. `logprobs`: the TokenLogprobs
+    (logprobs.py) of the tokens whose text it completes, where the job asked for them."""
     text: str
+    logprobs: tuple = ()
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 Requests are strict (a string is never taken for a number) and refuse unknown fields, so nothing a
 client asks for is silently ignored. Fields OpenAI has but this engine does not implement yet
-(`n` > 1, logprobs; penalties and response_format on the GPU) are declared, so `jobs.reject_unsupported` can name them.
+(`n` > 1; penalties, logprobs and response_format without continuous batching) are declared, so
+`jobs.reject_unsupported` can name them.
 """
 from __future__ import annotations
 
@@ -150,10 +151,36 @@ class Delta(BaseModel):
         return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
 
 
+class TopLogprob(BaseModel):
+    """A token's text, its log probability and its UTF-8 bytes (chat logprobs)."""
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ContentLogprob(TopLogprob):
+    """A generated token of a chat answer, with the likeliest alternatives."""
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """`choices[].logprobs` of a chat completion or chunk."""
+    content: list[ContentLogprob]
+
+
+class CompletionLogprobs(BaseModel):
+    """`choices[].logprobs` of a completion or chunk: per token its text, log probability, the
+    likeliest alternatives (text -> log probability) and its offset in the answer's text."""
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class _Choice(BaseModel):
-    """What every choice holds besides its content: there is one, and no logprobs."""
+    """What every choice holds besides its content: there is one; logprobs where asked for."""
     index: int = 0
-    logprobs: None = None
+    logprobs: ChatLogprobs | CompletionLogprobs | None = None
 
 
 class ChatChoice(_Choice):

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import httpx
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -53,11 +54,16 @@ def expected(model):
     """The Python API's answers, computed before the server's worker takes the model."""
     def run(pieces):
         return "".join(pieces), model.last_stats
-    return {
+    from fuselm.runtime.generate import encode_prompt
+    out = {
         "completion": run(model.generate(PROMPT, TOKENS)),
         "chat": run(model.chat(CHAT, TOKENS)),
         "sampled": run(model.generate(PROMPT, 6, temperature=1.0, top_k=40, seed=7)),
     }
+    model.engine.reset()   # the prompt's last logits, for the logprobs of the first answer token
+    out["prompt_logits"] = model.engine.logits_of(encode_prompt(model.tokenizer, PROMPT))[-1].astype(np.float64)
+    model.engine.reset()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +144,39 @@ def test_streamed_chat_is_openai_server_sent_events(url, expected):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_are_the_models_and_cover_every_token(client, expected, stream):
+    """Each token's logprob (and its 3 likeliest alternatives, best first); the tokens' texts join
+    to the answer; the greedy pick is the likeliest."""
+    request = dict(model=NAME, messages=CHAT, max_tokens=TOKENS, logprobs=True, top_logprobs=3)
+    if stream:
+        chunks = list(client.chat.completions.create(**request, stream=True))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        entries = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    else:
+        choice = client.chat.completions.create(**request).choices[0]
+        content, entries = choice.message.content, choice.logprobs.content
+    assert content == expected["chat"][0] and len(entries) == TOKENS
+    assert "".join(e.token for e in entries) == content
+    for e in entries:
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and all(lp <= 0 for lp in tops)
+        assert e.logprob == pytest.approx(tops[0]) and e.bytes == list(e.token.encode())
+
+
+def test_completion_logprobs_match_the_prompts_logits(client, expected):
+    """The first token's logprob is log-softmax of the Python API's logits after the prompt; the
+    alternatives and text offsets follow OpenAI's completion format."""
+    reply = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=TOKENS, logprobs=2)
+    lp = reply.choices[0].logprobs
+    x = expected["prompt_logits"]
+    want = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+    assert reply.choices[0].text == expected["completion"][0] and len(lp.tokens) == TOKENS
+    assert lp.token_logprobs[0] == pytest.approx(want.max(), abs=1e-4)
+    assert sorted(lp.top_logprobs[0].values(), reverse=True) == pytest.approx(np.sort(want)[::-1][:2], abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(TOKENS)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_stop_string_cuts_the_answer(client, expected, stream):
     text, _ = expected["completion"]
     stop = "\n\nThe" if stream else "."
@@ -205,7 +244,8 @@ BAD_REQUESTS = [   # (endpoint, body, status, the field the error names)
     ("chat/completions", {**CHAT_OK, "max_tokens": 0}, 400, "max_tokens"),
     ("chat/completions", {**CHAT_OK, "max_completion_tokens": 600}, 400, "max_completion_tokens"),
     ("chat/completions", {**CHAT_OK, "n": 2}, 400, "n"),
-    ("chat/completions", {**CHAT_OK, "logprobs": True}, 400, "logprobs"),
+    ("chat/completions", {**CHAT_OK, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("chat/completions", {**CHAT_OK, "top_logprobs": 2}, 400, "top_logprobs"),
     ("chat/completions", {**CHAT_OK, "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("chat/completions", {**CHAT_OK, "tools": []}, 400, "tools"),
     ("chat/completions", {**CHAT_OK, "stream_options": {"include_usage": True}}, 400, "stream_options"),
@@ -215,7 +255,7 @@ BAD_REQUESTS = [   # (endpoint, body, status, the field the error names)
     ("completions", {**COMPLETION_OK, "seed": -1}, 400, "seed"),
     ("completions", {**COMPLETION_OK, "stop": 3}, 400, "stop"),
     ("completions", {**COMPLETION_OK, "max_tokens": 1.5}, 400, "max_tokens"),
-    ("completions", {**COMPLETION_OK, "logprobs": 1}, 400, "logprobs"),
+    ("completions", {**COMPLETION_OK, "logprobs": 6}, 400, "logprobs"),
     ("completions", {**COMPLETION_OK, "frequency_penalty": -3}, 400, "frequency_penalty"),
 ]
 
