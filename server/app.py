@@ -27,7 +27,7 @@ from .batcher import BatchScheduler, batches
 from .errors import APIError, install_error_handlers
 from .jobs import build_job
 from .metrics import ServerMetrics
-from .replies import ChatReply, CompletionReply, Reply
+from .replies import Answer, ChatReply, CompletionReply, Reply
 from .scheduler import Finished, Piece, QueueFull, Scheduler, Ticket
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, ModelCard, ModelList
 
@@ -126,16 +126,19 @@ def _sse(item: BaseModel) -> bytes:
 async def stream_events(scheduler: Scheduler, ticket: Ticket, reply: Reply, include_usage: bool):
     """The server-sent events of one streamed request; leaving early cancels its job."""
     try:
-        opening = reply.opening()
-        if opening is not None:
-            yield _sse(opening)
+        for index in range(ticket.job.n):
+            opening = reply.opening(index)
+            if opening is not None:
+                yield _sse(opening)
+        dones = []
         async for event in ticket.events():
             if isinstance(event, Piece):
-                yield _sse(reply.chunk(event.text, event.logprobs))
+                yield _sse(reply.chunk(event.text, event.logprobs, event.index))
             elif isinstance(event, Finished):
                 yield _sse(reply.closing(event))
-                if include_usage:
-                    yield _sse(reply.usage_chunk(event))
+                dones.append(event)
+                if include_usage and len(dones) == ticket.job.n:
+                    yield _sse(reply.usage_chunk(dones))
             else:
                 error = APIError(500, event.message, type="server_error")
                 yield format_sse_event(data_str=json.dumps(error.body()))
@@ -154,13 +157,16 @@ async def collect(request: Request, scheduler: Scheduler, ticket: Ticket, reply:
     """The whole response of one request; a client that disconnects first cancels its job."""
     watcher = asyncio.create_task(_cancel_on_disconnect(request, scheduler, ticket))
     try:
-        parts, logprobs = [], []
+        n = ticket.job.n
+        parts, logprobs, dones = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
         async for event in ticket.events():
             if isinstance(event, Piece):
-                parts.append(event.text)
-                logprobs += event.logprobs
+                parts[event.index].append(event.text)
+                logprobs[event.index] += event.logprobs
             elif isinstance(event, Finished):
-                return reply.whole("".join(parts), event, logprobs)
+                dones[event.index] = event
+                if all(dones):
+                    return reply.whole([Answer("".join(p), d, lp) for p, d, lp in zip(parts, dones, logprobs)])
             else:
                 raise APIError(500, event.message, type="server_error")
     finally:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import FuselmError
 from ..runtime.batch import Chunk, CpuBatchEngine
@@ -53,6 +53,7 @@ class Sequence_:
     decoder: object                          # the tokenizer's stream decoder
     stops: StopStrings
     constraint: Constraint | None = None     # response_format's grammar state
+    index: int = 0                           # which of its job's choices
     table: list[int] = field(default_factory=list)
     fed: int = 0
     reused: int | None = None                # prompt tokens found in the pool when first placed
@@ -206,29 +207,35 @@ class BatchScheduler(Scheduler):
                         return
                     ticket = self._waiting.popleft()
                     self.metrics.waiting.set(len(self._waiting))
-                seq = self._start(ticket)
-                if seq is None:
+                choices = self._start(ticket)
+                if not choices:
                     continue
-                self._preempted.appendleft(seq)     # the head of the line until it is in
+                self._preempted.extendleft(reversed(choices))     # the head of the line until they are in
+                seq = choices[0]
             if not self._place(seq):
                 return
             self._preempted.popleft()
             self._active.append(seq)
 
-    def _start(self, ticket: Ticket) -> Sequence_ | None:
-        """A new sequence for `ticket`, or None when its job ended before it began."""
+    def _start(self, ticket: Ticket) -> list[Sequence_]:
+        """The sequences of `ticket`'s choices (a seed s gives choice i the seed s + i), or none
+        when its job ended before it began."""
         if ticket.cancelled.is_set():
-            return None               # cancel() has answered it
+            return []                 # cancel() has answered it
         job = ticket.job
         try:
             ids = encode_prompt(self.tokenizer, job.prompt)
-            sampler = Sampler(job.sampling)
-            constraint = self.grammars.constraint(job.grammar) if job.grammar else None
+            choices = []
+            for i in range(job.n):
+                seed = None if job.sampling.seed is None else job.sampling.seed + i
+                constraint = self.grammars.constraint(job.grammar) if job.grammar else None
+                choices.append(Sequence_(ticket, list(ids), len(ids), Sampler(replace(job.sampling, seed=seed)),
+                                         self.tokenizer.stream(), StopStrings(job.stop), constraint, index=i))
         except (FuselmError, APIError) as e:
             ticket.emit(Failed(str(e)))
             self.metrics.finished.labels("error").inc()
-            return None
-        return Sequence_(ticket, ids, len(ids), sampler, self.tokenizer.stream(), StopStrings(job.stop), constraint)
+            return []
+        return choices
 
     def _place(self, seq: Sequence_) -> bool:
         """Give `seq` the pages of its tokens: a known prefix shared, the rest fresh. False (and
@@ -376,7 +383,7 @@ class BatchScheduler(Scheduler):
                 if piece:
                     text, stopped = seq.stops.push(piece)
                     if text:
-                        seq.ticket.emit(Piece(text, self._take_logprobs(seq)))
+                        seq.ticket.emit(Piece(text, self._take_logprobs(seq), seq.index))
                     if stopped:
                         self._end(seq, "stop", self._finished(seq, "stop"))
                         continue
@@ -391,7 +398,7 @@ class BatchScheduler(Scheduler):
         tail, stopped = seq.stops.push(seq.decoder.flush())
         tail += "" if stopped else seq.stops.flush()
         if tail or seq.logprobs and not stopped:   # the last tokens' logprobs, with the text they end
-            seq.ticket.emit(Piece(tail, self._take_logprobs(seq)))
+            seq.ticket.emit(Piece(tail, self._take_logprobs(seq), seq.index))
         self._end(seq, "stop" if stopped else reason, self._finished(seq, "stop" if stopped else reason))
 
     @staticmethod
@@ -402,7 +409,7 @@ class BatchScheduler(Scheduler):
 
     @staticmethod
     def _finished(seq: Sequence_, reason: str) -> Finished:
-        return Finished(reason, seq.prompt_tokens, seq.stats.generated_tokens)
+        return Finished(reason, seq.prompt_tokens, seq.stats.generated_tokens, seq.index)
 
     def _end(self, seq: Sequence_, outcome: str, event) -> None:
         """Take `seq` out of the batch, return its pages, send its last event, count it."""
@@ -413,6 +420,8 @@ class BatchScheduler(Scheduler):
             self._preempted.remove(seq)
         self.pool.release(seq.table)
         seq.table = []
+        self.metrics.kv_pages.set(self.pool.held)
+        self.metrics.running.set(len(self._active))
         self._record(seq.ticket, seq.stats, seq.started, outcome)   # before the client can read the metrics
         seq.ticket.emit(event)
 

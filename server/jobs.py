@@ -18,6 +18,7 @@ from .scheduler import Job
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
 
 COMPLETION_DEFAULT_TOKENS = 16   # OpenAI's default max_tokens of /v1/completions
+MAX_CHOICES = 128                # OpenAI's bound on n
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "seed")
 
@@ -26,8 +27,10 @@ def reject_unsupported(body: GenerationRequest, batching: bool) -> None:
     """APIError 400 for an option OpenAI has that this server does not implement, or a conflict;
     `batching`: whether the batch scheduler runs the request, which samples on the host and so
     has the penalties and structured output (the one-at-a-time GPU scheduler samples on the GPU)."""
-    if body.n not in (None, 1):
-        raise APIError(400, f"n: only one choice per request is supported, got {body.n}", "n")
+    if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
+        raise APIError(400, f"n must be from 1 to {MAX_CHOICES}, got {body.n}", "n")
+    if (body.n or 1) > 1 and not batching:
+        raise APIError(400, "n > 1 needs continuous batching, which this server runs without", "n")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name) not in (None, 0) and not batching:
             raise APIError(400, f"{name} needs continuous batching, which this server runs without "
@@ -104,4 +107,5 @@ def build_job(model, body: GenerationRequest, grammars=None) -> Job:
         raise APIError(400, f"{body.length_field}: the prompt of {prompt_tokens} tokens plus {max_tokens} new tokens "
                        f"does not fit the context of {model.engine.max_context} tokens (at most {room} here)",
                        body.length_field, "context_length_exceeded")
-    return Job(prompt, max_tokens, sampling, tuple(body.stop or ()), body.ignore_eos, grammar, logprobs_of(body))
+    return Job(prompt, max_tokens, sampling, tuple(body.stop or ()), body.ignore_eos, grammar, logprobs_of(body),
+               body.n or 1)

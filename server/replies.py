@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 import uuid
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Sequence
 
 from pydantic import BaseModel
@@ -19,10 +20,18 @@ from .schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatComplet
                       TopLogprob, Usage)
 
 
-def usage_of(done: Finished) -> Usage:
-    """The token counts of a finished request."""
-    return Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
-                 total_tokens=done.prompt_tokens + done.completion_tokens)
+@dataclass
+class Answer:
+    """One choice of a whole (non-streamed) response: its text, end and token logprobs."""
+    text: str
+    done: Finished
+    logprobs: Sequence[TokenLogprob] = ()
+
+
+def usage_of(dones: Sequence[Finished]) -> Usage:
+    """The token counts of a finished request: its prompt once, every choice's answer."""
+    prompt, completion = dones[0].prompt_tokens, sum(d.completion_tokens for d in dones)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 class Reply(ABC):
@@ -37,24 +46,24 @@ class Reply(ABC):
     def _head(self) -> dict:
         return {"id": self.id, "created": self.created, "model": self.model}
 
-    def opening(self) -> BaseModel | None:
-        """The chunk that starts a stream, if the endpoint has one."""
+    def opening(self, index: int = 0) -> BaseModel | None:
+        """The chunk that starts choice `index` of a stream, if the endpoint has one."""
         return None
 
     @abstractmethod
-    def whole(self, text: str, done: Finished, logprobs: Sequence[TokenLogprob] = ()) -> BaseModel:
-        """The non-streamed response; `logprobs` those of every token, where asked for."""
+    def whole(self, answers: Sequence[Answer]) -> BaseModel:
+        """The non-streamed response, a choice per answer (in index order)."""
 
     @abstractmethod
-    def chunk(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> BaseModel:
-        """A chunk adding `text` (and the logprobs of the tokens it completes)."""
+    def chunk(self, text: str, logprobs: Sequence[TokenLogprob] = (), index: int = 0) -> BaseModel:
+        """A chunk adding `text` to choice `index` (and the logprobs of the tokens it completes)."""
 
     @abstractmethod
     def closing(self, done: Finished) -> BaseModel:
-        """The chunk that gives the finish reason."""
+        """The chunk that gives a choice's finish reason."""
 
     @abstractmethod
-    def usage_chunk(self, done: Finished) -> BaseModel:
+    def usage_chunk(self, dones: Sequence[Finished]) -> BaseModel:
         """The last chunk with stream_options.include_usage: no choices, the usage."""
 
 
@@ -70,57 +79,59 @@ class ChatReply(Reply):
                            top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in e.top])
             for e in logprobs])
 
-    def whole(self, text: str, done: Finished, logprobs: Sequence[TokenLogprob] = ()) -> ChatCompletion:
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=done.finish_reason,
-                            logprobs=self._logprobs(logprobs))
-        return ChatCompletion(**self._head(), choices=[choice], usage=usage_of(done))
+    def whole(self, answers: Sequence[Answer]) -> ChatCompletion:
+        choices = [ChatChoice(index=a.done.index, message=AssistantMessage(content=a.text),
+                              finish_reason=a.done.finish_reason, logprobs=self._logprobs(a.logprobs)) for a in answers]
+        return ChatCompletion(**self._head(), choices=choices, usage=usage_of([a.done for a in answers]))
 
-    def _chunk(self, delta: Delta, finish_reason: str | None = None, logprobs=None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(**self._head(), choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason,
+    def _chunk(self, delta: Delta, index: int, finish_reason: str | None = None, logprobs=None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(**self._head(), choices=[ChatChunkChoice(index=index, delta=delta,
+                                                                            finish_reason=finish_reason,
                                                                             logprobs=logprobs)])
 
-    def opening(self) -> ChatCompletionChunk:
-        return self._chunk(Delta(role="assistant", content=""))
+    def opening(self, index: int = 0) -> ChatCompletionChunk:
+        return self._chunk(Delta(role="assistant", content=""), index)
 
-    def chunk(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> ChatCompletionChunk:
-        return self._chunk(Delta(content=text), logprobs=self._logprobs(logprobs))
+    def chunk(self, text: str, logprobs: Sequence[TokenLogprob] = (), index: int = 0) -> ChatCompletionChunk:
+        return self._chunk(Delta(content=text), index, logprobs=self._logprobs(logprobs))
 
     def closing(self, done: Finished) -> ChatCompletionChunk:
-        return self._chunk(Delta(), done.finish_reason)
+        return self._chunk(Delta(), done.index, done.finish_reason)
 
-    def usage_chunk(self, done: Finished) -> ChatCompletionChunk:
-        return ChatCompletionChunk(**self._head(), choices=[], usage=usage_of(done))
+    def usage_chunk(self, dones: Sequence[Finished]) -> ChatCompletionChunk:
+        return ChatCompletionChunk(**self._head(), choices=[], usage=usage_of(dones))
 
 
 class CompletionReply(Reply):
     """`text_completion` objects, whole or as chunks."""
     id_prefix = "cmpl"
 
-    offset = 0   # characters of the answer before the next token (text_offset), over a stream's chunks
+    def __init__(self, model_name: str, with_logprobs: bool = False):
+        super().__init__(model_name, with_logprobs)
+        self.offsets: dict[int, int] = {}   # choice -> characters of its answer so far (text_offset)
 
-    def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> CompletionLogprobs | None:
+    def _logprobs(self, logprobs: Sequence[TokenLogprob], index: int) -> CompletionLogprobs | None:
         if not self.with_logprobs:
             return None
         offsets = []
         for e in logprobs:
-            offsets.append(self.offset)
-            self.offset += len(e.token)
+            offsets.append(self.offsets.get(index, 0))
+            self.offsets[index] = offsets[-1] + len(e.token)
         return CompletionLogprobs(tokens=[e.token for e in logprobs], token_logprobs=[e.logprob for e in logprobs],
                                   top_logprobs=[dict(e.top) for e in logprobs], text_offset=offsets)
 
-    def _completion(self, text: str, finish_reason: str | None = None, usage: Usage | None = None,
-                    logprobs=None) -> Completion:
-        return Completion(**self._head(), choices=[CompletionChoice(text=text, finish_reason=finish_reason,
-                                                                    logprobs=logprobs)], usage=usage)
+    def whole(self, answers: Sequence[Answer]) -> Completion:
+        choices = [CompletionChoice(index=a.done.index, text=a.text, finish_reason=a.done.finish_reason,
+                                    logprobs=self._logprobs(a.logprobs, a.done.index)) for a in answers]
+        return Completion(**self._head(), choices=choices, usage=usage_of([a.done for a in answers]))
 
-    def whole(self, text: str, done: Finished, logprobs: Sequence[TokenLogprob] = ()) -> Completion:
-        return self._completion(text, done.finish_reason, usage_of(done), self._logprobs(logprobs))
-
-    def chunk(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> Completion:
-        return self._completion(text, logprobs=self._logprobs(logprobs))
+    def chunk(self, text: str, logprobs: Sequence[TokenLogprob] = (), index: int = 0) -> Completion:
+        return Completion(**self._head(), choices=[CompletionChoice(index=index, text=text,
+                                                                    logprobs=self._logprobs(logprobs, index))])
 
     def closing(self, done: Finished) -> Completion:
-        return self._completion("", done.finish_reason)
+        return Completion(**self._head(), choices=[CompletionChoice(index=done.index, text="",
+                                                                    finish_reason=done.finish_reason)])
 
-    def usage_chunk(self, done: Finished) -> Completion:
-        return Completion(**self._head(), choices=[], usage=usage_of(done))
+    def usage_chunk(self, dones: Sequence[Finished]) -> Completion:
+        return Completion(**self._head(), choices=[], usage=usage_of(dones))

@@ -32,7 +32,7 @@ class Job:
     """What to generate: a prompt string or chat messages, a token limit, sampling, stop strings;
     `ignore_eos` generates past the model's stop tokens up to the limit (benchmarks); `grammar`
     (structured.py) constrains the answer; `logprobs`: report each token's log probability and
-    that many alternatives (None: none)."""
+    that many alternatives (None: none); `n` answers to the one prompt."""
     prompt: str | Sequence[dict]
     max_tokens: int
     sampling: SamplingParams = SamplingParams()
@@ -40,6 +40,7 @@ class Job:
     ignore_eos: bool = False
     grammar: str | None = None
     logprobs: int | None = None
+    n: int = 1                          # choices, each its own sequence (batching only)
 
 
 @dataclass(frozen=True)
@@ -48,14 +49,17 @@ class Piece:
     (logprobs.py) of the tokens whose text it completes, where the job asked for them."""
     text: str
     logprobs: tuple = ()
+    index: int = 0     # the choice it belongs to
 
 
 @dataclass(frozen=True)
 class Finished:
-    """The answer is complete: finish_reason "stop" (a stop token or string) or "length"."""
+    """The answer (choice `index`) is complete: finish_reason "stop" (a stop token or string) or
+    "length"."""
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,11 +95,13 @@ class Ticket:
             pass
 
     async def events(self) -> AsyncIterator[Event]:
-        """Pieces as they come, then one Finished or Failed."""
+        """Pieces as they come, and a Finished for each of the job's choices; or a Failed, last."""
+        remaining = self.job.n
         while True:
             event = await self._events.get()
             yield event
-            if not isinstance(event, Piece):
+            remaining -= isinstance(event, Finished)
+            if isinstance(event, Failed) or remaining == 0:
                 return
 
 

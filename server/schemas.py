@@ -1,8 +1,8 @@
 """Request and response bodies of the OpenAI API, as far as this server implements it.
 
 Requests are strict (a string is never taken for a number) and refuse unknown fields, so nothing a
-client asks for is silently ignored. Fields OpenAI has but this engine does not implement yet
-(`n` > 1; penalties, logprobs and response_format without continuous batching) are declared, so
+client asks for is silently ignored. Fields the one-at-a-time scheduler cannot serve (`n` > 1,
+penalties, logprobs, response_format: continuous batching has them) are declared, so
 `jobs.reject_unsupported` can name them.
 """
 from __future__ import annotations
@@ -178,7 +178,7 @@ class CompletionLogprobs(BaseModel):
 
 
 class _Choice(BaseModel):
-    """What every choice holds besides its content: there is one; logprobs where asked for."""
+    """What every choice holds besides its content: its index; logprobs where asked for."""
     index: int = 0
     logprobs: ChatLogprobs | CompletionLogprobs | None = None
 

@@ -59,6 +59,7 @@ def expected(model):
         "completion": run(model.generate(PROMPT, TOKENS)),
         "chat": run(model.chat(CHAT, TOKENS)),
         "sampled": run(model.generate(PROMPT, 6, temperature=1.0, top_k=40, seed=7)),
+        "sampled_seed_8": run(model.generate(PROMPT, 6, temperature=1.0, top_k=40, seed=8)),
     }
     model.engine.reset()   # the prompt's last logits, for the logprobs of the first answer token
     out["prompt_logits"] = model.engine.logits_of(encode_prompt(model.tokenizer, PROMPT))[-1].astype(np.float64)
@@ -176,6 +177,29 @@ def test_completion_logprobs_match_the_prompts_logits(client, expected):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(TOKENS)]
 
 
+def test_n_choices_follow_seeds_s_and_s_plus_one(client, expected):
+    reply = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=7, n=2,
+                                      extra_body={"top_k": 40})
+    choices = sorted(reply.choices, key=lambda c: c.index)
+    assert [c.index for c in choices] == [0, 1]
+    assert [c.text for c in choices] == [expected["sampled"][0], expected["sampled_seed_8"][0]]
+    assert reply.usage.completion_tokens == 12 and reply.usage.prompt_tokens == expected["sampled"][1].prompt_tokens
+
+
+def test_n_streamed_chat_choices_each_join_to_the_answer(client, expected):
+    chunks = list(client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=TOKENS, n=3, stream=True,
+                                                 stream_options={"include_usage": True}))
+    *pieces, usage = chunks
+    texts, finishes = {}, {}
+    for c in pieces:
+        (choice,) = c.choices
+        texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        if choice.finish_reason:
+            finishes[choice.index] = choice.finish_reason
+    assert texts == {i: expected["chat"][0] for i in range(3)} and finishes == {i: "length" for i in range(3)}
+    assert usage.choices == [] and usage.usage.completion_tokens == 3 * TOKENS
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_string_cuts_the_answer(client, expected, stream):
     text, _ = expected["completion"]
@@ -243,7 +267,8 @@ BAD_REQUESTS = [   # (endpoint, body, status, the field the error names)
     ("chat/completions", {**CHAT_OK, "temperature": -1}, 400, "temperature"),
     ("chat/completions", {**CHAT_OK, "max_tokens": 0}, 400, "max_tokens"),
     ("chat/completions", {**CHAT_OK, "max_completion_tokens": 600}, 400, "max_completion_tokens"),
-    ("chat/completions", {**CHAT_OK, "n": 2}, 400, "n"),
+    ("chat/completions", {**CHAT_OK, "n": 0}, 400, "n"),
+    ("completions", {**COMPLETION_OK, "n": 129}, 400, "n"),
     ("chat/completions", {**CHAT_OK, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("chat/completions", {**CHAT_OK, "top_logprobs": 2}, 400, "top_logprobs"),
     ("chat/completions", {**CHAT_OK, "presence_penalty": 2.5}, 400, "presence_penalty"),
@@ -275,8 +300,8 @@ def test_bad_request_gets_an_openai_error_naming_the_field(url, endpoint, body, 
 
 def test_openai_client_reads_the_errors(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=NAME, messages=CHAT, n=2)
-    assert e.value.param == "n" and "one choice" in e.value.message
+        client.chat.completions.create(model=NAME, messages=CHAT, n=0)
+    assert e.value.param == "n" and "from 1 to 128" in e.value.message
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt=PROMPT)
     assert e.value.code == "model_not_found"
