@@ -72,3 +72,20 @@ def test_a_json_schema_answer_on_the_gpu_parses(gpu_model):
     assert reply.status_code == 200, reply.text
     answer = json.loads(reply.json()["choices"][0]["message"]["content"])
     assert set(answer) == {"city"} and isinstance(answer["city"], str)
+
+
+def test_two_choices_with_logprobs_on_the_gpu(gpu_model):
+    """n = 2 greedy choices with logprobs: the rows are copied off the GPU for them; both choices
+    give the same text, each token's logprob is its row's best."""
+    from fuselm.server import create_app
+    with serving(create_app(gpu_model, max_seqs=4)) as url:
+        name = httpx.get(url + "/models").json()["data"][0]["id"]
+        reply = httpx.post(url + "/completions", timeout=300, json={
+            "model": name, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "n": 2, "logprobs": 2})
+    assert reply.status_code == 200, reply.text
+    choices = sorted(reply.json()["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1] and choices[0]["text"] == choices[1]["text"]
+    for c in choices:
+        lp = c["logprobs"]
+        assert len(lp["tokens"]) == 12 and "".join(lp["tokens"]) == c["text"]
+        assert all(v == max(top.values()) for v, top in zip(lp["token_logprobs"], lp["top_logprobs"]))
