@@ -110,6 +110,9 @@ def build_program(graph: Graph, ctx: int, target: Target | None = None, tuning: 
         raise FuselmError(f"context must be a positive number of tokens, got {ctx}")
     if is_paged(graph):
         raise FuselmError(f"graph '{graph.name}' reads paged KV caches: its steps come from build_batch")
+    if any(n.op == "all_reduce" for n in graph.nodes.values()):
+        raise FuselmError(f"graph '{graph.name}' is a tensor-parallel rank's: the GPU has no all-reduce for it yet "
+                          "(NCCL); the numpy reference runs the ranks (runtime/reference.py: run_ranks)")
     graph = with_kv_dtype(graph, kv)
     target = target or Target()
     tuning = tuning or Tuning.from_env()

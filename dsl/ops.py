@@ -35,6 +35,7 @@ class Kind(enum.Enum):
     ATTENTION = "attention"      # attends over a KV cache
     REDUCTION = "reduction"      # needs a whole row first (softmax, argmax)
     MOE = "moe"                  # routed expert FFN: reads only the weights of the experts a row picks
+    COLLECTIVE = "collective"    # combines a value over the ranks of a tensor-parallel model
 
 
 @dataclass(frozen=True)
@@ -295,6 +296,9 @@ for _op in [
     # x [T, D], router logits [T, E], gate and up [E, I, D], down [E, D, I] (stacked over experts)
     OpDef("moe_ffn", Kind.MOE, 5, _moe_shape, _moe_ffn, attr_defaults={"act": "silu", "norm_topk": True}),
     OpDef("argmax", Kind.REDUCTION, 1, _argmax_shape, lambda x: np.argmax(x, axis=-1).astype(np.int32)),
+    # the sum of x over the ranks (compiler/partition.py); one rank's graph alone: x itself, the
+    # ranks in lockstep: runtime/reference.py run_ranks sums them
+    OpDef("all_reduce", Kind.COLLECTIVE, 1, _same_as_first, lambda x, ranks: x),
     _elementwise("add", 2, lambda a, b: (a + b).astype(np.float32), "{a} + {b}"),
     _elementwise("mul", 2, lambda a, b: (a * b).astype(np.float32), "{a} * {b}"),
     _elementwise("scale", 1, lambda a, factor: (a * np.float32(factor)).astype(np.float32),

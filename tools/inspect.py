@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import time
 from collections import Counter
@@ -322,6 +323,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "for (default min(model's maximum, 4096))")
     p.add_argument("--position", type=int, metavar="P", help="the schedule of a step at position P "
                    "(attention's launches depend on it; default: the long-context schedule)")
+    p.add_argument("--tp", type=int, metavar="N", help="the model split over N tensor-parallel ranks "
+                   "(compiler/partition.py): heads, weights and all-reduces per rank")
     p.add_argument("--prefill", action="store_true", help="the batched-prefill graph (a step of a "
                    "prompt's tokens, what the KV caches need) instead of the decode step")
     p.add_argument("--prefill-tokens", type=int, metavar="N", help="with --prefill: a step of N tokens "
@@ -358,6 +361,35 @@ def writable_folder(path: str, option: str) -> Path:
     return out
 
 
+def tp_lines(cfg, source: str, ranks: int) -> list[str]:
+    """What partition() makes of `cfg`'s graph over `ranks` ranks, for `inspect --tp`."""
+    from ..compiler.partition import partition
+    from ..models import build_graph
+    graph = build_graph(cfg)
+    shards = partition(graph, ranks)
+    g = shards[0].graph
+    full = {n.name: n for n in graph.sources("weight")}
+    split = sorted(shards[0].split_axes)
+    per_rank = sum(2 * math.prod(n.shape) for n in g.sources("weight"))
+    total = sum(2 * math.prod(n.shape) for n in full.values())
+    reduces = [n for n in g.nodes.values() if n.op == "all_reduce"]
+    attention = next((n for n in g.nodes.values() if n.op == "attention"), None)
+    lines = [f"{source}: {cfg.architecture} over {ranks} tensor-parallel ranks (compiler/partition.py)"]
+    if attention is not None:
+        lines.append(f"  attention per rank: {attention.attrs['n_heads']} of {cfg.num_heads} query heads, "
+                     f"{attention.attrs['n_kv_heads']} of {cfg.num_kv_heads} KV heads")
+    lines += [f"  weights per rank: {per_rank / 2**30:.2f} GiB of {total / 2**30:.2f} (bf16); "
+              f"{len(split)} of {len(full)} split, the rest replicated",
+              f"  all-reduces per step: {len(reduces)} ({len(reduces) // max(cfg.num_layers, 1)} a layer), "
+              f"{reduces[0].shape[-1] * 4 if reduces else 0} bytes a token each"]
+    first = [w for w in split if ".0." in w or "layers.0." in w]
+    for w in first:
+        axis = shards[0].split_axes[w]
+        lines.append(f"    {w}: {full[w].shape} split along axis {axis} "
+                     f"({'output rows: column-parallel' if axis == 0 and len(full[w].shape) == 2 else 'input columns: row-parallel' if axis == 1 else 'with its rows'})")
+    return lines
+
+
 def main(args: argparse.Namespace) -> int:
     """`fuselm inspect`: print (or write with --out / --dump) what the compiler makes of a model."""
     if args.ctx is not None and args.ctx <= 0:
@@ -380,6 +412,9 @@ def main(args: argparse.Namespace) -> int:
     if args.dump:
         writable_folder(args.dump, "--dump")
     cfg, source, formats = load_config(args.model)
+    if args.tp is not None:
+        print("\n".join(tp_lines(cfg, source, args.tp)))
+        return 0
     G, kernels, ctx = build(cfg, fuse=not args.no_fuse, ctx=args.ctx, dump=args.dump,
                             prefill=tokens if prefill else 0, target=target, tuning=tuning, formats=formats)
     rows = schedule_rows(kernels, args.position, tokens)
