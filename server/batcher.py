@@ -54,6 +54,7 @@ class Sequence_:
     stops: StopStrings
     constraint: Constraint | None = None     # response_format's grammar state
     index: int = 0                           # which of its job's choices
+    lead: "Sequence_ | None" = None          # a later choice: its job's first, whose prompt pages it takes
     table: list[int] = field(default_factory=list)
     fed: int = 0
     reused: int | None = None                # prompt tokens found in the pool when first placed
@@ -166,17 +167,22 @@ class BatchScheduler(Scheduler):
         self.grammars = Grammars(model.tokenizer)
         self._active: list[Sequence_] = []            # in admission order
         self._preempted: deque[Sequence_] = deque()   # to admit before any waiting job
+        self._siblings: list[Sequence_] = []           # choices 1.. waiting for choice 0's prompt
         self.metrics.kv_pages.set(0)
 
     def _running_tickets(self) -> list[Ticket]:
-        return [s.ticket for s in (*self._active, *self._preempted)]
+        return [s.ticket for s in self._sequences()]
+
+    def _sequences(self) -> list[Sequence_]:
+        """Every sequence not ended: running, preempted, or a choice waiting for its first."""
+        return [*self._active, *self._preempted, *self._siblings]
 
     # ---- the worker ----
     def _work(self) -> None:
         launched = None    # the step on the engine: (its handle, its planned sequences, launch time)
         while True:
             with self._wake:
-                while not (launched or self._waiting or self._active or self._preempted or self._closing):
+                while not (launched or self._waiting or self._sequences() or self._closing):
                     self._wake.wait()
                 if self._closing:
                     break
@@ -193,11 +199,17 @@ class BatchScheduler(Scheduler):
             self.metrics.kv_pages.set(self.pool.held)
         if launched:
             launched[0].result()      # let it finish before its sequences' pages go
-        for seq in (*self._active, *self._preempted):
+        for seq in self._sequences():
             self._end(seq, "cancelled", CANCELLED)
 
     def _admit(self) -> None:
-        """Move jobs into the batch while there is room and pages (the module docstring, 1)."""
+        """Move jobs into the batch while there is room and pages (the module docstring, 1). A
+        job's choices after the first wait until the first's prompt is in the cache, so that they
+        take its pages instead of prefilling the prompt again."""
+        ready = [s for s in self._siblings if s.lead.decoding or s.lead.ended]
+        if ready:
+            self._siblings = [s for s in self._siblings if s not in ready]
+            self._preempted.extendleft(reversed(ready))
         while len(self._active) < self.max_seqs:
             if self._preempted:
                 seq = self._preempted[0]
@@ -210,8 +222,11 @@ class BatchScheduler(Scheduler):
                 choices = self._start(ticket)
                 if not choices:
                     continue
-                self._preempted.extendleft(reversed(choices))     # the head of the line until they are in
-                seq = choices[0]
+                seq, *others = choices
+                for other in others:
+                    other.lead = seq
+                self._siblings += others
+                self._preempted.appendleft(seq)     # the head of the line until it is in
             if not self._place(seq):
                 return
             self._preempted.popleft()
@@ -418,6 +433,8 @@ class BatchScheduler(Scheduler):
             self._active.remove(seq)
         if seq in self._preempted:
             self._preempted.remove(seq)
+        if seq in self._siblings:
+            self._siblings.remove(seq)
         self.pool.release(seq.table)
         seq.table = []
         self.metrics.kv_pages.set(self.pool.held)
@@ -426,5 +443,5 @@ class BatchScheduler(Scheduler):
         seq.ticket.emit(event)
 
     def _leave_cancelled(self) -> None:
-        for seq in [s for s in (*self._active, *self._preempted) if s.ticket.cancelled.is_set()]:
+        for seq in [s for s in self._sequences() if s.ticket.cancelled.is_set()]:
             self._end(seq, "cancelled", CANCELLED)

@@ -78,6 +78,17 @@ def test_a_shared_prompt_prefix_is_prefilled_once(small_model):
         assert metric(url, "fuselm_kv_pages_used") == 0
 
 
+def test_n_choices_prefill_their_prompt_once(small_model):
+    """Choices after the first wait for its prompt, then take its full pages from the pool."""
+    prompt = "You are a helpful assistant who answers briefly and politely. " * 4 + "Name a fruit."
+    with serving(create_app(small_model, max_seqs=4)) as url:
+        reply = complete(url, prompt, 4, n=3, temperature=1.0, seed=3)
+        fed, tokens = metric(url, "fuselm_prompt_tokens_total"), reply["usage"]["prompt_tokens"]
+        assert sorted(c["index"] for c in reply["choices"]) == [0, 1, 2] and tokens >= 48
+        assert fed <= tokens + 2 * 16            # the others fed at most a page and the last token each
+        assert metric(url, "fuselm_kv_pages_used") == 0
+
+
 def test_random_load_with_disconnects_keeps_the_server_whole(small_model):
     """64 clients with random prompts and lengths, some leaving early: the rest get their alone
     answers, the server stays up, and every page and slot is free at the end."""
