@@ -56,6 +56,10 @@ class PrefillStep:
     cubin: bytes | None = None
 
 
+class NoBatchSteps(FuselmError):
+    """A model whose batch steps no size has kernels for (build_batch)."""
+
+
 @dataclass
 class BatchStep:
     """A step of `tokens` tokens of many sequences over paged KV caches (continuous batching):
@@ -187,7 +191,7 @@ def build_batch(graph: Graph, ctx: int, target: Target | None = None, tuning: Tu
             continue
         steps.append(BatchStep(tokens, page, G, kernels, logits, module_source(kernels)))
     if not steps:
-        raise FuselmError(f"graph '{graph.name}' has no batch steps: {why}")
+        raise NoBatchSteps(f"graph '{graph.name}' has no batch steps: {why}")
     if compile:
         results = compile_cubins([s.source for s in steps], headers(), options(target.arch))
         for step, (cubin, _, _) in zip(steps, results):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -23,6 +24,7 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
+from ..codegen.build import NoBatchSteps
 from .batcher import BatchScheduler, batches
 from .errors import APIError, install_error_handlers
 from .jobs import build_job
@@ -30,6 +32,8 @@ from .metrics import ServerMetrics
 from .replies import Answer, ChatReply, CompletionReply, Reply
 from .scheduler import Finished, Piece, QueueFull, Scheduler, Ticket
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, ModelCard, ModelList
+
+log = logging.getLogger("fuselm.server")
 
 DONE = format_sse_event(data_str="[DONE]")
 
@@ -48,14 +52,19 @@ def create_app(model, model_name: str | None = None, max_waiting: int = 256, max
     with at most `max_waiting` requests queued. Where the engine batches (`batches`), up to
     `max_seqs` requests (default: 8 on the CPU, 32 on the GPU) run together over `kv_pages` KV
     pages (default: room for `max_seqs` full contexts, on the GPU within 80% of its free
-    memory); else one at a time. The worker thread starts and stops with the app's lifespan;
+    memory); else (or where the compiler has no batch kernels for the model) one at a time. The
+    worker thread starts and stops with the app's lifespan;
     `app.state.scheduler` is the Scheduler."""
     name = model_name or served_name(model)
     metrics = ServerMetrics()
-    if batches(model):
-        scheduler = BatchScheduler(model, max_waiting, metrics, max_seqs=max_seqs, pages=kv_pages)
-    else:
-        scheduler = Scheduler(model, max_waiting, metrics)
+    scheduler, batching = None, batches(model)
+    if batching:
+        try:
+            scheduler = BatchScheduler(model, max_waiting, metrics, max_seqs=max_seqs, pages=kv_pages)
+        except NoBatchSteps as e:   # the compiler has no batch kernels for this model: serve it serially
+            log.warning("continuous batching is off: %s; requests run one at a time", e)
+            batching = False
+    scheduler = scheduler or Scheduler(model, max_waiting, metrics)
     card = ModelCard(id=name, created=int(time.time()))
 
     @asynccontextmanager
@@ -75,7 +84,7 @@ def create_app(model, model_name: str | None = None, max_waiting: int = 256, max
             raise APIError(404, f"model '{body.model}' is not served here; this server runs '{name}'",
                            "model", "model_not_found")
         # the chat template and a schema's grammar may take a while
-        job = await run_in_threadpool(build_job, model, body, getattr(scheduler, "grammars", None))
+        job = await run_in_threadpool(build_job, model, body, getattr(scheduler, "grammars", None), batching)
         reply = reply_of(name, with_logprobs=job.logprobs is not None)
         try:
             ticket = scheduler.submit(job)

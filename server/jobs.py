@@ -72,12 +72,13 @@ def sampling_of(body: GenerationRequest, defaults: SamplingParams) -> SamplingPa
         raise APIError(400, str(e), e.param) from None
 
 
-def build_job(model, body: GenerationRequest, grammars=None) -> Job:
+def build_job(model, body: GenerationRequest, grammars=None, batching: bool | None = None) -> Job:
     """The Job for `body` on `model` (a fuselm Model); APIError when the request cannot run.
     `grammars` (structured.Grammars; None where the scheduler cannot constrain sampling)
-    compiles response_format. Encodes the prompt (through the chat template for chat) and
+    compiles response_format; `batching`: whether the batch scheduler runs it (default: whether
+    the model's engine batches). Encodes the prompt (through the chat template for chat) and
     compiles any schema, so call it off the event loop."""
-    reject_unsupported(body, batches(model))
+    reject_unsupported(body, batches(model) if batching is None else batching)
     grammar = None
     if body.response_format is not None and body.response_format.type != "text":
         if grammars is None:

@@ -78,6 +78,24 @@ def test_a_shared_prompt_prefix_is_prefilled_once(small_model):
         assert metric(url, "fuselm_kv_pages_used") == 0
 
 
+def test_a_model_without_batch_kernels_is_served_one_at_a_time(small_model, monkeypatch):
+    """Where the compiler makes no batch steps (codegen/build.py: NoBatchSteps), the server falls
+    back to the one-at-a-time scheduler and refuses what only batching serves, by name."""
+    from fuselm.codegen.build import NoBatchSteps
+    from fuselm.server import app as app_module
+    from fuselm.server.scheduler import Scheduler
+
+    def no_steps(*args, **kwargs):
+        raise NoBatchSteps("graph 'x' has no batch steps: a test")
+    monkeypatch.setattr(app_module, "BatchScheduler", no_steps)
+    app = create_app(small_model)
+    assert type(app.state.scheduler) is Scheduler
+    with serving(app) as url:
+        assert complete(url, PROMPTS[0], 3)["usage"]["completion_tokens"] == 3
+        reply = httpx.post(url + "/completions", timeout=60, json={"model": NAME, "prompt": "x", "n": 2})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "n"
+
+
 def test_n_choices_prefill_their_prompt_once(small_model):
     """Choices after the first wait for its prompt, then take its full pages from the pool."""
     prompt = "You are a helpful assistant who answers briefly and politely. " * 4 + "Name a fruit."
