@@ -8,10 +8,10 @@ import networkx as nx
 
 from ..compiler.kernels import ScheduledKernel, ZipSet, gemv_parts, zip_sets
 from ..dsl import Kind, get
+from ..errors import FuselmError
 from ..quant.formats import Format, format_of
 from . import cexpr
 from .kernel import KernelSource, KernelSpec, Launch
-from ..errors import FuselmError
 from .kv_cache import cache_row, layout_of, staging
 from .params import Params
 from .render import render

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..dsl import Graph, Kind, get
-from ..dsl.graph import Node
+from ..dsl.graph import SOURCE_OPS, Node
 from ..errors import FuselmError
 
 
@@ -66,13 +66,13 @@ class _Plan:
         if value in acc or value in self.split:
             return None
         n = self.graph.nodes[value]
-        if n.op in _SOURCES:
+        if n.op in SOURCE_OPS:
             return f"{value} is a graph {n.op}"
         if n.op == "linear":                                    # column-parallel: its output rows
             self.divisible(n.shape[-1], "output rows", value)
             acc[value], acc[n.inputs[1]] = None, 0
             return None
-        if n.op in ("rope",) or n.op == "rmsnorm" and n.attrs.get("group"):   # within a head
+        if n.op == "rope" or n.op == "rmsnorm" and n.attrs.get("group"):   # within a head
             acc[value] = None
             return self.back(n.inputs[0], acc)
         if n.op == "rmsnorm":
@@ -93,7 +93,7 @@ class _Plan:
 
     def commit(self, acc: dict) -> None:
         for v, axis in acc.items():
-            if self.graph.nodes[v].op in ("weight",):
+            if self.graph.nodes[v].op == "weight":
                 self.weight_axes[v] = axis
             else:
                 self.split.add(v)
@@ -125,7 +125,7 @@ def partition(graph: Graph, ranks: int) -> list[Shard]:
         return [Shard(0, 1, graph)]
     plan = _Plan(graph, ranks)
     for n in graph.nodes.values():
-        if n.op not in _SOURCES and get(n.op).kind is Kind.MOE:
+        if n.op not in SOURCE_OPS and get(n.op).kind is Kind.MOE:
             raise FuselmError(f"tensor parallelism: {n.name}: routed experts are not partitioned yet")
         if n.op == "paged_attention":
             raise FuselmError(f"tensor parallelism: {n.name}: partition the graph before paging it")
@@ -149,13 +149,10 @@ def partition(graph: Graph, ranks: int) -> list[Shard]:
         if n.op == "linear" and n.name not in plan.row_parallel and n.inputs[0] not in plan.split:
             src = graph.nodes[n.inputs[0]]
             acc = {}
-            if src.op not in _SOURCES and get(src.op).kind is Kind.ELEMENTWISE and plan.back(src.name, acc) is None:
+            if src.op not in SOURCE_OPS and get(src.op).kind is Kind.ELEMENTWISE and plan.back(src.name, acc) is None:
                 plan.commit(acc)
                 plan.forward(src.name)
     return [_shard(graph, plan, r) for r in range(ranks)]
-
-
-_SOURCES = ("input", "weight", "constant", "state")
 
 
 def _shard(graph: Graph, plan: _Plan, rank: int) -> Shard:

@@ -90,10 +90,18 @@ class CpuBatchEngine:
         self.table_width = table_width(max_context, page)
         self.state = new_state(self.graph, pages * page)     # each cache [pages * page, KV * hd]
 
+    PAGE_ROWS = 16     # small pages share more of a prompt prefix
+
     @classmethod
-    def beside(cls, engine, pages: int, page: int) -> "CpuBatchEngine":
-        """A batch engine on `engine`'s (a CpuEngine's) graph and weights, with the same context."""
-        return cls(engine.graph, engine.weights, pages, page, engine.max_context)
+    def page_rows(cls, engine) -> int:
+        """Rows per page beside `engine` (the same for any model on the CPU)."""
+        return cls.PAGE_ROWS
+
+    @classmethod
+    def beside(cls, engine, pages: int) -> "CpuBatchEngine":
+        """A batch engine on `engine`'s (a CpuEngine's) graph and weights, with the same context,
+        over `pages` pages of page_rows rows."""
+        return cls(engine.graph, engine.weights, pages, cls.page_rows(engine), engine.max_context)
 
     @staticmethod
     def row_bytes(graph) -> int:

@@ -19,13 +19,14 @@ from typing import Sequence
 
 import numpy as np
 
-from ..codegen.build import build_batch
+from ..codegen.build import batch_page, build_batch
+from ..codegen.kv_cache import graph_kv_bytes
 from ..codegen.params import storage_of
 from ..dsl.paging import table_width
 from ..errors import FuselmError
 from .batch import Chunk, StepLogits, step_feeds
-from .launch import arena_view, bind_launch, load_cubin
-from .prefill import step_buffers
+from .launch import arena_view
+from .prefill import BoundStep, step_buffers
 
 
 POLL_S = 50e-6   # between looks at a queued step's event (a step takes milliseconds)
@@ -61,14 +62,16 @@ class CudaBatchEngine:
         self._steps = {s.tokens: _Step(self, s) for s in self.steps}
         cp.cuda.Device().synchronize()      # the zero-filled counters before any launch
 
+    @staticmethod
+    def page_rows(engine) -> int:
+        """Rows per page of the batch kernels beside `engine`: whole chunks of the paged attention
+        pass (codegen/build.py: batch_page)."""
+        return batch_page(engine.graph, engine.program.target, engine.program.tuning)
+
     @classmethod
-    def beside(cls, engine, pages: int, page: int) -> "CudaBatchEngine":
-        """A batch engine on `engine`'s (a CudaEngine's) weights, with the same context, whose
-        kernels take pages of `page` rows (codegen/build.py: batch_page says which)."""
-        batch = cls(engine, pages)
-        if batch.page != page:
-            raise FuselmError(f"the batch kernels take KV pages of {batch.page} rows, not {page}")
-        return batch
+    def beside(cls, engine, pages: int) -> "CudaBatchEngine":
+        """A batch engine on `engine`'s (a CudaEngine's) weights, with the same context."""
+        return cls(engine, pages)
 
     def warm_up(self) -> None:
         """Run every step size once (one token on page 0, the rest padding) and the picks on its
@@ -82,7 +85,7 @@ class CudaBatchEngine:
     @staticmethod
     def row_bytes(graph) -> int:
         """Bytes of one KV row over every layer (bf16 caches)."""
-        return sum(2 * n.shape[-1] for n in graph.sources("state"))
+        return graph_kv_bytes(graph, 1, "bf16")
 
     @property
     def step_tokens(self) -> int:
@@ -104,11 +107,11 @@ class CudaBatchEngine:
         for c in chunks:
             if c.start + len(c.ids) > self.max_context:
                 raise FuselmError(f"{len(c.ids)} tokens at position {c.start} pass the context of {self.max_context}")
-            if any(not 0 <= p < self.pages for p in c.table):
-                raise FuselmError(f"a page table names a page outside the pool of {self.pages}")
+        feeds = step_feeds(chunks, self.table_width)
+        if feeds["pages"].min() < 0 or feeds["pages"].max() >= self.pages:   # one look at every table
+            raise FuselmError(f"a page table names a page outside the pool of {self.pages}")
         step = self._steps[min(s for s in self.sizes if s >= tokens)]
-        last = np.cumsum([len(c.ids) for c in chunks]) - 1
-        return step.run(step_feeds(chunks, self.table_width), last)
+        return step.run(feeds, np.cumsum([len(c.ids) for c in chunks]) - 1)
 
 
 class Queued:
@@ -123,63 +126,38 @@ class Queued:
         return StepLogits(self._rows)
 
 
-class _Step:
-    """One batch step size: its module, launches and inputs (ids, pos, pages), bound to the batch
-    engine's pool, arena and runtime buffers and to the CudaEngine's weights."""
+class _Step(BoundStep):
+    """One batch step size (a BoundStep) with the tokens' page tables, on the batch engine's pool,
+    arena and runtime buffers and the CudaEngine's weights."""
 
     def __init__(self, batch: CudaBatchEngine, step):
-        cp = batch.cp
-        self.batch, self.G, self.tokens, self.kernels = batch, step.G, step.tokens, step.kernels
-        self.inputs = {"ids": cp.zeros(step.tokens, cp.int32),                          # [T]
-                       "pos": cp.zeros(step.tokens, cp.int32),                          # [T]
-                       "pages": cp.zeros((step.tokens, batch.table_width), cp.int32)}   # [T, table]
-        self.logits = arena_view(cp, batch.arena, step.G, storage_of(step.G, step.logits))
+        self.batch = batch
+        self.pages = batch.cp.zeros((step.tokens, batch.table_width), batch.cp.int32)   # [T, table]
+        super().__init__(batch.engine, batch.arena, batch.buffers, step)
+        self.logits = arena_view(batch.cp, batch.arena, step.G, storage_of(step.G, step.logits))
         self.logits = self.logits.reshape(step.tokens, -1)                               # [T, vocab]
-        module = load_cubin(cp, step.cubin)
-        self.calls = [bind_launch(module, l, self.buffer, batch.engine.pdl, tokens=step.tokens)
-                      for k in step.kernels for l in k.launches]
-        self._module, self._graph = module, None
 
     def buffer(self, value: str):
-        """The device array of `value`: the engine's weights and constants, the pool's caches,
-        this step's inputs, activations in the arena and the shared runtime buffers."""
-        batch = self.batch
-        if value in batch.buffers:
-            return batch.buffers[value]
-        store = storage_of(self.G, value)
-        op = self.G.nodes[store]["op"]
-        if op == "state":
-            return batch.states[store]
-        if op == "input":
-            return self.inputs[store]
-        if op in ("weight", "constant"):
-            return batch.engine.buffer(store)
-        return arena_view(batch.cp, batch.arena, self.G, store)
-
-    def replay(self) -> None:
-        """Queue the step on the inputs in place: its CUDA graph (captured on first use), or its
-        launches one by one where the engine uses no graphs."""
-        engine = self.batch.engine
-        with engine.stream:
-            if not engine.use_graph:
-                for call in self.calls:
-                    call(engine.stream)
-                return
-            if self._graph is None:
-                self._graph = engine.capture([(None, None, c) for c in self.calls])
-            self._graph.launch(engine.stream)
+        """BoundStep's, but the page tables and the pool's caches."""
+        if value not in self.buffers:
+            store = storage_of(self.G, value)
+            if store == "pages":
+                return self.pages
+            if self.G.nodes[store]["op"] == "state":
+                return self.batch.states[store]
+        return super().buffer(value)
 
     def run(self, feeds: dict[str, np.ndarray], last: np.ndarray) -> Queued:
         """Queue one step on `feeds` (fewer tokens than the step takes: padded onto the pad page),
         then a copy of its logits rows `last` [len(last), vocab]."""
-        engine, n = self.batch.engine, len(feeds["ids"])
+        stream, n = self.engine.stream, len(feeds["ids"])
         ids, pos = np.zeros(self.tokens, np.int32), np.zeros(self.tokens, np.int32)
         pages = np.full((self.tokens, self.batch.table_width), self.batch.pages, np.int32)
         ids[:n], pos[:n], pages[:n] = feeds["ids"], feeds["pos"], feeds["pages"]
-        stream = engine.stream
         with stream:
-            for name, host in (("ids", ids), ("pos", pos), ("pages", pages)):
-                self.inputs[name].set(host, stream=stream)
+            for device, host in ((self.ids, ids), (self.pos, pos), (self.pages, pages)):
+                device.set(host, stream=stream)
+            self.capture()            # where the engine uses graphs and this step has none yet
             self.replay()
             rows = self.logits[self.batch.cp.asarray(last)]    # a copy: the next step reuses the arena
             done = self.batch.cp.cuda.Event(disable_timing=True)

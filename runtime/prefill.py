@@ -104,11 +104,13 @@ class Prefill:
             first += size
 
 
-class _Step:
-    """The prefill graph for steps of `tokens` tokens: its module, launches, ids and positions;
-    its activations in `arena` and the runtime `buffers`, which the Prefill shares among its steps."""
+class BoundStep:
+    """A compiled step of `tokens` tokens bound once to its buffers: its module and launches, its
+    ids and positions; weights, constants and caches from the engine, activations in `arena`
+    and the runtime `buffers` shared with the other steps that run on the same stream. Its CUDA
+    graph is captured on the first run where the engine uses graphs."""
 
-    def __init__(self, engine, arena, buffers: dict, step: PrefillStep):
+    def __init__(self, engine, arena, buffers: dict, step):
         cp = engine.cp
         self.engine, self.arena, self.buffers = engine, arena, buffers
         tokens = step.tokens
@@ -141,13 +143,18 @@ class _Step:
                 self._graph = engine.capture([(None, None, c) for c in self.calls])
 
     def replay(self) -> None:
-        """Queue the step again, on the ids and positions its last run left on the device."""
+        """Queue the step again, on the inputs its last run left on the device."""
         with self.engine.stream:
             if self._graph is not None:
                 self._graph.launch(self.engine.stream)
             else:
                 for call in self.calls:
                     call(self.engine.stream)
+
+
+class _Step(BoundStep):
+    """The prefill graph for steps of `tokens` tokens, which the Prefill's steps run one after
+    another on the engine's stream."""
 
     def run(self, ids, start: int) -> None:
         """Queue one step: `ids` (at most `tokens`; the rest padding) at positions start, ..."""

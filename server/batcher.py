@@ -78,34 +78,30 @@ def batches(model) -> bool:
     """Whether `model`'s engine can run many requests in one batch (continuous batching): the
     CPU engine, and the CUDA engine with a bf16 KV cache on a GPU with bf16 tensor cores (the
     batch steps' gemms: sm_80 on)."""
-    from ..runtime.cpu_engine import CpuEngine
     from ..runtime.cuda_engine import CudaEngine
     engine = model.engine
-    if isinstance(engine, CpuEngine):
+    if _on_cpu(model):
         return True
     return isinstance(engine, CudaEngine) and engine.kv_dtype == "bf16" and engine.program.target.capability >= 80
 
 
-PAGE_ROWS = 16     # KV rows per page on the CPU: small pages share more of a prompt prefix
-
-
-def page_rows(model) -> int:
-    """KV rows per page of `model`'s batch engine: PAGE_ROWS on the CPU; on the GPU what the
-    paged attention kernel's passes need (codegen/build.py: batch_page)."""
+def _on_cpu(model) -> bool:
     from ..runtime.cpu_engine import CpuEngine
-    engine = model.engine
-    if isinstance(engine, CpuEngine):
-        return PAGE_ROWS
-    from ..codegen.build import batch_page
-    return batch_page(engine.graph, engine.program.target, engine.program.tuning)
+    return isinstance(model.engine, CpuEngine)
 
 
 def _engine_class(model):
-    from ..runtime.cpu_engine import CpuEngine
-    if isinstance(model.engine, CpuEngine):
+    """The batch engine that runs beside `model`'s engine."""
+    if _on_cpu(model):
         return CpuBatchEngine
     from ..runtime.cuda_batch import CudaBatchEngine
     return CudaBatchEngine
+
+
+def page_rows(model) -> int:
+    """KV rows per page of `model`'s batch engine (its engine class says: fixed on the CPU, what
+    the paged attention kernel's passes need on the GPU)."""
+    return _engine_class(model).page_rows(model.engine)
 
 
 def pages_in(model, gib: float, page: int | None = None) -> int:
@@ -126,17 +122,15 @@ GPU_POOL_SHARE = 0.8   # of the GPU's free memory that a default KV pool may tak
 def default_max_seqs(model) -> int:
     """--max-seqs when not given: 8 on the CPU (each sequence costs it time), 32 on the GPU
     (each step streams the weights once for all of them)."""
-    from ..runtime.cpu_engine import CpuEngine
-    return 8 if isinstance(model.engine, CpuEngine) else 32
+    return 8 if _on_cpu(model) else 32
 
 
 def default_pages(model, max_seqs: int, page: int) -> int:
     """The pool when --kv-memory is not given: room for `max_seqs` full contexts, on the GPU at
     most GPU_POOL_SHARE of its free memory (but always one full context)."""
-    from ..runtime.cpu_engine import CpuEngine
     per_seq = -(-model.engine.max_context // page)
     pages = max_seqs * per_seq
-    if not isinstance(model.engine, CpuEngine):
+    if not _on_cpu(model):
         from ..runtime.cuda_engine import free_device_memory
         row_bytes = _engine_class(model).row_bytes(model.engine.graph)
         fits = int(free_device_memory(model.engine.cp) * GPU_POOL_SHARE) // (row_bytes * page)
@@ -157,11 +151,10 @@ class BatchScheduler(Scheduler):
         max_seqs = default_max_seqs(model) if max_seqs is None else max_seqs
         if max_seqs < 1 or step_tokens < 1:
             raise FuselmError(f"max_seqs and step_tokens must be at least 1, got {max_seqs} and {step_tokens}")
-        page = page_rows(model)
-        pages = pages or default_pages(model, max_seqs, page)
-        self.engine = _engine_class(model).beside(model.engine, pages, page)
+        pages = pages or default_pages(model, max_seqs, page_rows(model))
+        self.engine = _engine_class(model).beside(model.engine, pages)
         self.engine.warm_up()       # before the first request waits on it
-        self.pool = PagePool(pages, page)
+        self.pool = PagePool(pages, self.engine.page)
         self.max_seqs, self.step_tokens = max_seqs, min(step_tokens, getattr(self.engine, "step_tokens", step_tokens))
         self.tokenizer = model.tokenizer
         self.grammars = Grammars(model.tokenizer)
@@ -348,9 +341,8 @@ class BatchScheduler(Scheduler):
                     self._end(seq, "error", Failed(str(e)))
                 continue
             self.pool.publish(seq.table, seq.ids[:seq.fed])
-            fast = seq.sampler.argmax_only and not seq.constraint and seq.ticket.job.logprobs is None
-            try:   # a greedy pick needs no copy of its row
-                token = self._pick(seq, lambda: logits.row(k), int(best[k]) if fast else None)
+            try:
+                token = self._pick(seq, lambda: logits.row(k), int(best[k]))
             except Exception:    # a bug (sampler, grammar): this request fails, the rest go on
                 log.exception("sampling failed")
                 self._end(seq, "error", Failed("internal error during generation"))
@@ -359,12 +351,15 @@ class BatchScheduler(Scheduler):
                 picked.append((seq, token))
         return picked
 
-    def _pick(self, seq: Sequence_, row, token: int | None = None) -> int | None:
-        """`seq`'s next token, sampled from its logits (`row()` gives them) unless `token` is the
-        pick already made (argmax_only); appended to its ids unless it is the last. None (and
-        the sequence ended) at a stop token."""
-        logits = row() if token is None or seq.ticket.job.logprobs is not None else None
-        if token is None:
+    def _pick(self, seq: Sequence_, row, best: int) -> int | None:
+        """`seq`'s next token: `best`, its row's argmax, where that is the pick (argmax_only, no
+        grammar, no logprobs: the row stays where it is), else sampled from its logits (`row()`
+        copies them); appended to its ids unless it is the last. None (and the sequence ended)
+        at a stop token."""
+        job = seq.ticket.job
+        logits = row() if not seq.sampler.argmax_only or seq.constraint or job.logprobs is not None else None
+        token = best
+        if logits is not None:
             allowed = seq.constraint.allowed(len(logits)) if seq.constraint else None
             token = seq.sampler(logits, seq.ids, allowed)
         if seq.constraint:
@@ -373,14 +368,14 @@ class BatchScheduler(Scheduler):
             seq.first_token_at = time.perf_counter()
             seq.stats.prompt_tokens = seq.prompt_tokens - (seq.reused or 0)
             seq.stats.ttft_s = seq.first_token_at - seq.started
-        if token in self.tokenizer.stop_ids and not seq.ticket.job.ignore_eos:
+        if token in self.tokenizer.stop_ids and not job.ignore_eos:
             seq.stats.stopped = True
             self._finish(seq, "stop")
             return None
         seq.stats.generated_tokens += 1
-        if seq.ticket.job.logprobs is not None:
-            seq.logprobs.append(token_logprob(logits, token, seq.ticket.job.logprobs, self._token_text))
-        if seq.stats.generated_tokens < seq.ticket.job.max_tokens:
+        if job.logprobs is not None:
+            seq.logprobs.append(token_logprob(logits, token, job.logprobs, self._token_text))
+        if seq.stats.generated_tokens < job.max_tokens:
             seq.ids.append(token)
         return token
 
@@ -391,7 +386,7 @@ class BatchScheduler(Scheduler):
         """Each picked token's text through its sequence's stop strings to its client; a stop
         string or the token limit ends the sequence (a step already queued for it is wasted)."""
         for seq, token in picked:
-            if seq.ended:     # (a sequence preempted since streams on: its ids keep the token)
+            if seq.ended:     # (a preempted sequence still streams: its ids keep the token)
                 continue
             try:
                 piece = seq.decoder.push(token)
