@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
+from ..dsl import get
 from ..errors import FuselmError
 from . import cexpr
 from .kernel import KernelSource, KernelSpec, Launch, Variant
@@ -179,6 +180,14 @@ def prefill_rows(layout: Layout, tokens: int, tuning: Tuning) -> tuple[Pass, int
                 on_tensor_cores=True), per, warps
 
 
+def sinks_arg(G: nx.DiGraph, node: str, params: Params) -> str:
+    """The attention functions' last argument for `node`'s sinks (gpt-oss: an operand after the
+    op's own; templates/attention_sinks.cuh), or "" where it has none."""
+    d = G.nodes[node]
+    extra = d["inputs"][get(d["op"]).arity:]
+    return f", AttentionSinks{{{params.ref(extra[0])}}}" if extra else ""
+
+
 def generate(spec: KernelSpec) -> KernelSource:
     """The attention kernels of one ATTENTION node over a KV cache of spec.ctx rows: for decode
     the split and combine launches with their variants by position (the split's records go
@@ -228,7 +237,7 @@ def generate(spec: KernelSpec) -> KernelSource:
         pos=params.ref(pos), out=params.ref(n, written=True),
         ws=params.extra("float*", "workspace") if tokens == 1 else None,   # the split's records
         tokens=tokens, wide=wide, rows=rows and {"pass_": rows[0].type, "tokens": rows[1], "threads": rows[2] * 32},
-        paged=None)
+        paged=None, sinks=sinks_arg(G, n, params))
     args = params.values
     if tokens > 1:
         grid, threads = ((KV, tokens // rows[1]), rows[2] * 32) if rows else ((KV, "T"), single_threads)
@@ -265,7 +274,7 @@ def _paged(spec: KernelSpec, params: Params, layout: Layout) -> KernelSource:
     own sequence's rows through its page table (templates/attention.cuh: attention_paged)."""
     G, launch, tokens = spec.G, spec.launch, spec.tokens
     (n,) = launch.nodes
-    q, kc, vc, pos, pages = G.nodes[n]["inputs"]
+    q, kc, vc, pos, pages = G.nodes[n]["inputs"][:5]
     a = G.nodes[n]["attrs"]
     H, KV, hd, page = a["n_heads"], a["n_kv_heads"], a["head_dim"], a["page"]
     if layout.cache != "KvBf16":
@@ -279,7 +288,8 @@ def _paged(spec: KernelSpec, params: Params, layout: Layout) -> KernelSource:
         scale=cexpr.float_literal(a["scale"]), softcap=cexpr.float_literal(a.get("softcap") or 0.0),
         window=int(a.get("window") or 0), single_threads=warps * 32, single_pass=walk.type,
         q=params.ref(q), kc=params.ref(kc), vc=params.ref(vc), pos=params.ref(pos), out=params.ref(n, written=True),
-        tokens=tokens, paged={"page": page, "table": fixed_table(G, pages), "pages": params.ref(pages)})
+        tokens=tokens, paged={"page": page, "table": fixed_table(G, pages), "pages": params.ref(pages)},
+        sinks=sinks_arg(G, n, params))
     return KernelSource(name, "attention", source, launch.nodes,
                         [Launch(f"{name}_paged", (KV, "T"), warps * 32, params.values)], launch.layer,
                         passes={"paged": walk})

@@ -9,6 +9,7 @@ from __future__ import annotations
 import networkx as nx
 
 from . import cexpr
+from .attention import sinks_arg
 from .kernel import KernelSource, KernelSpec, Launch
 from .params import Params
 from .render import render
@@ -25,7 +26,7 @@ def fits(G: nx.DiGraph, node: str, tokens: int) -> bool:
     if G.nodes[node]["op"] != "attention":   # paged attention: tokens of many sequences
         return False
     a = G.nodes[node]["attrs"]
-    _, kc, _, _ = G.nodes[node]["inputs"]
+    kc = G.nodes[node]["inputs"][1]
     hd, group = a["head_dim"], a["n_heads"] // a["n_kv_heads"]
     bf16_cache = G.nodes[kc].get("attrs", {}).get("kv", "bf16") == "bf16"   # kv_write's cache format
     return tokens > 1 and hd in (64, 128) and group <= ROWS and bf16_cache
@@ -41,7 +42,7 @@ def generate(spec: KernelSpec) -> KernelSource:
     G, launch, tokens = spec.G, spec.launch, spec.tokens
     params = Params(G)
     (n,) = launch.nodes
-    q, kc, vc, pos = G.nodes[n]["inputs"]
+    q, kc, vc, pos = G.nodes[n]["inputs"][:4]
     a = G.nodes[n]["attrs"]
     H, KV, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
     tok = ROWS // (H // KV)
@@ -49,7 +50,8 @@ def generate(spec: KernelSpec) -> KernelSource:
         "flash.cu.j2", "attention", f"h{H}_kv{KV}_d{hd}_flash", params=params.decls, H=H, KV=KV, HD=hd,
         tok=tok, tokens=tokens, threads=32 * WARPS, window=int(a.get("window") or 0),
         scale=cexpr.float_literal(a["scale"]), softcap=cexpr.float_literal(a.get("softcap") or 0.0),
-        q=params.ref(q), kc=params.ref(kc), vc=params.ref(vc), pos=params.ref(pos), out=params.ref(n, written=True))
+        q=params.ref(q), kc=params.ref(kc), vc=params.ref(vc), pos=params.ref(pos), out=params.ref(n, written=True),
+        sinks=sinks_arg(G, n, params))
     grid = (KV, -(-tokens // tok))
     return KernelSource(name, "attention", source, launch.nodes,
                         [Launch(f"{name}_prefill", grid, 32 * WARPS, params.values, smem=smem_bytes(hd))], launch.layer)

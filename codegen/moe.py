@@ -55,12 +55,21 @@ def unsupported(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, tuning: Tun
 def _formats(G: nx.DiGraph, n: str) -> tuple[str | None, str | None]:
     """The C++ structs of the formats of moe node n's gate/up and down stacks (None: bf16); a
     FuselmError naming them when gate and up differ (one tile reads one format)."""
-    _, _, w_gate, w_up, w_down = G.nodes[n]["inputs"]
+    _, _, w_gate, w_up, w_down = G.nodes[n]["inputs"][:5]
     gate, up, down = (weight_format(G, w) for w in (w_gate, w_up, w_down))
     if gate.name != up.name:
         raise FuselmError(f"the experts' gate and up ({w_gate}, {w_up}) are in formats {gate.name} and "
                           f"{up.name}: the moe kernels read them in one")
     return tuple(None if f.name == "bf16" else f.c_struct for f in (gate, down))
+
+
+def _glu(attrs: dict) -> str:
+    """The C expression of an expert's product of gate `a` and up `b`: act(a) * b, or gpt-oss's
+    clamped SwiGLU where `swiglu_limit` is set (templates/moe.cuh: clamped_swiglu)."""
+    if limit := attrs.get("swiglu_limit"):
+        return (f"clamped_swiglu(a, b, {cexpr.float_literal(limit)}, "
+                f"{cexpr.float_literal(attrs.get('swiglu_alpha', 1.0))})")
+    return f"{cexpr.elementwise_op(attrs.get('act', 'silu'), ['a'])} * b"
 
 
 def generate(spec: KernelSpec) -> KernelSource:
@@ -70,7 +79,8 @@ def generate(spec: KernelSpec) -> KernelSource:
     params = Params(G)
     n, E, I, D = _shapes(G, launch)
     d = G.nodes[n]
-    x, logits, w_gate, w_up, w_down = d["inputs"]
+    x, logits, w_gate, w_up, w_down = d["inputs"][:5]
+    biases = d["inputs"][5:]                     # gate, up [E, I] and down [E, D] (gpt-oss), or none
     top_k = d["attrs"]["top_k"]
     if E > MAX_EXPERTS:
         raise ValueError(f"{n}: the moe kernel routes at most {MAX_EXPERTS} experts, got {E}")
@@ -82,7 +92,7 @@ def generate(spec: KernelSpec) -> KernelSource:
            "x": params.ref(x), "logits": params.ref(logits), "w_gate": params.ref(w_gate),
            "w_up": params.ref(w_up), "w_down": params.ref(w_down), "out": params.ref(n, written=True),
            "ws": params.extra("float*", "workspace"),
-           "act_expr": cexpr.elementwise_op(d["attrs"].get("act", "silu"), ["a"])}
+           "glu": _glu(d["attrs"]), "biases": [params.ref(b) for b in biases]}
     if tokens == 1:
         rows = THREADS // 32
         ctx |= {"threads": THREADS, "unroll": UNROLL, "grid_up": top_k * -(-I // rows), "grid_down": -(-D // rows)}

@@ -133,7 +133,9 @@ def partition(graph: Graph, ranks: int) -> list[Shard]:
     for a in attentions:                         # heads: Q, and the caches' K and V
         plan.divisible(a.attrs["n_heads"], "query heads", a.name)
         plan.divisible(a.attrs["n_kv_heads"], "KV heads", a.name)
-        q, kc, vc, _ = a.inputs
+        q, kc, vc = a.inputs[:3]
+        if len(a.inputs) > 4:
+            raise FuselmError(f"tensor parallelism: {a.name}: attention sinks are not partitioned yet")
         acc = {a.name: None}
         for cache in (kc, vc):
             write = graph.nodes[cache]                            # kv_write(state, k, pos)

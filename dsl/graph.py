@@ -90,8 +90,9 @@ class Graph:
     def op(self, opname: str, *args: Value, name: str | None = None, **attrs) -> Value:
         """Append one op node; its shape is inferred now, so a mistake fails where it is made."""
         opdef = _ops.get(opname)
-        if len(args) != opdef.arity:
-            raise TypeError(f"{opname} takes {opdef.arity} operands, got {len(args)}")
+        if not opdef.arity <= len(args) <= opdef.arity + opdef.optional:
+            count = f"{opdef.arity} to {opdef.arity + opdef.optional}" if opdef.optional else opdef.arity
+            raise TypeError(f"{opname} takes {count} operands, got {len(args)}")
         attrs = {**opdef.attr_defaults, **attrs}
         shapes = [self.nodes[a.name].shape for a in args]
         where = name or f"{opname} #{self._counter + 1}"

@@ -48,7 +48,7 @@ class OpDef:
     """
     name: str
     kind: Kind
-    arity: int
+    arity: int                     # operands, plus up to `optional` more after them
     shape_rule: Callable[[list, dict], tuple[Shape, str]]
     reference: Callable[..., np.ndarray] | None
     c_expr: str | None = None
@@ -58,6 +58,7 @@ class OpDef:
     # Row-local ops: whether the GEMV epilogue's tile layout (pairs i, i + span/2) fits this use,
     # given the operand shapes and attributes; None means always.
     tile_fits: Callable[[list, dict], bool] | None = None
+    optional: int = 0              # trailing operands that may be left out (attention sinks, biases)
 
 
 REGISTRY: dict[str, OpDef] = {}
@@ -140,24 +141,28 @@ def _paged_kv_write_shape(shapes, attrs):
 def _paged_attention_shape(shapes, attrs):
     if len(shapes[4]) != 2 or attrs["page"] < 1:
         raise ShapeError(f"paged_attention: page table {shapes[4]} must be [T, P], page {attrs['page']} >= 1")
-    return _attention_shape(shapes[:4], attrs)
+    return _attention_shape(shapes[:4] + shapes[5:], attrs)
 
 
 def _attention_shape(shapes, attrs):
-    q, kc, vc, pos = shapes
+    q, kc, vc, pos, *sinks = shapes
     h, kv, hd = attrs["n_heads"], attrs["n_kv_heads"], attrs["head_dim"]
     if q[-1] != h * hd or kc[-1] != kv * hd or vc[-1] != kv * hd or h % kv:
         raise ShapeError(f"attention: q {q}, caches {kc} {vc} vs {h} heads, {kv} kv heads of {hd}")
+    if sinks and tuple(sinks[0]) != (h,):
+        raise ShapeError(f"attention: sinks {sinks[0]} must hold one logit per query head ({h})")
     return q, "f32"
 
 
 def _moe_shape(shapes, attrs):
-    x, logits, w_gate, w_up, w_down = shapes
+    x, logits, w_gate, w_up, w_down, *biases = shapes
     e, i, d = w_gate
     if (logits[-1] != e or x[-1] != d or w_up != (e, i, d) or w_down != (e, d, i)
             or not 1 <= attrs["top_k"] <= e):
         raise ShapeError(f"moe_ffn: x {x}, router logits {logits}, experts {w_gate} {w_up} {w_down}, "
                          f"top_k {attrs['top_k']}")
+    if biases and [tuple(b) for b in biases] != [(e, i), (e, i), (e, d)]:
+        raise ShapeError(f"moe_ffn: expert biases {biases} must be gate and up [{e}, {i}], down [{e}, {d}]")
     return x, "f32"
 
 
@@ -200,16 +205,17 @@ def _kv_write(cache, x, pos, kv="bf16", head_dim=0):
     return cache
 
 
-def _attention(q, kc, vc, pos, n_heads, n_kv_heads, head_dim, scale, window=0, softcap=0.0):
-    """Causal attention of each query row over cache rows [pos - window + 1, pos], in float64."""
+def _attention(q, kc, vc, pos, sinks=None, *, n_heads, n_kv_heads, head_dim, scale, window=0, softcap=0.0):
+    """Causal attention of each query row over cache rows [pos - window + 1, pos], in float64;
+    `sinks` [H] (gpt-oss): a logit per head that joins each softmax and attends to nothing."""
     out = np.zeros((q.shape[0], n_heads * head_dim), np.float64)
     for i, p in enumerate(pos.astype(np.int64)):
         lo = max(0, p - window + 1) if window else 0
-        out[i] = _attend(q[i], kc[lo:p + 1], vc[lo:p + 1], n_kv_heads, head_dim, scale, softcap)
+        out[i] = _attend(q[i], kc[lo:p + 1], vc[lo:p + 1], n_kv_heads, head_dim, scale, softcap, sinks)
     return out.astype(np.float32)
 
 
-def _attend(q, k, v, n_kv_heads, head_dim, scale, softcap):
+def _attend(q, k, v, n_kv_heads, head_dim, scale, softcap, sinks=None):
     """One query row [H * hd] over its cache rows k, v [n, KV * hd], in float64: [H * hd]."""
     k = k.reshape(-1, n_kv_heads, head_dim).astype(np.float64)             # [n, KV, hd]
     v = v.reshape(-1, n_kv_heads, head_dim).astype(np.float64)
@@ -217,8 +223,14 @@ def _attend(q, k, v, n_kv_heads, head_dim, scale, softcap):
     s = np.einsum("kgd,nkd->kgn", qh, k) * scale
     if softcap:
         s = softcap * np.tanh(s / softcap)
-    e = np.exp(s - s.max(axis=-1, keepdims=True))
-    return np.einsum("kgn,nkd->kgd", e / e.sum(axis=-1, keepdims=True), v).reshape(-1)
+    top = s.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        top = np.maximum(top, sinks.astype(np.float64).reshape(*top.shape))
+    e = np.exp(s - top)
+    total = e.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + np.exp(sinks.astype(np.float64).reshape(*top.shape) - top)
+    return np.einsum("kgn,nkd->kgd", e / total, v).reshape(-1)
 
 
 def page_rows(pages, positions, page):
@@ -233,26 +245,30 @@ def _paged_kv_write(cache, x, pos, pages, page, kv="bf16", head_dim=0):
     return _kv_write(cache, x, rows, kv, head_dim)
 
 
-def _paged_attention(q, kc, vc, pos, pages, page, n_heads, n_kv_heads, head_dim, scale, window=0,
+def _paged_attention(q, kc, vc, pos, pages, sinks=None, *, page, n_heads, n_kv_heads, head_dim, scale, window=0,
                      softcap=0.0):
     """attention of each token over its own sequence's rows, found through its page table."""
     out = np.zeros((q.shape[0], n_heads * head_dim), np.float64)
     for i, p in enumerate(pos.astype(np.int64)):
         lo = max(0, p - window + 1) if window else 0
         rows = page_rows(pages[i], np.arange(lo, p + 1), page)
-        out[i] = _attend(q[i], kc[rows], vc[rows], n_kv_heads, head_dim, scale, softcap)
+        out[i] = _attend(q[i], kc[rows], vc[rows], n_kv_heads, head_dim, scale, softcap, sinks)
     return out.astype(np.float32)
 
 
-def _moe_ffn(x, logits, w_gate, w_up, w_down, top_k, act="silu", norm_topk=True):
-    """Mixtral's (and Qwen3-MoE's) sparse MoE block, in float64, row by row.
+def _moe_ffn(x, logits, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, top_k, act="silu",
+             norm_topk=True, swiglu_limit=0.0, swiglu_alpha=1.0):
+    """Mixtral's (and Qwen3-MoE's, gpt-oss's) sparse MoE block, in float64, row by row.
 
     softmax(logits) -> the top_k experts -> their probabilities, renormalised to sum 1 with
     `norm_topk` (the same as a softmax over the top_k logits alone), else as they are (Qwen3-MoE's
-    norm_topk_prob false) -> sum of weight * down_e(act(gate_e x) * up_e x).
+    norm_topk_prob false) -> sum of weight * down_e(act(gate_e x) * up_e x), each projection
+    plus its expert's bias where given. With `swiglu_limit` L > 0 (gpt-oss) the product is
+    g sigmoid(alpha g) (u + 1) for g = min(gate, L), u = up clipped to [-L, L], alpha `swiglu_alpha`.
     """
     act_ref = REGISTRY[act].reference
     out = np.zeros(x.shape, np.float64)
+    bias = lambda b, e: 0.0 if b is None else b[e].astype(np.float64)   # noqa: E731
     for t in range(x.shape[0]):
         lg = logits[t].astype(np.float64)
         top = np.argsort(-lg, kind="stable")[:top_k]
@@ -260,8 +276,14 @@ def _moe_ffn(x, logits, w_gate, w_up, w_down, top_k, act="silu", norm_topk=True)
         total = w.sum() if norm_topk else np.exp(lg - lg[top].max()).sum()
         xt = x[t].astype(np.float64)
         for e, we in zip(top, w / total):
-            h = act_ref(w_gate[e].astype(np.float64) @ xt) * (w_up[e].astype(np.float64) @ xt)
-            out[t] += we * (w_down[e].astype(np.float64) @ h)
+            gate = w_gate[e].astype(np.float64) @ xt + bias(b_gate, e)
+            up = w_up[e].astype(np.float64) @ xt + bias(b_up, e)
+            if swiglu_limit:
+                gate, up = np.minimum(gate, swiglu_limit), np.clip(up, -swiglu_limit, swiglu_limit)
+                h = gate / (1 + np.exp(-swiglu_alpha * gate)) * (up + 1)
+            else:
+                h = act_ref(gate) * up
+            out[t] += we * (w_down[e].astype(np.float64) @ h + bias(b_down, e))
     return out.astype(np.float32)
 
 
@@ -286,15 +308,18 @@ for _op in [
           attr_defaults={"interleaved": False},
           tile_fits=lambda shapes, attrs: 2 * shapes[2][0] == attrs["head_dim"]),  # no partial rotary
     OpDef("kv_write", Kind.CACHE_WRITE, 3, _kv_write_shape, _kv_write, inplace_of=0),
+    # q, caches, positions [, sinks [H]: gpt-oss's logit per head in each softmax]
     OpDef("attention", Kind.ATTENTION, 4, _attention_shape, _attention,
-          attr_defaults={"window": 0, "softcap": 0.0}),
+          attr_defaults={"window": 0, "softcap": 0.0}, optional=1),
     # the same through page tables [T, P] (dsl/paging.py): the numpy reference only, so far
     OpDef("paged_kv_write", Kind.CACHE_WRITE, 4, _paged_kv_write_shape, _paged_kv_write, inplace_of=0),
     OpDef("paged_attention", Kind.ATTENTION, 5, _paged_attention_shape, _paged_attention,
-          attr_defaults={"window": 0, "softcap": 0.0}),
+          attr_defaults={"window": 0, "softcap": 0.0}, optional=1),
     OpDef("softmax", Kind.REDUCTION, 1, _same_as_first, _softmax),
     # x [T, D], router logits [T, E], gate and up [E, I, D], down [E, D, I] (stacked over experts)
-    OpDef("moe_ffn", Kind.MOE, 5, _moe_shape, _moe_ffn, attr_defaults={"act": "silu", "norm_topk": True}),
+    # [, their biases: gate and up [E, I], down [E, D]]
+    OpDef("moe_ffn", Kind.MOE, 5, _moe_shape, _moe_ffn, optional=3,
+          attr_defaults={"act": "silu", "norm_topk": True, "swiglu_limit": 0.0, "swiglu_alpha": 1.0}),
     OpDef("argmax", Kind.REDUCTION, 1, _argmax_shape, lambda x: np.argmax(x, axis=-1).astype(np.int32)),
     # the sum of x over the ranks (compiler/partition.py); one rank's graph alone: x itself, the
     # ranks in lockstep: runtime/reference.py run_ranks sums them

@@ -18,6 +18,7 @@ import copy
 
 from ..errors import FuselmError
 from .graph import Graph, Node
+from .ops import get
 
 PAGED_OPS = {"kv_write": "paged_kv_write", "attention": "paged_attention"}
 
@@ -34,7 +35,9 @@ def paged(graph: Graph, page: int, table: int | None = None) -> Graph:
     nodes = {"pages": Node("pages", "input", (), {}, ("T", table or "P"), "i32")}
     for n in g.nodes.values():
         if n.op in PAGED_OPS:
-            n.op, n.inputs, n.attrs = PAGED_OPS[n.op], (*n.inputs, "pages"), {**n.attrs, "page": page}
+            base = get(n.op).arity     # the table goes after the op's own operands, before optional ones
+            n.op, n.inputs = PAGED_OPS[n.op], (*n.inputs[:base], "pages", *n.inputs[base:])
+            n.attrs = {**n.attrs, "page": page}
         nodes[n.name] = n
     g.nodes = nodes     # `pages` first: the order stays topological
     return g

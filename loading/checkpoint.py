@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from ..dsl import Graph
 from ..errors import FuselmError
-from ..models import checkpoint_rows, language_model
+from ..models import checkpoint_rows, checkpoint_views, language_model
 from ..models.config import DecoderConfig
 from ..quant.layout import stack_experts
 from .gguf_config import config_from_gguf, generation_from_gguf
@@ -19,6 +19,7 @@ from .gguf_tokenizer import tokenizer_from_gguf
 from .json_file import read_object
 from .renamed_store import RenamedStore
 from .row_views import RowViews
+from .tensor_views import TensorViews
 from .safetensors_store import open_safetensors_folder
 from .tensor_store import TensorStore
 from .tokenizer import TextTokenizer
@@ -75,13 +76,15 @@ def _open_gguf(path: Path) -> Checkpoint:
 
 
 def _checked(ckpt: Checkpoint) -> Checkpoint:
-    """The checkpoint (its tensors seen through the architecture's row views, if it has any:
-    models.checkpoint_rows), once its config agrees with its tokenizer and its tensors' headers: every id
-    the tokenizer makes has a row in the embedding, which has the config's shape, and the config's
-    layer count is the tensors'. A mismatch is a corrupt file, named here before any weight is read."""
+    """The checkpoint (its tensors seen through the architecture's row views and computed views,
+    if it has any: models.checkpoint_rows, checkpoint_views), once its config agrees with its
+    tokenizer and its tensors' headers: every id the tokenizer makes has a row in the embedding,
+    which has the config's shape, and the config's layer count is the tensors'. A mismatch is a corrupt file, named here before any weight is read."""
     cfg, where = ckpt.config, ckpt.path
     if views := checkpoint_rows(cfg):
         ckpt.tensors = RowViews(ckpt.tensors, views)
+    if views := checkpoint_views(cfg, set(ckpt.tensors.names())):
+        ckpt.tensors = TensorViews(ckpt.tensors, views)
     if ckpt.tokenizer.vocab_size > cfg.vocab_size:
         raise FuselmError(f"{where}: the tokenizer has {ckpt.tokenizer.vocab_size} tokens but vocab_size "
                           f"is {cfg.vocab_size}")

@@ -20,7 +20,7 @@ from .tensor_store import TensorStore
 
 DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
           "BF16": np.dtype(ml_dtypes.bfloat16), "F64": np.dtype(np.float64),
-          "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}
+          "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "U8": np.dtype(np.uint8)}
 # Bytes per element of every dtype the safetensors format defines (those we read, and the rest,
 # whose tensors are refused only when a model asks for them).
 ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,

@@ -5,7 +5,7 @@ from functools import partial
 from typing import Callable
 
 from ..dsl import Graph
-from . import gemma2, gemma3, llama, mixtral, olmo2, phi3, qwen3, qwen3_moe, smollm3
+from . import gemma2, gemma3, gpt_oss, llama, mixtral, olmo2, phi3, qwen3, qwen3_moe, smollm3
 from .config import ConfigError, DecoderConfig, rope_inv_freq
 
 ARCHITECTURES = {
@@ -20,9 +20,12 @@ ARCHITECTURES = {
     "Olmo2ForCausalLM": olmo2.build,
     "SmolLM3ForCausalLM": smollm3.build,
     "Phi3ForCausalLM": phi3.build,
+    "GptOssForCausalLM": gpt_oss.build,
 }
 # Architectures whose graph reads some weights as rows of a checkpoint tensor (fused projections)
 CHECKPOINT_ROWS = {"Phi3ForCausalLM": phi3.checkpoint_rows}
+# Architectures whose graph reads some weights computed from checkpoint tensors (gpt-oss's experts)
+CHECKPOINT_VIEWS = {"GptOssForCausalLM": gpt_oss.checkpoint_views}
 # Architectures whose graph depends on the engine's context (Phi-3's LongRoPE: long or short factors)
 TAKES_CONTEXT = {"Phi3ForCausalLM"}
 # Multimodal checkpoints read as their language model: architecture -> (the language model's config
@@ -52,6 +55,13 @@ def checkpoint_rows(cfg: DecoderConfig) -> dict:
     return rows(cfg) if rows else {}
 
 
+def checkpoint_views(cfg: DecoderConfig, names: set[str]) -> dict:
+    """Graph weight -> loading.tensor_views.View for the weights `cfg`'s architecture computes from
+    the checkpoint's tensors `names`; {} for most."""
+    views = CHECKPOINT_VIEWS.get(cfg.architecture)
+    return views(cfg, names) if views else {}
+
+
 def build_graph(cfg: DecoderConfig, context: int | None = None) -> Graph:
     """The DSL graph of one decode/prefill step of `cfg`'s architecture, for an engine of `context`
     positions where the architecture depends on it (TAKES_CONTEXT; None: the model's short
@@ -68,5 +78,5 @@ def build_graph(cfg: DecoderConfig, context: int | None = None) -> Graph:
         raise ConfigError(where + str(e)) from None
 
 
-__all__ = ["ARCHITECTURES", "ConfigError", "DecoderConfig", "build_graph", "checkpoint_rows", "language_model",
-           "rope_inv_freq"]
+__all__ = ["ARCHITECTURES", "ConfigError", "DecoderConfig", "build_graph", "checkpoint_rows", "checkpoint_views",
+           "language_model", "rope_inv_freq"]

@@ -213,14 +213,21 @@ def rope_original_context(cfg: DecoderConfig) -> int:
 
 
 def rope_attention_factor(cfg: DecoderConfig) -> float:
-    """LongRoPE's factor on the rotated dimensions of Q and K (1 for other RoPE types): the config's
-    `attention_factor`, else sqrt(1 + ln(s) / ln(original context)) with s = `factor`, else
-    max_position_embeddings / original context, as transformers computes it."""
+    """LongRoPE's and YaRN's factor on the rotated dimensions of Q and K (1 for other RoPE types):
+    the config's `attention_factor`, else for YaRN 0.1 ln(factor) + 1 (its `mscale`s' ratio where
+    both are given), for LongRoPE sqrt(1 + ln(s) / ln(original context)) with s = `factor`, else
+    max_position_embeddings / original context, as transformers computes them."""
     sc = cfg.rope_scaling or {}
-    if sc.get("rope_type", sc.get("type")) != "longrope":
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind not in ("longrope", "yarn"):
         return 1.0
     if sc.get("attention_factor") is not None:
         return float(sc["attention_factor"])
+    if kind == "yarn":
+        factor = float(sc.get("factor") or cfg.max_position_embeddings / rope_original_context(cfg))
+        mscale = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1   # noqa: E731
+        both = sc.get("mscale") and sc.get("mscale_all_dim")
+        return mscale(float(sc["mscale"])) / mscale(float(sc["mscale_all_dim"])) if both else mscale(1.0)
     original = rope_original_context(cfg)
     s = float(sc.get("factor") or cfg.max_position_embeddings / original)
     return 1.0 if s <= 1 else math.sqrt(1 + math.log(s) / math.log(original))
@@ -268,6 +275,24 @@ def rope_inv_freq(cfg: DecoderConfig, context: int | None = None) -> np.ndarray:
                 or not all(isinstance(f, numbers.Real) and not isinstance(f, bool) and 0 < f < 1e8 for f in factors)):
             raise ConfigError(f"rope_scaling {key} = {factors!r} is not {len(inv)} positive numbers")
         inv = inv / np.asarray(factors, np.float64)
+    elif kind == "yarn":
+        inv = _yarn(inv, rot, cfg.rope_theta, param("factor"), rope_original_context(cfg),
+                    float(sc.get("beta_fast") or 32), float(sc.get("beta_slow") or 1), sc.get("truncate", True))
     elif kind not in (None, "default"):
-        raise ConfigError(f"rope_scaling type '{kind}' is not supported (supported: linear, llama3, longrope)")
+        raise ConfigError(f"rope_scaling type '{kind}' is not supported (supported: linear, llama3, longrope, yarn)")
     return inv.astype(np.float32)
+
+
+def _yarn(inv: np.ndarray, dims: int, theta: float, factor: float, original: float, beta_fast: float,
+          beta_slow: float, truncate: bool) -> np.ndarray:
+    """YaRN's frequencies (gpt-oss): the original ones for the dimensions that turn more than
+    `beta_fast` times over the original context, divided by `factor` for those turning fewer
+    than `beta_slow` times, a linear ramp between, as transformers computes them."""
+    def dim_of(turns):   # the dimension that turns `turns` times over the original context
+        return dims * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    ramp = np.clip((np.arange(dims // 2) - low) / ((high - low) or 0.001), 0, 1)   # 1: interpolated
+    return inv / factor * ramp + inv * (1 - ramp)

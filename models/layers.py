@@ -32,12 +32,14 @@ def step_inputs(g: Graph, cfg: DecoderConfig, inv_freq: bool = True) -> tuple[Va
 
 
 def cached_attention(g: Graph, cfg: DecoderConfig, layer: int, q: Value, k: Value, v: Value,
-                     pos: Value, window: int = 0, scale: float | None = None, **attrs) -> Value:
-    """Write this step's K and V rows into the layer's cache, then attend over the cache."""
+                     pos: Value, window: int = 0, scale: float | None = None, sinks: Value | None = None,
+                     **attrs) -> Value:
+    """Write this step's K and V rows into the layer's cache, then attend over the cache (with a
+    learned logit per head in each softmax where `sinks` [H] is given: gpt-oss)."""
     kv_width = cfg.num_kv_heads * cfg.head_dim
     k_cache = g.op("kv_write", g.state(f"cache.{layer}.k", ("S", kv_width)), k, pos)
     v_cache = g.op("kv_write", g.state(f"cache.{layer}.v", ("S", kv_width)), v, pos)
-    return g.op("attention", q, k_cache, v_cache, pos, n_heads=cfg.num_heads,
+    return g.op("attention", q, k_cache, v_cache, pos, *([sinks] if sinks else []), n_heads=cfg.num_heads,
                 n_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                 scale=cfg.head_dim ** -0.5 if scale is None else scale, window=window or 0, **attrs)
 
@@ -45,14 +47,15 @@ def cached_attention(g: Graph, cfg: DecoderConfig, layer: int, q: Value, k: Valu
 def self_attention(g: Graph, cfg: DecoderConfig, layer: int, h: Value, pos: Value, inv_freq: Value,
                    qkv_bias: bool = False, o_bias: bool = False, qk_norm_eps: float | None = None,
                    window: int = 0, qk_norm_per_head: bool = True, rope: bool = True,
-                   qk_norm_offset: float = 0.0, q_scale: Value | None = None, **attention_attrs) -> Value:
+                   qk_norm_offset: float = 0.0, q_scale: Value | None = None, sinks: bool = False,
+                   **attention_attrs) -> Value:
     """The attention block of layer `layer` on the input h: Q, K, V projections, (when
     `qk_norm_eps` is given, an RMSNorm of Q and K: over each head (Qwen3; Gemma 3 with
     `qk_norm_offset=1`, its (1 + w) norm), or over the whole projection with
     `qk_norm_per_head=False` (OLMo 2)), RoPE (unless `rope` is False: SmolLM3's NoPE layers),
-    Q times `q_scale` [H * hd] where given (Phi-3's LongRoPE factor), attention over the cache,
-    O projection. The residual add and any norms around it stay with
-    the caller."""
+    Q times `q_scale` [H * hd] where given (Phi-3's LongRoPE factor), attention over the cache
+    (with `sinks`, the learned logits `{prefix}.sinks` [H] in its softmax: gpt-oss), O projection.
+    The residual add and any norms around it stay with the caller."""
     p, hd = f"model.layers.{layer}.self_attn", cfg.head_dim
     q = linear(g, h, f"{p}.q_proj", cfg.num_heads * hd, qkv_bias)      # [T, H * hd]
     k = linear(g, h, f"{p}.k_proj", cfg.num_kv_heads * hd, qkv_bias)   # [T, KV * hd]
@@ -66,7 +69,8 @@ def self_attention(g: Graph, cfg: DecoderConfig, layer: int, h: Value, pos: Valu
         k = g.op("rope", k, pos, inv_freq, head_dim=hd)
     if q_scale is not None:
         q = q * q_scale
-    a = cached_attention(g, cfg, layer, q, k, v, pos, window=window, **attention_attrs)
+    sink = g.weight(f"{p}.sinks", (cfg.num_heads,)) if sinks else None
+    a = cached_attention(g, cfg, layer, q, k, v, pos, window=window, sinks=sink, **attention_attrs)
     return linear(g, a, f"{p}.o_proj", cfg.hidden_size, o_bias)
 
 

@@ -41,7 +41,7 @@ def hf_config_class(arch: str):
     return getattr(transformers, {"Gemma3ForCausalLM": "Gemma3TextConfig"}.get(arch, arch.replace("ForCausalLM", "Config")))
 
 
-MOE = {"MixtralForCausalLM", "Qwen3MoeForCausalLM"}
+MOE = {"MixtralForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM"}
 
 
 def hf_model(h, arch: str, seed: int, **kw):
@@ -562,7 +562,10 @@ def test_smollm3_bad_no_rope_settings_are_config_errors(bad, match):
                                                                   norm_topk_prob=True)),
                                      ("Phi3ForCausalLM", dict(partial_rotary_factor=0.75, original_max_position_embeddings=64,
                                                               rope_scaling={"type": "longrope", "short_factor": [2.0] * 3,
-                                                                            "long_factor": [4.0] * 3}))])
+                                                                            "long_factor": [4.0] * 3})),
+                                     ("GptOssForCausalLM", dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                                                                sliding_window=3,
+                                                                layer_types=["sliding_attention", "full_attention", "sliding_attention"]))])
 def test_saved_checkpoint_generates_transformers_greedy_tokens(h, tmp_path, arch, kw):
     """save_pretrained's folder (config.json, model.safetensors) loads through fuselm.load on the
     CPU engine, whose greedy tokens are transformers' (full recompute each step)."""

@@ -261,8 +261,8 @@ def test_heads_not_a_multiple_of_kv_heads(tmp_path):
 
 
 @pytest.mark.parametrize("changes,says", [
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}),
-     "rope_scaling type 'yarn' is not supported (supported: linear, llama3, longrope)"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+     "rope_scaling type 'dynamic' is not supported (supported: linear, llama3, longrope, yarn)"),
     (dict(num_hidden_layers=2, sliding_window=4, layer_types=["full_attention"]),
      "layer_types lists 1 layers, the model has 2"),
     (dict(architectures=["Gemma2ForCausalLM"], hidden_activation="relu"),

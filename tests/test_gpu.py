@@ -118,6 +118,11 @@ ARCH_TINY = {   # every architecture's distinctive features on, at sizes a test 
                               attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                               hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
     "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2),
+    # sinks, biases, alternating windows, YaRN, routed experts with biases and the clamped SwiGLU
+    "GptOssForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8, attention_bias=True,
+                              layer_types=["sliding_attention", "full_attention"], swiglu_limit=7.0,
+                              rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
+                                            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}),
 }
 
 
@@ -148,6 +153,9 @@ PREFILL_TOL = 5e-2
 # differences 5.0e-2 to 1.0e-1 where that happens, 1e-2 where not), as in a bf16 transformers run;
 # the test spreads the routers' logits (weights x 8) so that few tokens sit that close.
 MOE_PREFILL_TOL = 1.5e-1
+
+
+ROUTERS = ("block_sparse_moe.gate.weight", "mlp.gate.weight", "mlp.router.weight")   # Mixtral's, Qwen3-MoE's, gpt-oss's
 
 
 def is_moe(cfg) -> bool:
@@ -198,7 +206,7 @@ def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k
     graph = build_graph(cfg)
     weights = random_weights(graph, rng)
     for name in weights:   # routers' logits spread out, so that bf16 vectors rarely flip an expert
-        if name.endswith(("block_sparse_moe.gate.weight", "mlp.gate.weight")):   # Mixtral's, Qwen3-MoE's
+        if name.endswith(ROUTERS):
             weights[name] = weights[name] * 8
     n = 289
     prompt = rng.integers(0, cfg.vocab_size, n).tolist()

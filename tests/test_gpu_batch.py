@@ -21,7 +21,7 @@ from fuselm.runtime.reference import new_state, run_graph
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_batch import feed_in_steps  # noqa: E402
-from test_gpu import (ARCH_TINY, MOE_PREFILL_TOL, PREFILL_TOL, TINY, bf16_kv_cache, engine_for,  # noqa: E402
+from test_gpu import (ARCH_TINY, MOE_PREFILL_TOL, PREFILL_TOL, ROUTERS, TINY, bf16_kv_cache, engine_for,  # noqa: E402
                       is_moe, random_weights, rel)
 
 pytestmark = [pytest.mark.gpu,
@@ -34,6 +34,7 @@ CONFIGS = {   # the paged pass on CUDA cores (head 32) and on tensor cores (head
     "mistral window 8": {"architectures": ["MistralForCausalLM"], **ARCH_TINY["MistralForCausalLM"]},
     "gemma2": {"architectures": ["Gemma2ForCausalLM"], **ARCH_TINY["Gemma2ForCausalLM"]},
     "mixtral": {"architectures": ["MixtralForCausalLM"], **ARCH_TINY["MixtralForCausalLM"]},
+    "gpt-oss": {"architectures": ["GptOssForCausalLM"], **ARCH_TINY["GptOssForCausalLM"]},
 }
 # tokens per step and sequence: a full 64-token step, mixed chunks, single tokens (steps of 32 mostly padding)
 PLAN = [[40, 9, 15], [20, 1, 30], [10, 1, 40], [1, 1, 1], [1, 0, 33], [30, 1, 1], [1, 1, 1]]
@@ -50,7 +51,7 @@ def test_mixed_batch_steps_on_shuffled_pages_match_each_sequence_alone(name):
     graph = build_graph(cfg)
     weights = random_weights(graph, rng)
     for w in weights:   # routers' logits spread out (more than the prefill tests': 19 rows of 3 sequences
-        if w.endswith("block_sparse_moe.gate.weight"):   # are compared, where a flipped expert moved a row by 0.4)
+        if w.endswith(ROUTERS):   # are compared, where a flipped expert moved a row by 0.4)
             weights[w] = weights[w] * 32
     engine = engine_for(graph, weights, ctx=CTX, batched_prefill=False)
     program = engine.program

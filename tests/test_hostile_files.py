@@ -141,7 +141,7 @@ def test_shards_in_a_subfolder_and_symlinked_shards_load(tiny, tmp_path):
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
                         "original_max_position_embeddings": 8192}),
      "rope_scaling low_freq_factor 4 is not below high_freq_factor 1"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "rope_scaling type 'yarn' is not supported"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_scaling type 'dynamic' is not supported"),
 ])
 def test_hyperparameters_are_range_checked(changes, says):
     """Values no model has fail DecoderConfig.from_hf, naming the source and the key."""

@@ -146,8 +146,10 @@ def test_kv_write_is_row_assignment(h, s, width, data, seed):
     np.testing.assert_array_equal(out, expect)
 
 
-def attention_torch(q, kc, vc, pos, n_heads, n_kv_heads, head_dim, scale, window, softcap):
-    """SDPA with the KV heads repeated for GQA and an explicit causal / sliding-window mask."""
+def attention_torch(q, kc, vc, pos, n_heads, n_kv_heads, head_dim, scale, window, softcap, sinks=None):
+    """SDPA with the KV heads repeated for GQA and an explicit causal / sliding-window mask;
+    with `sinks` [H], each head's softmax over its scores and its sink logit, the sink's share
+    dropped (gpt-oss, as transformers writes it)."""
     t, s = q.shape[0], kc.shape[0]
     qh = t64(q).view(t, n_heads, head_dim).transpose(0, 1)                       # [H, T, hd]
     rep = n_heads // n_kv_heads
@@ -158,9 +160,16 @@ def attention_torch(q, kc, vc, pos, n_heads, n_kv_heads, head_dim, scale, window
     mask = j <= p
     if window:
         mask &= j > p - window
-    if softcap:   # SDPA has no logit softcap: same maths by hand
-        scores = softcap * torch.tanh(qh @ kh.transpose(1, 2) * scale / softcap)
-        out = torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1) @ vh
+    if softcap or sinks is not None:   # SDPA has neither a logit softcap nor sinks: by hand
+        scores = qh @ kh.transpose(1, 2) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~mask, -math.inf)
+        if sinks is not None:
+            sink = t64(sinks)[:, None, None].expand(-1, t, 1)
+            out = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1] @ vh
+        else:
+            out = torch.softmax(scores, dim=-1) @ vh
     else:
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
     return out.transpose(0, 1).reshape(t, n_heads * head_dim).numpy()
@@ -179,19 +188,21 @@ def attention_case(draw):
     return kv * group, kv, hd, s, np.array(pos, np.int32), window, softcap
 
 
-@given(case=attention_case(), seed=seeds)
-def test_attention_vs_sdpa(h, case, seed):
+@given(case=attention_case(), sinks=st.booleans(), seed=seeds)
+def test_attention_vs_sdpa(h, case, sinks, seed):
     n_heads, n_kv, hd, s, pos, window, softcap = case
     rng = np.random.default_rng(seed)
     q = randn(rng, len(pos), n_heads * hd, scale=2.0)
     kc, vc = randn(rng, s, n_kv * hd), randn(rng, s, n_kv * hd)
+    sink = randn(rng, n_heads, scale=2.0) if sinks else None
     # rows past every query's position must not be read: make them poison
     last = int(pos.max())
     kc[last + 1:], vc[last + 1:] = np.nan, np.nan
     scale = hd ** -0.5
-    out = ref("attention")(q, kc, vc, pos, n_heads, n_kv, hd, scale, window=window, softcap=softcap)
+    out = ref("attention")(q, kc, vc, pos, *([sink] if sinks else []), n_heads=n_heads, n_kv_heads=n_kv,
+                           head_dim=hd, scale=scale, window=window, softcap=softcap)
     kc[last + 1:], vc[last + 1:] = 0.0, 0.0   # SDPA multiplies masked NaNs by 0 -> NaN
-    expect = attention_torch(q, kc, vc, pos, n_heads, n_kv, hd, scale, window, softcap)
+    expect = attention_torch(q, kc, vc, pos, n_heads, n_kv, hd, scale, window, softcap, sink)
     assert out.dtype == np.float32 and np.isfinite(out).all()
     assert h.rel_err(out, expect) < TOL
 
@@ -201,8 +212,8 @@ def test_attention_window_changes_the_result(h):
     rng = np.random.default_rng(0)
     q, kc, vc = randn(rng, 1, 8), randn(rng, 6, 8), randn(rng, 6, 8)
     pos = np.array([5], np.int32)
-    full = ref("attention")(q, kc, vc, pos, 2, 2, 4, 0.5)
-    windowed = ref("attention")(q, kc, vc, pos, 2, 2, 4, 0.5, window=2)
+    full = ref("attention")(q, kc, vc, pos, n_heads=2, n_kv_heads=2, head_dim=4, scale=0.5)
+    windowed = ref("attention")(q, kc, vc, pos, n_heads=2, n_kv_heads=2, head_dim=4, scale=0.5, window=2)
     assert h.rel_err(windowed, full) > 1e-2
     assert h.rel_err(windowed, attention_torch(q, kc, vc, pos, 2, 2, 4, 0.5, 2, 0.0)) < TOL
 

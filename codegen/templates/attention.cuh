@@ -10,6 +10,7 @@
 // before the wait for the previous kernel where it can.
 #pragma once
 #include "attention_mma.cuh"
+#include "attention_sinks.cuh"
 
 // Workspace record per (query head, chunk), 16-byte aligned: [0 : HD] = sum of exp * v, then at
 // MAX_AT the max score and at SUM_AT the sum of exp.
@@ -59,9 +60,9 @@ __device__ __forceinline__ void walk_on(P& pass, typename P::State& st, const ty
 
 // Short contexts: one block per KV head walks every position in passes and writes the attention
 // output itself; no workspace, no combine launch. The first pass's loads go out before the wait.
-template <int H, int KV, int HD, class P>
+template <int H, int KV, int HD, class P, class Sinks = NoSinks>
 __device__ __forceinline__ void attention_single(const float* q, const typename P::Elem* kc, const typename P::Elem* vc, const int* pos_p,
-                                                 int window, float scale, float softcap, float* o) {
+                                                 int window, float scale, float softcap, float* o, Sinks sinks = {}) {
     constexpr int G = H / KV;
     const int pos = *pos_p;                      // see attention_chunk
     const int lo = window > 0 ? max(0, pos - window + 1) : 0;
@@ -74,8 +75,8 @@ __device__ __forceinline__ void attention_single(const float* q, const typename 
     typename P::State st;
     pass.softmax(softcap, st);
     walk_on(pass, st, kc, vc, base, pos, softcap);
-    P::block_merge(st, [&](int g, int d, float, float l, float a) {
-        o[(blockIdx.x * G + g) * HD + d] = a / l;
+    P::block_merge(st, [&](int g, int d, float m, float l, float a) {
+        o[(blockIdx.x * G + g) * HD + d] = a / (l + sinks(blockIdx.x * G + g, m));
     });
 }
 
@@ -83,10 +84,10 @@ __device__ __forceinline__ void attention_single(const float* q, const typename 
 // from its token TOKENS y (q, pos_p and o point at the step's first), every (token, head) pair an
 // A row of the pass (MmaPass with TOKENS), and walks the cache rows up to the last one's position
 // once for all of them. The step's own rows were written by the kernel before: it waits first.
-template <int H, int KV, int HD, class P, int TOKENS>
+template <int H, int KV, int HD, class P, int TOKENS, class Sinks = NoSinks>
 __device__ __forceinline__ void attention_prefill_rows(const float* q, const typename P::Elem* kc, const typename P::Elem* vc,
                                                        const int* pos_p, int window, float scale, float softcap,
-                                                       float* o) {
+                                                       float* o, Sinks sinks = {}) {
     constexpr int G = H / KV;
     grid_wait_then_release();
     const int t0 = blockIdx.y * TOKENS, first = pos_p[t0], last = pos_p[t0 + TOKENS - 1];
@@ -99,8 +100,9 @@ __device__ __forceinline__ void attention_prefill_rows(const float* q, const typ
     typename P::State st;
     pass.softmax(softcap, st);
     walk_on(pass, st, kc, vc, base, last, softcap);
-    P::block_merge(st, [&](int row, int d, float, float l, float a) {
-        o[(size_t)(t0 + row / G) * H * HD + (blockIdx.x * G + row % G) * HD + d] = a / l;
+    P::block_merge(st, [&](int row, int d, float m, float l, float a) {
+        const int head = blockIdx.x * G + row % G;
+        o[(size_t)(t0 + row / G) * H * HD + head * HD + d] = a / (l + sinks(head, m));
     });
 }
 
@@ -110,9 +112,10 @@ __device__ __forceinline__ void attention_prefill_rows(const float* q, const typ
 // inside one page (PAGE is a multiple of CHUNK), so each chunk reads through cache pointers moved
 // by the page's offset: position p then lands on its pool row. The step's own rows were written
 // by the kernel before: it waits first.
-template <int H, int KV, int HD, class P, int PAGE, int TABLE>
+template <int H, int KV, int HD, class P, int PAGE, int TABLE, class Sinks = NoSinks>
 __device__ __forceinline__ void attention_paged(const float* q, const bf16_t* kc, const bf16_t* vc, const int* pos_p,
-                                                const int* pages_p, int window, float scale, float softcap, float* o) {
+                                                const int* pages_p, int window, float scale, float softcap, float* o,
+                                                Sinks sinks = {}) {
     static_assert(PAGE % P::CHUNK == 0, "a pass's chunk must lie inside one page");
     constexpr int G = H / KV;
     grid_wait_then_release();
@@ -134,8 +137,8 @@ __device__ __forceinline__ void attention_paged(const float* q, const bf16_t* kc
         pass.softmax(softcap, part);
         st.merge(part);
     }
-    P::block_merge(st, [&](int g, int d, float, float l, float a) {
-        o[(size_t)t * H * HD + (blockIdx.x * G + g) * HD + d] = a / l;
+    P::block_merge(st, [&](int g, int d, float m, float l, float a) {
+        o[(size_t)t * H * HD + (blockIdx.x * G + g) * HD + d] = a / (l + sinks(blockIdx.x * G + g, m));
     });
 }
 
@@ -143,8 +146,8 @@ __device__ __forceinline__ void attention_paged(const float* q, const bf16_t* kc
 // contexts there are dozens of chunks, so each warp takes every WARPS-th chunk, GROUP at a time
 // with all their loads issued together (4 dims per lane), keeps a running softmax state, and
 // the warps' states meet once in shared memory.
-template <int HD, int CHUNK, int NCHUNK, int WARPS, int GROUP>   // blockDim.x == 32 * WARPS
-__device__ __forceinline__ void attention_combine(const float* ws, float* o, int pos, int window) {
+template <int HD, int CHUNK, int NCHUNK, int WARPS, int GROUP, class Sinks = NoSinks>   // blockDim.x == 32 * WARPS
+__device__ __forceinline__ void attention_combine(const float* ws, float* o, int pos, int window, Sinks sinks = {}) {
     using R = Record<HD>;
     constexpr int DSTEPS = (HD + 127) / 128;                // float4s per lane
     __shared__ float wm[WARPS], wl[WARPS], wacc[WARPS][R::MAX_AT];
@@ -202,6 +205,7 @@ __device__ __forceinline__ void attention_combine(const float* ws, float* o, int
     float den = 0.0f;
 #pragma unroll
     for (int w = 0; w < WARPS; w++) den = fmaf(wm[w] == NEG_INF ? 0.0f : __expf(wm[w] - mx), wl[w], den);
+    den += sinks(h, mx);
     for (int d = threadIdx.x; d < HD; d += blockDim.x) {
         float num = 0.0f;
 #pragma unroll

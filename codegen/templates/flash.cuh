@@ -13,6 +13,7 @@
 #pragma once
 #include "common.cuh"
 #include "cp_async.cuh"
+#include "attention_sinks.cuh"
 #include "mma.cuh"
 
 constexpr int FLASH_WARPS = 4, FLASH_ROWS = 16 * FLASH_WARPS, FLASH_BN = 64;
@@ -26,9 +27,10 @@ __device__ __forceinline__ int flash_offset(int r, int c) { return r * HD * 2 + 
 // The attention of tokens TOK blockIdx.y .. (those below TT) for KV head blockIdx.x: q [TT][H HD]
 // float, caches [rows][KV HD] bf16 (this step's rows written by the previous kernel), pos_p [TT],
 // o [TT][H HD] float; smem: two tiles of K and V rows (4 FLASH_BN HD bf16), 16-byte aligned.
-template <int H, int KV, int HD, int TOK, int TT>
+template <int H, int KV, int HD, int TOK, int TT, class Sinks = NoSinks>
 __device__ __forceinline__ void flash_prefill(const float* q, const bf16_t* kc, const bf16_t* vc, const int* pos_p,
-                                              int window, float scale, float softcap, float* o, unsigned char* smem) {
+                                              int window, float scale, float softcap, float* o, unsigned char* smem,
+                                              Sinks sinks = {}) {
     constexpr int G = H / KV, W = KV * HD, CHUNKS = HD / 8, KSTEPS = HD / 16, NT = FLASH_BN / 8, DT = HD / 8;
     constexpr int TILE = FLASH_BN * HD * 2, THREADS = 32 * FLASH_WARPS;
     static_assert((HD == 64 || HD == 128) && TOK * G <= FLASH_ROWS && TOK >= 1, "flash prefill shape");
@@ -144,9 +146,11 @@ __device__ __forceinline__ void flash_prefill(const float* q, const bf16_t* kc, 
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
         if (qtok[r] >= tokens) continue;
-        float* out = o + (size_t)(t0 + qtok[r]) * H * HD + (blockIdx.x * G + qhead[r]) * HD + 2 * quad;
+        const int head = blockIdx.x * G + qhead[r];
+        float* out = o + (size_t)(t0 + qtok[r]) * H * HD + head * HD + 2 * quad;
+        const float den = l[r] + sinks(head, m[r]);
 #pragma unroll
         for (int d = 0; d < DT; d++)
-            *reinterpret_cast<float2*>(out + 8 * d) = make_float2(acc[d][2 * r] / l[r], acc[d][2 * r + 1] / l[r]);
+            *reinterpret_cast<float2*>(out + 8 * d) = make_float2(acc[d][2 * r] / den, acc[d][2 * r + 1] / den);
     }
 }

@@ -122,3 +122,10 @@ __device__ __forceinline__ bool route_tokens_to(const float* logits, int e, floa
     __syncthreads();
     return chosen != 0;
 }
+
+// gpt-oss's expert product of gate a and up b: g sigmoid(alpha g) (u + 1), with g = min(a, limit)
+// and u = b clipped to [-limit, limit].
+__device__ __forceinline__ float clamped_swiglu(float a, float b, float limit, float alpha) {
+    const float g = fminf(a, limit), u = fminf(fmaxf(b, -limit), limit);
+    return g / (1.0f + __expf(-alpha * g)) * (u + 1.0f);
+}

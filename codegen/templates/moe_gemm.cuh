@@ -31,7 +31,7 @@ struct ExpertTile<void, K, M, R, N, EXPERT_BYTES> {
 };
 
 // Batched prefill, gate and up: block (expert e, tile of R = 16 x warps rows), in a grid of E x
-// ceil(I / R) blocks, writes glu(gate, up) of every token of the step into the workspace ws
+// ceil(I / R) blocks, writes glu(e, row, gate, up) of every token of the step into the workspace ws
 // [E][TT][I]; an expert no token chose is skipped. F, EXPERT_BYTES: the experts' format
 // (ExpertTile); W their pointers; NORM: the router's renormalised top-K (route_token).
 template <int E, int TOPK, bool NORM, int I, int D, int TT, int KC, int THREADS, class F, long long EXPERT_BYTES,
@@ -56,17 +56,19 @@ __device__ __forceinline__ void moe_up_tokens(const float* x, const float* logit
     gemm_tile<D, D, TT, KC, THREADS, false>(rows, 0, vectors, smem.x, smem.tile, ss);
     for (int i = threadIdx.x; i < R * TT; i += THREADS) {
         const int s = i % R, t = i / R, row = tile * R + s;
-        if (row < I) ws[((size_t)e * TT + t) * I + row] = glu(smem.tile[s * TT + t], smem.tile[(R + s) * TT + t]);
+        if (row < I) ws[((size_t)e * TT + t) * I + row] = glu(e, row, smem.tile[s * TT + t], smem.tile[(R + s) * TT + t]);
     }
 }
 
 // Batched prefill, down: block (expert e, tile of R rows) writes each token's product, times its
 // weight for e, into that token's slot for e in `terms` [TT][TOPK][D]: every slot is written by
 // the one expert that fills it, and moe_sum_tokens adds them in slot order, so the sum does not
-// depend on the order the blocks ran in (as atomic adds would, for TOPK > 2).
+// depend on the order the blocks ran in (as atomic adds would, for TOPK > 2). bias(e, row): the
+// expert's down bias (gpt-oss; 0 for the others).
 template <int E, int TOPK, bool NORM, int I, int D, int TT, int KC, int THREADS, class F, long long EXPERT_BYTES,
-          class W>
-__device__ __forceinline__ void moe_down_tokens(const float* logits, const W* w_down, const float* ws, float* terms) {
+          class W, class Bias>
+__device__ __forceinline__ void moe_down_tokens(const float* logits, const W* w_down, const float* ws, float* terms,
+                                                Bias bias) {
     constexpr int R = 16 * (THREADS / 32), TILES = (D + R - 1) / R;
     using Experts = ExpertTile<F, I, 1, R, D, EXPERT_BYTES>;
     static_assert(TT <= THREADS, "route_tokens_to: a thread per token");
@@ -85,7 +87,8 @@ __device__ __forceinline__ void moe_down_tokens(const float* logits, const W* w_
     gemm_tile<I, I, TT, KC, THREADS, false>(rows, 0, vectors, smem.x, smem.tile, ss);
     for (int i = threadIdx.x; i < R * TT; i += THREADS) {
         const int s = i % R, t = i / R, row = tile * R + s;
-        if (row < D && slot_of[t] >= 0) terms[((size_t)t * TOPK + slot_of[t]) * D + row] = weight_of[t] * smem.tile[s * TT + t];
+        if (row < D && slot_of[t] >= 0)
+            terms[((size_t)t * TOPK + slot_of[t]) * D + row] = weight_of[t] * (smem.tile[s * TT + t] + bias(e, row));
     }
 }
 

@@ -1,0 +1,86 @@
+"""gpt-oss (20b, 120b): attention with biases, a learned sink logit per head and alternating
+sliding windows (`layer_types`), YaRN RoPE, and routed experts with biases and a clamped SwiGLU.
+
+The router is a linear with a bias; the top `num_experts_per_tok` logits are softmaxed (moe_ffn's
+renormalised top-k). Each expert computes g sigmoid(`swiglu_alpha` g) (u + 1) with
+g = min(gate, `swiglu_limit`) and u = up clipped to +-limit. YaRN's attention factor f scales
+the rotated Q and K, so scores by f^2: the attention scale carries it. The checkpoint stacks the
+experts: `mlp.experts.gate_up_proj` [E, D, 2I] with gate and up interleaved (columns 0, 2, ... and
+1, 3, ...), `down_proj` [E, I, D], both transposed against ours, plus their biases; the released
+checkpoints hold both matrices in MXFP4 (`_blocks`, `_scales`), read here as floats.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..dsl import Graph
+from .config import DecoderConfig, rope_attention_factor
+from .layers import embed, layer_windows, linear, lm_head, rmsnorm, self_attention, step_inputs
+
+EXPERTS = "mlp.experts"
+
+
+def experts(cfg: DecoderConfig) -> tuple[int, int]:
+    """(expert count, experts per token)."""
+    return int(cfg.extra.get("num_local_experts") or 32), int(cfg.extra.get("num_experts_per_tok") or 4)
+
+
+def build(cfg: DecoderConfig) -> Graph:
+    """One step of a gpt-oss decoder."""
+    g = Graph(cfg.architecture)
+    ids, pos, inv_freq = step_inputs(g, cfg)
+    eps, windows, (E, top_k) = cfg.rms_norm_eps, layer_windows(cfg), experts(cfg)
+    D, inter, ex = cfg.hidden_size, cfg.intermediate_size, cfg.extra
+    scale = cfg.head_dim ** -0.5 * rope_attention_factor(cfg) ** 2
+    clamp = {"swiglu_limit": float(ex.get("swiglu_limit", 7.0)), "swiglu_alpha": float(ex.get("swiglu_alpha", 1.702))}
+    x = embed(g, cfg, ids)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        h = rmsnorm(g, x, f"{p}.input_layernorm.weight", eps)
+        x = x + self_attention(g, cfg, i, h, pos, inv_freq, True, True, window=windows[i], sinks=True, scale=scale)
+        h = rmsnorm(g, x, f"{p}.post_attention_layernorm.weight", eps)
+        logits = linear(g, h, f"{p}.mlp.router", E, bias=True)
+        w = lambda name, shape: g.weight(f"{p}.{EXPERTS}.{name}", shape)   # noqa: E731
+        x = x + g.op("moe_ffn", h, logits, w("gate_proj.weight", (E, inter, D)), w("up_proj.weight", (E, inter, D)),
+                     w("down_proj.weight", (E, D, inter)), w("gate_proj.bias", (E, inter)),
+                     w("up_proj.bias", (E, inter)), w("down_proj_bias", (E, D)), top_k=top_k, **clamp)
+    g.output(logits=lm_head(g, cfg, rmsnorm(g, x, "model.norm.weight", eps)))
+    return g
+
+
+# MXFP4's 16 code values (e2m1); a block of 32 shares a power-of-two scale (e8m0, bias 127)
+FP4_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def mxfp4_to_float(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """A checkpoint's MXFP4 matrix as float32 [..., rows, K]: `blocks` [..., rows, K/32, 16] bytes
+    (element 2j in byte j's low nibble, 2j + 1 in its high one), `scales` [..., rows, K/32]."""
+    codes = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    values = FP4_VALUES[codes] * np.ldexp(np.float32(1), scales.astype(np.int32) - 127)[..., None]
+    return values.reshape(*scales.shape[:-1], -1)
+
+
+def checkpoint_views(cfg: DecoderConfig, names: set[str]) -> dict:
+    """Graph weight -> loading.tensor_views.View for each expert tensor, read from the checkpoint's
+    stacks (floats or MXFP4, whichever `names` holds)."""
+    from ..loading.tensor_views import View
+    views = {}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}.{EXPERTS}"
+        gu, down = f"{p}.gate_up_proj", f"{p}.down_proj"
+        if f"{gu}_blocks" in names:       # MXFP4 [E, out, K/32, 16]: out = 2I interleaved, or D
+            dense = lambda s: (*s[:-2], s[-2] * 32)   # noqa: E731
+            for j, name in enumerate(("gate_proj", "up_proj")):
+                views[f"{p}.{name}.weight"] = View(
+                    (f"{gu}_blocks", f"{gu}_scales"), lambda s, s2: (s[0], s[1] // 2, s[2] * 32),
+                    lambda b, sc, j=j: mxfp4_to_float(b[:, j::2], sc[:, j::2]), codes=True)
+            views[f"{p}.down_proj.weight"] = View((f"{down}_blocks", f"{down}_scales"), lambda s, s2: dense(s),
+                                                  mxfp4_to_float, codes=True)
+        else:                             # floats, transposed: [E, D, 2I] and [E, I, D]
+            for j, name in enumerate(("gate_proj", "up_proj")):
+                views[f"{p}.{name}.weight"] = View((gu,), lambda s: (s[0], s[2] // 2, s[1]),
+                                                   lambda w, j=j: w[:, :, j::2].transpose(0, 2, 1))
+            views[f"{p}.down_proj.weight"] = View((down,), lambda s: (s[0], s[2], s[1]), lambda w: w.transpose(0, 2, 1))
+        for j, name in enumerate(("gate_proj", "up_proj")):   # biases [E, 2I], interleaved alike
+            views[f"{p}.{name}.bias"] = View((f"{gu}_bias",), lambda s: (s[0], s[1] // 2), lambda b, j=j: b[:, j::2])
+    return views
