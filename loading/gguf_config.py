@@ -15,7 +15,8 @@ from .gguf_store import metadata
 # with experts (`llama.expert_count`, or a router tensor `ffn_gate_inp`) is Mixtral's.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                 "smollm3": "SmolLM3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
+                 "smollm3": "SmolLM3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "gpt-oss": "GptOssForCausalLM"}
 
 
 def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> dict:
@@ -70,6 +71,8 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> dict:
                    moe_intermediate_size=key("expert_feed_forward_length"), norm_topk_prob=True)
     if arch == "phi3":
         cfg.update(_phi3_keys(reader, cfg, key))
+    if arch == "gpt-oss":
+        cfg.update(_gpt_oss_keys(cfg, key))
     if "rope_freqs.weight" in names:  # llama.cpp keeps Llama 3.1 RoPE scaling as a tensor, not metadata
         warnings.warn(f"{path}: the rope_freqs tensor (Llama 3.1 RoPE scaling) is ignored; "
                       "long-context outputs will differ", stacklevel=2)
@@ -136,3 +139,17 @@ def _phi3_keys(reader: gguf.GGUFReader, cfg: dict, key) -> dict:
 def generation_from_gguf(cfg: dict) -> dict:
     """What a generation_config.json would say, as far as GGUF metadata tells (special token ids)."""
     return {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
+
+
+def _gpt_oss_keys(cfg: dict, key) -> dict:
+    """gpt-oss's keys: experts and their width, the sliding window, YaRN. What llama.cpp fixes
+    for this arch instead of writing it: sliding windows on the even layers, YaRN's betas 32 and
+    1, the SwiGLU clamp at 7 (the released models' values; their truncate false)."""
+    return dict(num_local_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
+                intermediate_size=key("expert_feed_forward_length"), sliding_window=key("attention.sliding_window"),
+                layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                             for i in range(cfg["num_hidden_layers"])],
+                swiglu_limit=7.0, attention_bias=True,
+                rope_scaling={"rope_type": "yarn", "factor": key("rope.scaling.factor"),
+                              "original_max_position_embeddings": key("rope.scaling.original_context_length"),
+                              "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False})

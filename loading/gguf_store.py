@@ -22,6 +22,10 @@ architecture (`general.architecture`), and we undo:
 - phi3: Q, K, V fused as `attn_qkv` and gate, up as `ffn_up` (the Hub's qkv_proj and
   gate_up_proj, split by models/phi3.checkpoint_rows); `rope_factors_long` / `_short` are LongRoPE's
   factors, read into the config (gguf_config.py), not weights.
+- gpt-oss: the norm after attention is `post_attention_norm`, the sinks `attn_sinks.weight`, the
+  router `ffn_gate_inp` (with a bias); the experts are whole stacks, gate and up apart (the
+  converter splits the Hub's interleaved gate_up_proj), with biases, MXFP4 or floats: read as the
+  stacks models/gpt_oss.py names (`mlp.experts.gate_proj.weight` [E, I, D], ...).
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ from ..errors import FuselmError
 from .tensor_store import TensorStore
 
 SUPPORTED = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
-             Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+             Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4}
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAMES = {
@@ -65,7 +69,11 @@ _ARCH_BLOCK_NAMES = {
     "olmo2": {**_BLOCK_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
               "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
     "smollm3": _BLOCK_NAMES,
+    "gpt-oss": {**_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
+                "ffn_gate_inp": "mlp.router", "ffn_gate_exps": "mlp.experts.gate_proj",
+                "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"},
 }
+UNSUFFIXED = ("self_attn.sinks",)          # Hugging Face names without the ".weight" llama.cpp adds
 PERMUTED_QK = {"llama", "smollm3"}          # archs whose converter reorders Q/K rows for llama.cpp's RoPE
 NORM_PLUS_ONE = {"gemma2", "gemma3"}       # archs whose converter stores norm weights as 1 + w
 
@@ -80,7 +88,8 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
         return f"model.layers.{m[1]}.{block}.experts.{m[3] or '*'}.{names[m[2]]}.weight"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if m and m[2] in block_names:
-        return f"model.layers.{m[1]}.{block_names[m[2]]}.{m[3]}"
+        ours = block_names[m[2]]
+        return f"model.layers.{m[1]}.{ours}" + ("" if ours in UNSUFFIXED else f".{m[3]}")
     m = re.fullmatch(r"(\w+)\.(weight|bias)", gguf_name)
     if m and m[1] in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[m[1]]}.{m[2]}"

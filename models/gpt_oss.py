@@ -43,7 +43,7 @@ def build(cfg: DecoderConfig) -> Graph:
         w = lambda name, shape: g.weight(f"{p}.{EXPERTS}.{name}", shape)   # noqa: E731
         x = x + g.op("moe_ffn", h, logits, w("gate_proj.weight", (E, inter, D)), w("up_proj.weight", (E, inter, D)),
                      w("down_proj.weight", (E, D, inter)), w("gate_proj.bias", (E, inter)),
-                     w("up_proj.bias", (E, inter)), w("down_proj_bias", (E, D)), top_k=top_k, **clamp)
+                     w("up_proj.bias", (E, inter)), w("down_proj.bias", (E, D)), top_k=top_k, **clamp)
     g.output(logits=lm_head(g, cfg, rmsnorm(g, x, "model.norm.weight", eps)))
     return g
 
@@ -83,4 +83,5 @@ def checkpoint_views(cfg: DecoderConfig, names: set[str]) -> dict:
             views[f"{p}.down_proj.weight"] = View((down,), lambda s: (s[0], s[2], s[1]), lambda w: w.transpose(0, 2, 1))
         for j, name in enumerate(("gate_proj", "up_proj")):   # biases [E, 2I], interleaved alike
             views[f"{p}.{name}.bias"] = View((f"{gu}_bias",), lambda s: (s[0], s[1] // 2), lambda b, j=j: b[:, j::2])
+        views[f"{p}.down_proj.bias"] = View((f"{down}_bias",), lambda s: s, lambda b: b)
     return views

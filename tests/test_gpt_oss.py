@@ -90,7 +90,7 @@ def test_the_graph_reads_every_checkpoint_tensor(h, tmp_path):
     graph = build_graph(ckpt.config)
     used = {n.name for n in graph.sources("weight")}
     stacked = {n for n in ckpt.tensors.names() if n.endswith(("experts.gate_up_proj", "experts.down_proj",
-                                                              "experts.gate_up_proj_bias"))}
+                                                              "experts.gate_up_proj_bias", "experts.down_proj_bias"))}
     assert set(ckpt.tensors.names()) - stacked == used
     for n in graph.sources("weight"):
         assert ckpt.tensors.shape(n.name) == n.shape, n.name
