@@ -11,9 +11,13 @@ Before: one DSL graph. After, for each rank r: a graph of the same nodes in whic
   elementwise product before another linear (an MLP's gate and up);
 - the linears reading those split values (O, down) are split by input columns ("row-parallel")
   and followed by an `all_reduce` op: each rank holds a partial sum, the op adds them up;
+- routed experts keep every expert on every rank, each with 1/N of its intermediate width (gate
+  and up rows, down columns, their biases alike; the down bias on rank 0 alone), the router
+  replicated, and an `all_reduce` after them;
+- attention sinks (gpt-oss) go with their heads;
 - everything else (embedding, norms, residual adds, LM head) is replicated.
 The fusion passes then run on each rank's graph as on any graph. What cannot be split this way
-(a norm over a whole Q/K projection, routed experts, heads not divisible by N) is refused by name.
+(a norm over a whole Q/K projection, heads or expert widths not divisible by N) is refused by name.
 """
 from __future__ import annotations
 
@@ -35,11 +39,16 @@ class Shard:
     ranks: int
     graph: Graph
     split_axes: dict[str, int] = field(default_factory=dict)
+    first_rank_only: set[str] = field(default_factory=set)   # added once to a sum: zero on the other ranks
 
     def weights(self, full: dict) -> dict:
-        """This rank's weights: its slice of each split weight, the others as they are."""
-        return {name: (np.split(np.asarray(w), self.ranks, axis=self.split_axes[name])[self.rank]
-                       if name in self.split_axes else w) for name, w in full.items()}
+        """This rank's weights: its slice of each split weight, the others as they are (zeros
+        for those of first_rank_only past rank 0)."""
+        def part(name, w):
+            if name in self.first_rank_only and self.rank:
+                return np.zeros_like(w)
+            return np.split(np.asarray(w), self.ranks, axis=self.split_axes[name])[self.rank] if name in self.split_axes else w
+        return {name: part(name, w) for name, w in full.items()}
 
 
 class _Plan:
@@ -50,7 +59,8 @@ class _Plan:
         self.graph, self.ranks = graph, ranks
         self.split: set[str] = set()          # activations, states and constants split along their last axis
         self.weight_axes: dict[str, int] = {}
-        self.row_parallel: list[str] = []
+        self.row_parallel: list[str] = []     # nodes whose outputs are partial sums: an all_reduce follows
+        self.first_rank_only: set[str] = set()
         self.consumers: dict[str, list[str]] = {n: [] for n in graph.nodes}
         for n in graph.nodes.values():
             for i in n.inputs:
@@ -125,18 +135,16 @@ def partition(graph: Graph, ranks: int) -> list[Shard]:
         return [Shard(0, 1, graph)]
     plan = _Plan(graph, ranks)
     for n in graph.nodes.values():
-        if n.op not in SOURCE_OPS and get(n.op).kind is Kind.MOE:
-            raise FuselmError(f"tensor parallelism: {n.name}: routed experts are not partitioned yet")
         if n.op == "paged_attention":
             raise FuselmError(f"tensor parallelism: {n.name}: partition the graph before paging it")
+        if n.op not in SOURCE_OPS and get(n.op).kind is Kind.MOE:
+            _split_experts(plan, n)
     attentions = [n for n in graph.nodes.values() if n.op == "attention"]
     for a in attentions:                         # heads: Q, and the caches' K and V
         plan.divisible(a.attrs["n_heads"], "query heads", a.name)
         plan.divisible(a.attrs["n_kv_heads"], "KV heads", a.name)
         q, kc, vc = a.inputs[:3]
-        if len(a.inputs) > 4:
-            raise FuselmError(f"tensor parallelism: {a.name}: attention sinks are not partitioned yet")
-        acc = {a.name: None}
+        acc = {a.name: None, **{sinks: 0 for sinks in a.inputs[4:]}}   # the sinks [H] go with their heads
         for cache in (kc, vc):
             write = graph.nodes[cache]                            # kv_write(state, k, pos)
             acc[cache], acc[write.inputs[0]] = None, None
@@ -155,6 +163,19 @@ def partition(graph: Graph, ranks: int) -> list[Shard]:
                 plan.commit(acc)
                 plan.forward(src.name)
     return [_shard(graph, plan, r) for r in range(ranks)]
+
+
+def _split_experts(plan: _Plan, node: Node) -> None:
+    """Every expert of moe_ffn `node` on every rank with 1/N of its intermediate width: gate and
+    up stacks [E, I, D] and their biases [E, I] along I, the down stack [E, D, I] along I, its
+    bias [E, D] on rank 0 alone; the output a partial sum."""
+    gate, up, down, *biases = node.inputs[2:]
+    plan.divisible(plan.graph.nodes[gate].shape[1], "expert intermediate rows", node.name)
+    plan.weight_axes.update({gate: 1, up: 1, down: 2})
+    if biases:
+        plan.weight_axes.update({biases[0]: 1, biases[1]: 1})
+        plan.first_rank_only.add(biases[2])
+    plan.row_parallel.append(node.name)
 
 
 def _shard(graph: Graph, plan: _Plan, rank: int) -> Shard:
@@ -183,4 +204,4 @@ def _shard(graph: Graph, plan: _Plan, rank: int) -> Shard:
             g.nodes[total] = Node(total, "all_reduce", (n.name,), {"ranks": n_ranks}, n.shape, n.dtype)
             renamed[n.name] = total
     g.outputs = {k: renamed.get(v, v) for k, v in graph.outputs.items()}
-    return Shard(rank, n_ranks, g, dict(plan.weight_axes))
+    return Shard(rank, n_ranks, g, dict(plan.weight_axes), set(plan.first_rank_only))

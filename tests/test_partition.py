@@ -14,11 +14,17 @@ from fuselm.errors import FuselmError
 from fuselm.models import DecoderConfig, build_graph
 from fuselm.runtime.reference import new_state, run_graph, run_ranks
 
-ARCHS = {   # each one's distinctive layers: windows, biases, per-head Q/K norms, soft-capping and post-norms, LongRoPE-free Phi-3
+ARCHS = {   # each one's distinctive layers: windows, biases, per-head Q/K norms, soft-capping and post-norms,
+    # LongRoPE-free Phi-3, routed experts (Qwen3-MoE's 48 wide: any rank count here divides it), sinks
     "LlamaForCausalLM": {}, "MistralForCausalLM": {"sliding_window": 6}, "Qwen2ForCausalLM": {},
     "Qwen3ForCausalLM": {}, "Phi3ForCausalLM": {},
     "Gemma2ForCausalLM": {"sliding_window": 6, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 50.0,
                           "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh"},
+    "MixtralForCausalLM": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "Qwen3MoeForCausalLM": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                            "norm_topk_prob": True},
+    "GptOssForCausalLM": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6,
+                          "layer_types": ["sliding_attention", "full_attention"], "attention_bias": True},
 }
 
 
@@ -84,13 +90,30 @@ def test_the_split_keeps_whole_heads_and_two_all_reduces_a_layer():
     (lambda: tiny("LlamaForCausalLM", 3, 2, 8, 48), 2, "3 KV heads do not split over 2 ranks"),
     (lambda: tiny("LlamaForCausalLM", 2, 3, 8, 48), 4, "6 query heads do not split over 4 ranks"),
     (lambda: tiny("Olmo2ForCausalLM", 2, 2, 8, 48), 2, "normalizes the whole projection"),
-    (lambda: tiny("MixtralForCausalLM", 2, 2, 8, 48, num_local_experts=4, num_experts_per_tok=2), 2,
-     "routed experts are not partitioned yet"),
+    (lambda: tiny("MixtralForCausalLM", 2, 2, 8, 36, num_local_experts=4, num_experts_per_tok=2), 8,
+     "36 expert intermediate rows do not split over 8 ranks"),
     (lambda: tiny("LlamaForCausalLM", 2, 2, 8, 48), 0, "at least one rank"),
 ])
 def test_what_cannot_be_split_is_refused_by_name(cfg, ranks, message):
     with pytest.raises(FuselmError, match=message):
         partition(build_graph(cfg()), ranks)
+
+
+def test_experts_split_their_width_and_the_down_bias_is_added_once():
+    """gpt-oss over 2 ranks: every expert on both, half its intermediate rows each, the down
+    bias on rank 0 alone, the sinks with their heads, an all_reduce after the experts."""
+    cfg = tiny("GptOssForCausalLM", 2, 2, 8, 48, **ARCHS["GptOssForCausalLM"])
+    graph = build_graph(cfg)
+    shards = partition(graph, 2)
+    weights = random_weights(graph, np.random.default_rng(0))
+    p = "model.layers.0.mlp.experts"
+    ones = [s.weights(weights) for s in shards]
+    assert ones[1][f"{p}.gate_proj.weight"].shape == (4, 24, 32) and ones[1][f"{p}.down_proj.weight"].shape == (4, 32, 24)
+    assert np.array_equal(ones[0][f"{p}.down_proj.bias"], weights[f"{p}.down_proj.bias"])
+    assert not ones[1][f"{p}.down_proj.bias"].any()
+    assert ones[1]["model.layers.0.self_attn.sinks"].shape == (2,)
+    moe = next(n for n in shards[1].graph.nodes.values() if n.op == "moe_ffn")
+    assert f"{moe.name}.all_reduce" in shards[1].graph.nodes
 
 
 def test_inspect_tp_shows_each_ranks_share(capsys):
@@ -99,6 +122,10 @@ def test_inspect_tp_shows_each_ranks_share(capsys):
     out = capsys.readouterr().out
     assert "8 of 32 query heads, 2 of 8 KV heads" in out and "64 (2 a layer), 16384 bytes a token each" in out
     assert "o_proj.weight: (4096, 4096) split along axis 1 (input columns: row-parallel)" in out
+    assert cli.main(["inspect", "gpt-oss-20b", "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "experts.gate_proj.weight: (32, 2880, 2880) split along axis 1 (each expert's intermediate rows)" in out
+    assert "experts.down_proj.bias: (32, 2880) on rank 0 only" in out and "sinks: (64,) split along axis 0" in out
     assert cli.main(["inspect", "llama-3.1-8b", "--tp", "3"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: tensor parallelism: attention_10: 32 query heads do not split over 3 ranks"]

@@ -385,9 +385,19 @@ def tp_lines(cfg, source: str, ranks: int) -> list[str]:
     first = [w for w in split if ".0." in w or "layers.0." in w]
     for w in first:
         axis = shards[0].split_axes[w]
-        lines.append(f"    {w}: {full[w].shape} split along axis {axis} "
-                     f"({'output rows: column-parallel' if axis == 0 and len(full[w].shape) == 2 else 'input columns: row-parallel' if axis == 1 else 'with its rows'})")
+        lines.append(f"    {w}: {full[w].shape} split along axis {axis} ({_split_role(w, full[w].shape, axis)})")
+    lines += [f"    {w}: {full[w].shape} on rank 0 only (added once to the all-reduced sum)"
+              for w in sorted(shards[0].first_rank_only) if ".0." in w]
     return lines
+
+
+def _split_role(name: str, shape: tuple, axis: int) -> str:
+    """What splitting weight `name` of `shape` along `axis` makes of it (compiler/partition.py)."""
+    if len(shape) == 3 or ".experts." in name:   # experts: gate/up [E, I, D], biases [E, I], down [E, D, I]
+        return "each expert's intermediate rows" if axis == 1 else "each expert's intermediate columns"
+    if len(shape) == 2:
+        return "output rows: column-parallel" if axis == 0 else "input columns: row-parallel"
+    return "with its rows"
 
 
 def main(args: argparse.Namespace) -> int:
