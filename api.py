@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from .errors import FuselmError
-from .dsl.kv_dtype import check_kv
+from .dsl.kv_dtype import resolve_kv
 from .runtime.engine import Engine, SamplingParams
 from .runtime.generate import GenerationStats, encode_prompt, generate
 
@@ -31,7 +31,8 @@ def load(path: str | Path | None = None, device: str = "auto", ctx: int | None =
     On the GPU a GGUF's quantized matrices stay quantized; `quant` "bf16" takes them to bf16,
     "q8" / "q4" quantize a checkpoint's other matrices on load. The CPU runs float32 holding the
     same values (bf16-rounded, or quantized and dequantized), so quality is measured there too.
-    `kv` is the KV cache's dtype: "bf16", or "fp8" (e4m3, a scale per token and KV head)."""
+    `kv` is the KV cache's dtype: "bf16", "fp8" (e4m3, a scale per token and KV head), or "auto"
+    (fp8 for contexts beyond 8192 positions, bf16 within)."""
     from .models import build_graph
     from .loading.checkpoint import open_checkpoint   # deferred: heavy imports (gguf, tokenizers)
     from .loading.default_model import default_model_path
@@ -41,7 +42,7 @@ def load(path: str | Path | None = None, device: str = "auto", ctx: int | None =
         raise FuselmError(f"device must be one of {', '.join(DEVICES)}, got '{device}'")
     if ctx is not None and ctx <= 0:
         raise FuselmError(f"ctx must be a positive number of tokens, got {ctx}")
-    check_kv(kv)
+    resolve_kv(kv, 1)   # a bad value fails before the checkpoint is read
     if path is None:
         path = default_model_path(auto_pull=True, log=log)
     elif not Path(path).exists():
@@ -53,7 +54,7 @@ def load(path: str | Path | None = None, device: str = "auto", ctx: int | None =
                           f"(max_position_embeddings of {cfg.source or path})")
     ctx = ctx or min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
     graph = build_graph(cfg, ctx)   # Phi-3's LongRoPE picks its factors by the context
-    engine = _make_engine(device, graph, ckpt, ctx, fuse, progress, log, quant, kv)
+    engine = _make_engine(device, graph, ckpt, ctx, fuse, progress, log, quant, resolve_kv(kv, ctx))
     return Model(ckpt, engine, Path(path))
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from . import __version__
-from .dsl.kv_dtype import KV_DTYPES
+from .dsl.kv_dtype import AUTO_FP8_FROM, KV_CHOICES
 from .errors import FuselmError
 from .runtime.engine import SamplingError, SamplingParams
 from .runtime.generate import check_text
@@ -99,8 +99,9 @@ SAMPLING_OPTIONS = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top
 
 def add_kv_argument(p: argparse.ArgumentParser) -> None:
     """--kv: the KV cache's dtype (run, bench)."""
-    p.add_argument("--kv", choices=KV_DTYPES, default="bf16",
-                   help="KV cache dtype: bf16, or fp8 (e4m3 with a scale per token and KV head: half the bytes)")
+    p.add_argument("--kv", choices=KV_CHOICES, default="bf16",
+                   help="KV cache dtype: bf16, fp8 (e4m3 with a scale per token and KV head: half the bytes), "
+                        f"or auto (fp8 for a context beyond {AUTO_FP8_FROM} tokens, bf16 within)")
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:

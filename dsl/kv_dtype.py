@@ -14,14 +14,18 @@ import numpy as np
 from ..errors import FuselmError
 
 KV_DTYPES = ("bf16", "fp8")
+KV_CHOICES = (*KV_DTYPES, "auto")   # what a user may ask for: "auto" picks by the context (resolve_kv)
+# "auto" takes fp8 for contexts longer than this: there an 8B's bf16 cache of a full context reads
+# over 1 GiB a token (7% of its weights' bytes and growing), and fp8 halves it
+AUTO_FP8_FROM = 8192
 E4M3_MAX = 448.0
 
 
 class KvDtypeError(FuselmError, ValueError):
-    """A KV cache dtype that is not one of KV_DTYPES; `param` names the parameter that held it."""
+    """A KV cache dtype that is not one of `choices`; `param` names the parameter that held it."""
 
-    def __init__(self, param: str, value):
-        super().__init__(f"{param} must be one of {', '.join(KV_DTYPES)}, got {value!r}")
+    def __init__(self, param: str, value, choices=KV_DTYPES):
+        super().__init__(f"{param} must be one of {', '.join(choices)}, got {value!r}")
         self.param = param
 
 
@@ -29,6 +33,16 @@ def check_kv(value, param: str = "kv") -> str:
     """`value` when it is a known KV cache dtype, else KvDtypeError naming `param`."""
     if value not in KV_DTYPES:
         raise KvDtypeError(param, value)
+    return value
+
+
+def resolve_kv(value, ctx: int, param: str = "kv") -> str:
+    """The KV cache dtype `value` (one of KV_CHOICES) means for an engine of `ctx` positions:
+    "auto" is fp8 beyond AUTO_FP8_FROM positions and bf16 within, as calm switches past 4k."""
+    if value not in KV_CHOICES:
+        raise KvDtypeError(param, value, KV_CHOICES)
+    if value == "auto":
+        return "fp8" if ctx > AUTO_FP8_FROM else "bf16"
     return value
 
 

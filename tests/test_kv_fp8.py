@@ -100,7 +100,8 @@ def test_with_kv_dtype_marks_every_cache_write_with_its_head_size():
 @pytest.mark.parametrize("call", ["dsl", "api", "cpu_engine", "build"])
 def test_a_bad_kv_dtype_is_refused_naming_the_parameter(call, tmp_path):
     graph = build_graph(preset("smollm2-135m"))
-    with pytest.raises(KvDtypeError, match=r"^kv must be one of bf16, fp8, got 'fp16'$") as e:
+    choices = "bf16, fp8, auto" if call == "api" else "bf16, fp8"   # the API takes "auto" too
+    with pytest.raises(KvDtypeError, match=rf"^kv must be one of {choices}, got 'fp16'$") as e:
         if call == "dsl":
             with_kv_dtype(graph, "fp16")
         elif call == "api":
@@ -114,12 +115,31 @@ def test_a_bad_kv_dtype_is_refused_naming_the_parameter(call, tmp_path):
     assert e.value.param == "kv"
 
 
+def test_auto_takes_fp8_beyond_8192_positions(tmp_path):
+    """kv="auto": bf16 up to AUTO_FP8_FROM positions, fp8 beyond; the engine fuselm.load makes
+    gets what it resolves to."""
+    import json
+
+    from tiny_files import TINY, write_tiny_folder
+
+    import fuselm
+    from fuselm.dsl.kv_dtype import AUTO_FP8_FROM, resolve_kv
+
+    assert [resolve_kv("auto", n) for n in (1, AUTO_FP8_FROM, AUTO_FP8_FROM + 1)] == ["bf16", "bf16", "fp8"]
+    assert resolve_kv("bf16", 10 ** 6) == "bf16" and resolve_kv("fp8", 16) == "fp8"
+    folder = write_tiny_folder(tmp_path)
+    (folder / "config.json").write_text(json.dumps({**TINY, "max_position_embeddings": AUTO_FP8_FROM + 64}))
+    assert fuselm.load(folder, device="cpu", ctx=64, kv="auto", progress=False).engine.kv_dtype == "bf16"
+    assert fuselm.load(folder, device="cpu", ctx=AUTO_FP8_FROM + 1, kv="auto", progress=False).engine.kv_dtype == "fp8"
+
+
 def test_the_cli_takes_kv_and_refuses_other_values(capsys):
     from fuselm.cli import build_parser
     parser = build_parser()
     assert parser.parse_args(["run", "-p", "x", "--kv", "fp8"]).kv == "fp8"
     assert parser.parse_args(["run", "-p", "x"]).kv == "bf16"
     assert parser.parse_args(["bench", "--kv", "fp8", "--positions", "1024,4096"]).kv == "fp8"
+    assert parser.parse_args(["run", "-p", "x", "--kv", "auto"]).kv == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(["run", "-p", "x", "--kv", "int8"])
     assert "--kv" in capsys.readouterr().err

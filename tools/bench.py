@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..dsl.kv_dtype import resolve_kv
 from ..errors import FuselmError
 from ..models import build_graph
 from ..models.presets import PRESETS, preset
@@ -161,7 +162,7 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
     and long-prompt measurements and the profile at 4k (for quick A/B runs); `positions`: decode
     tok/s also from each of these start positions (the cache grows to hold the last one's run);
     `quant`: a preset's weights made in that scheme's formats (quant/schemes.py); `kv`: the KV
-    cache's dtype (bf16 or fp8); `batches`: continuous-batching throughput at these numbers of
+    cache's dtype (bf16, fp8 or auto: by the context, resolve_kv); `batches`: continuous-batching throughput at these numbers of
     sequences (batch_rates)."""
     import cupy as cp
 
@@ -177,6 +178,7 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
     else:
         cfg = preset(name)
     ctx = context_for(cfg, name, ctx, positions, tokens)
+    kv = resolve_kv(kv, ctx)
     graph = build_graph(cfg)
     t0 = time.perf_counter()
     if ckpt is not None:
