@@ -14,7 +14,7 @@ import pytest
 
 from fuselm.dsl import Graph
 from fuselm.errors import FuselmError
-from fuselm.models import DecoderConfig, build_graph
+from fuselm.models import DecoderConfig, build_graph, checkpoint_views
 from fuselm.models.presets import PRESETS
 from fuselm.runtime.cuda_engine import gpu_available
 from fuselm.runtime.engine import SamplingParams
@@ -458,7 +458,8 @@ REAL_SHAPES = {"smollm2-135m": {}, "llama-3.2-1b": {}, "llama-3.1-8b": {},
                # the other architectures at their real layer shapes, 4 layers deep
                "mistral-7b": {"num_hidden_layers": 4}, "qwen2.5-7b": {"num_hidden_layers": 4},
                "qwen3-8b": {"num_hidden_layers": 4}, "gemma-2-9b": {"num_hidden_layers": 4},
-               "mixtral-8x7b": {"num_hidden_layers": 4}}
+               "mixtral-8x7b": {"num_hidden_layers": 4},
+               "gpt-oss-20b": {"num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2}}
 
 
 @pytest.mark.parametrize("variant", [{"head_dim": 64, "num_key_value_heads": 1},
@@ -734,7 +735,15 @@ def test_real_shapes_match_transformers(name):
             for v in routers:
                 v.mul_(8)
         sd = mixtral_checkpoint_names(sd, cfg.intermediate_size)
-    weights = {n.name: cp.from_dlpack(sd[n.name].contiguous().view(torch.int16)).view(cp.uint16)
+    if arch == "GptOssForCausalLM":   # the same for its routers (a bias too: it stays)
+        with torch.no_grad():
+            for k, v in sd.items():
+                if k.endswith("mlp.router.weight"):
+                    v.mul_(8)
+    raw = {k: cp.from_dlpack(v.contiguous().view(torch.int16)).view(cp.uint16) for k, v in sd.items()}
+    views = checkpoint_views(cfg, set(raw))   # gpt-oss's experts: interleaved, transposed stacks
+    weights = {n.name: raw[n.name] if n.name in raw else
+               cp.ascontiguousarray(views[n.name].take(*(raw[src] for src in views[n.name].sources)))
                for n in graph.sources("weight")}
     eng = engine_for(graph, weights, ctx=128)
     prompt = torch.randint(0, cfg.vocab_size, (1, 16), device="cuda")
