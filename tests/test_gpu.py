@@ -545,24 +545,34 @@ def test_the_wide_split_matches_the_split_at_real_shapes():
     assert err < 1e-4, f"wide split vs split: relative logit difference {err:.2e}"
 
 
-def attention_graph(heads: int, kv_heads: int, head_dim: int, window: int, softcap: float) -> Graph:
+def attention_graph(heads: int, kv_heads: int, head_dim: int, window: int, softcap: float,
+                    sinks: bool = False) -> Graph:
     """One attention node over caches "kc" and "vc" (states) that its inputs k and v are written
-    into at "pos"; queries "q"; output "out"."""
+    into at "pos"; queries "q"; output "out"; with `sinks`, the weight "sinks" [H] (gpt-oss)."""
     g = Graph("attention")
     pos = g.input("pos", ("T",), "i32")
     q, k, v = (g.input(n, ("T", h * head_dim)) for n, h in (("q", heads), ("k", kv_heads), ("v", kv_heads)))
     kc = g.op("kv_write", g.state("kc", ("S", kv_heads * head_dim)), k, pos)
     vc = g.op("kv_write", g.state("vc", ("S", kv_heads * head_dim)), v, pos)
-    g.output(out=g.op("attention", q, kc, vc, pos, n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim,
+    extra = [g.weight("sinks", (heads,))] if sinks else []
+    g.output(out=g.op("attention", q, kc, vc, pos, *extra, n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim,
                       scale=head_dim ** -0.5, window=window, softcap=softcap))
     return g
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,window,softcap,cuda_cores", [
-    (32, 8, 128, 0, 0.0, False), (9, 3, 64, 0, 0.0, False), (28, 4, 128, 0, 0.0, False),
-    (32, 4, 64, 1000, 0.0, False), (32, 8, 64, 0, 2.0, False), (32, 8, 128, 0, 0.0, True), (9, 3, 64, 1000, 0.0, True),
-    (48, 4, 64, 0, 0.0, False), (16, 8, 256, 1000, 50.0, False), (4, 2, 6, 0, 0.0, False)])
-def test_attention_at_long_context(heads, kv_heads, head_dim, window, softcap, cuda_cores, monkeypatch):
+def sink_logits(heads: int, rng) -> dict:
+    """Sink logits about as large as the scores (random unit rows), bf16-representable."""
+    return {"sinks": bf16_round((1.5 * rng.standard_normal(heads)).astype(np.float32))}
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window,softcap,cuda_cores,sinks", [
+    *((*case, False) for case in [
+        (32, 8, 128, 0, 0.0, False), (9, 3, 64, 0, 0.0, False), (28, 4, 128, 0, 0.0, False),
+        (32, 4, 64, 1000, 0.0, False), (32, 8, 64, 0, 2.0, False), (32, 8, 128, 0, 0.0, True),
+        (9, 3, 64, 1000, 0.0, True), (48, 4, 64, 0, 0.0, False), (16, 8, 256, 1000, 50.0, False),
+        (4, 2, 6, 0, 0.0, False)]),
+    (64, 8, 64, 128, 0.0, False, True), (64, 8, 64, 0, 0.0, True, True)])   # gpt-oss's heads, with sinks
+def test_attention_at_long_context(heads, kv_heads, head_dim, window, softcap, cuda_cores, sinks, monkeypatch):
     """One step at position 3001 of caches filled with random bf16 rows, by both attention
     variants: one block per KV head walking every position, and dozens of chunks merged by the
     combine kernel (a thousand-row window: starting mid-chunk); against the float64 reference.
@@ -579,17 +589,18 @@ def test_attention_at_long_context(heads, kv_heads, head_dim, window, softcap, c
     mma = not cuda_cores and attention.mma_fits(head_dim, heads // kv_heads, target)
     rng = np.random.default_rng()
     rows, at = 3072, 3001   # row `at` of the head-size-6 caches starts mid-sector
-    g = attention_graph(heads, kv_heads, head_dim, window, softcap)
+    g = attention_graph(heads, kv_heads, head_dim, window, softcap, sinks)
+    weights = sink_logits(heads, rng) if sinks else {}
     state = {n: bf16_round(rng.standard_normal((rows, kv_heads * head_dim)).astype(np.float32)) for n in ("kc", "vc")}
     feeds = {"pos": np.array([at], np.int32), **{n: bf16_round(rng.standard_normal((1, w)).astype(np.float32))
                                                  for n, w in (("q", heads * head_dim), ("k", kv_heads * head_dim),
                                                               ("v", kv_heads * head_dim))}}
-    ref = run_graph(g, {}, feeds, {n: x.astype(np.float64) for n, x in state.items()})["out"]
+    ref = run_graph(g, weights, feeds, {n: x.astype(np.float64) for n, x in state.items()})["out"]
     # the wide split where it covers this position (with 12 warps the (32, 8, 128) layout covers 3001;
     # at the default 9 none does: test_the_wide_split_matches_the_split_at_real_shapes covers it)
     wide = attention.Layout(kv_heads, head_dim, heads // kv_heads, target, Tuning()).wide_split()
     for variant in ("single", "general", *(["wide"] if wide and wide.start <= at < wide.until else [])):
-        eng = CudaEngine(g, {}, ctx=rows, variant=variant)
+        eng = CudaEngine(g, weights, ctx=rows, variant=variant)
         launched = [launch.function for _, launch, _ in eng.schedule_at(at)]
         suffix = {"general": "_split", "wide": "_split_wide"}.get(variant, f"_{variant}")
         assert any(f.endswith(suffix) for f in launched), launched
@@ -606,14 +617,15 @@ def test_attention_at_long_context(heads, kv_heads, head_dim, window, softcap, c
         got = eng.output("out")
         assert np.isfinite(got).all(), f"{variant}: unwritten or non-finite attention output"
         err = rel(got, ref)
-        print(f"attention h{heads} kv{kv_heads} d{head_dim} window {window} softcap {softcap} at {at}, {variant}, "
+        print(f"attention h{heads} kv{kv_heads} d{head_dim} window {window} softcap {softcap} sinks {sinks} at {at}, {variant}, "
               f"{'tensor' if mma else 'CUDA'} cores: rel error {err:.2e}")
         assert err < 2e-5, f"{variant}: relative error {err:.2e}"   # measured: <= 3e-6 (tensor), 3e-7 (CUDA cores)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,window,softcap", [
-    (32, 8, 128, 0, 0.0), (32, 8, 64, 0, 2.0), (28, 4, 128, 0, 0.0), (9, 3, 64, 1000, 0.0), (8, 2, 64, 37, 50.0)])
-def test_flash_prefill_kernel_matches_float64(heads, kv_heads, head_dim, window, softcap):
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window,softcap,sinks", [
+    (32, 8, 128, 0, 0.0, False), (32, 8, 64, 0, 2.0, False), (28, 4, 128, 0, 0.0, False), (9, 3, 64, 1000, 0.0, False),
+    (8, 2, 64, 37, 50.0, False), (64, 8, 64, 128, 0.0, True)])   # the last: gpt-oss's heads, window and sinks
+def test_flash_prefill_kernel_matches_float64(heads, kv_heads, head_dim, window, softcap, sinks):
     """The flash prefill kernel alone, launched on a 256-token step at positions 2900 .. 3155 of
     caches of random bf16 rows (the step's own rows among them), its output poisoned with NaN:
     against the float64 reference. Covers idle query rows (7 and 3 heads per KV head leave 1
@@ -626,7 +638,8 @@ def test_flash_prefill_kernel_matches_float64(heads, kv_heads, head_dim, window,
     from fuselm.runtime.launch import load_cubin
     rng = np.random.default_rng()
     rows, start, T = 3584, 2900, 256
-    g = attention_graph(heads, kv_heads, head_dim, window, softcap)
+    g = attention_graph(heads, kv_heads, head_dim, window, softcap, sinks)
+    weights = sink_logits(heads, rng) if sinks else {}
     G = compile_graph(g, tokens=T)
     (flash,) = [k for k in generate(G, ctx=rows, target=Target.of_device(), tokens=T) if k.family == "attention"]
     assert "flash_prefill<" in flash.source, "the kernel the test means to run"
@@ -637,18 +650,19 @@ def test_flash_prefill_kernel_matches_float64(heads, kv_heads, head_dim, window,
     caches = {n: bf16_round(rng.standard_normal((rows, kv_heads * head_dim)).astype(np.float32)) for n in ("kc", "vc")}
     queries = bf16_round(rng.standard_normal((T, heads * head_dim)).astype(np.float32))
     positions = np.arange(start, start + T, dtype=np.int32)
-    ref = run_graph(g, {}, {"pos": positions, "q": queries, "k": caches["kc"][positions], "v": caches["vc"][positions]},
+    ref = run_graph(g, weights, {"pos": positions, "q": queries, "k": caches["kc"][positions], "v": caches["vc"][positions]},
                     {n: x.astype(np.float64) for n, x in caches.items()})["out"]
     bits = {n: cp.asarray((x.view(np.uint32) >> 16).astype(np.uint16)) for n, x in caches.items()}
     out = cp.full((T, heads * head_dim), cp.nan, cp.float32)
-    by_value = {"q": cp.asarray(queries), "pos": cp.asarray(positions), **bits}   # the caches by state name
+    by_value = {"q": cp.asarray(queries), "pos": cp.asarray(positions), **bits,   # the caches by state name
+                **{n: cp.asarray((w.view(np.uint32) >> 16).astype(np.uint16)) for n, w in weights.items()}}
     args = [by_value.get(a, out) for a in launch.args]
     assert sum(a is out for a in args) == 1, launch.args
     fn(launch.grid, (launch.block,), tuple(args), shared_mem=launch.smem)
     got = cp.asnumpy(out)
     assert np.isfinite(got).all(), "unwritten or non-finite attention output"
     err = rel(got, ref)
-    print(f"flash prefill h{heads} kv{kv_heads} d{head_dim} window {window} softcap {softcap}, {T} tokens from {start}: "
+    print(f"flash prefill h{heads} kv{kv_heads} d{head_dim} window {window} softcap {softcap} sinks {sinks}, {T} tokens from {start}: "
           f"rel error {err:.2e}")
     assert err < 1e-2, f"relative error {err:.2e}"   # bf16 queries and probabilities: a few 2^-9
 
