@@ -11,6 +11,18 @@ _GEMMA3 = dict(rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=100
                sliding_window_pattern=6, query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh",
                tie_word_embeddings=True, max_position_embeddings=131072)
 
+def _gpt_oss(layers: int, experts: int) -> dict:
+    """A gpt-oss config.json: top 4 of `experts` per layer, sliding windows of 128 on even layers,
+    YaRN from 4096 to 131072 positions, attention sinks and biases (models/gpt_oss.py)."""
+    return dict(architectures=["GptOssForCausalLM"], vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                num_hidden_layers=layers, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                rms_norm_eps=1e-5, rope_theta=150000.0, num_local_experts=experts, num_experts_per_tok=4,
+                sliding_window=128, layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+                attention_bias=True, swiglu_limit=7.0, tie_word_embeddings=False, max_position_embeddings=131072,
+                rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                              "truncate": False, "original_max_position_embeddings": 4096})
+
+
 PRESETS: dict[str, dict] = {
     "smollm2-135m": dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
                          intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -71,16 +83,10 @@ PRESETS: dict[str, dict] = {
                           decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
                           sliding_window=None, max_window_layers=48, tie_word_embeddings=False,
                           max_position_embeddings=40960),
-    # gpt-oss-20b's config.json (24 layers, 32 experts of 2880, top 4, sliding windows of 128 on
-    # even layers, YaRN from 4096 to 131072 positions)
-    "gpt-oss-20b": dict(architectures=["GptOssForCausalLM"], vocab_size=201088, hidden_size=2880,
-                        intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
-                        num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=150000.0,
-                        num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
-                        layer_types=["sliding_attention", "full_attention"] * 12, attention_bias=True,
-                        swiglu_limit=7.0, tie_word_embeddings=False, max_position_embeddings=131072,
-                        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                      "truncate": False, "original_max_position_embeddings": 4096}),
+    # gpt-oss-20b's and 120b's config.json: 24 layers of 32 experts, 36 of 128 (MXFP4 experts fit
+    # the 120b on one H200; its bf16 weights, 234 GB, do not)
+    "gpt-oss-20b": _gpt_oss(24, 32),
+    "gpt-oss-120b": _gpt_oss(36, 128),
     "olmo-2-7b": dict(architectures=["Olmo2ForCausalLM"], vocab_size=100352, hidden_size=4096,
                       intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=32, rms_norm_eps=1e-6, rope_theta=500000.0,
