@@ -300,5 +300,6 @@ def test_a_value_with_line_breaks_keeps_the_error_on_one_line(tmp_path):
                            edit=lambda w: (w.kv_data[0].pop("general.architecture"),
                                            w.add_string("general.architecture", "llama\nfake: ok")))
     assert one_line(open_checkpoint, path) == (f"{path}: GGUF architecture 'llama\\nfake: ok' is not supported "
-                                               "(supported: llama, qwen2, qwen3, gemma2, gemma3, olmo2, smollm3, qwen3moe, phi3)")
+                                               "(supported: llama, qwen2, qwen3, gemma2, gemma3, olmo2, smollm3, qwen3moe, phi3, "
+                                               "gpt-oss)")
     assert str(FuselmError("x\ny\rz")) == "x\\ny\\rz"
