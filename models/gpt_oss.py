@@ -62,26 +62,30 @@ def mxfp4_to_float(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 def checkpoint_views(cfg: DecoderConfig, names: set[str]) -> dict:
     """Graph weight -> loading.tensor_views.View for each expert tensor, read from the checkpoint's
-    stacks (floats or MXFP4, whichever `names` holds)."""
+    stacks (floats or MXFP4, whichever `names` holds). Gate and up are the even and odd rows of
+    gate_up (its columns where stored as floats, transposed), their biases alike."""
     from ..loading.tensor_views import View
     views = {}
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}.{EXPERTS}"
         gu, down = f"{p}.gate_up_proj", f"{p}.down_proj"
-        if f"{gu}_blocks" in names:       # MXFP4 [E, out, K/32, 16]: out = 2I interleaved, or D
-            dense = lambda s: (*s[:-2], s[-2] * 32)   # noqa: E731
-            for j, name in enumerate(("gate_proj", "up_proj")):
-                views[f"{p}.{name}.weight"] = View(
-                    (f"{gu}_blocks", f"{gu}_scales"), lambda s, s2: (s[0], s[1] // 2, s[2] * 32),
-                    lambda b, sc, j=j: mxfp4_to_float(b[:, j::2], sc[:, j::2]), codes=True)
-            views[f"{p}.down_proj.weight"] = View((f"{down}_blocks", f"{down}_scales"), lambda s, s2: dense(s),
-                                                  mxfp4_to_float, codes=True)
+        for j, name in enumerate(("gate_proj", "up_proj")):
+            views[f"{p}.{name}.bias"] = View((f"{gu}_bias",), lambda s: (s[0], s[1] // 2), lambda b, j=j: b[:, j::2])
+        views[f"{p}.down_proj.bias"] = View((f"{down}_bias",), lambda s: s, lambda b: b)
+        if f"{gu}_blocks" in names:       # MXFP4 [E, rows, K/32, 16] and scales [E, rows, K/32]
+            views.update({f"{p}.gate_proj.weight": _mxfp4_view(gu, slice(0, None, 2)),
+                          f"{p}.up_proj.weight": _mxfp4_view(gu, slice(1, None, 2)),
+                          f"{p}.down_proj.weight": _mxfp4_view(down, slice(None))})
         else:                             # floats, transposed: [E, D, 2I] and [E, I, D]
             for j, name in enumerate(("gate_proj", "up_proj")):
                 views[f"{p}.{name}.weight"] = View((gu,), lambda s: (s[0], s[2] // 2, s[1]),
                                                    lambda w, j=j: w[:, :, j::2].transpose(0, 2, 1))
             views[f"{p}.down_proj.weight"] = View((down,), lambda s: (s[0], s[2], s[1]), lambda w: w.transpose(0, 2, 1))
-        for j, name in enumerate(("gate_proj", "up_proj")):   # biases [E, 2I], interleaved alike
-            views[f"{p}.{name}.bias"] = View((f"{gu}_bias",), lambda s: (s[0], s[1] // 2), lambda b, j=j: b[:, j::2])
-        views[f"{p}.down_proj.bias"] = View((f"{down}_bias",), lambda s: s, lambda b: b)
     return views
+
+
+def _mxfp4_view(stack: str, rows: slice):
+    """The View of rows `rows` of MXFP4 stack `stack` (its `_blocks` and `_scales`) as floats."""
+    from ..loading.tensor_views import View
+    return View((f"{stack}_blocks", f"{stack}_scales"), lambda s, _: (s[0], len(range(s[1])[rows]), s[2] * 32),
+                lambda b, sc: mxfp4_to_float(b[:, rows], sc[:, rows]), codes=True)
