@@ -180,7 +180,7 @@ def _split_experts(plan: _Plan, node: Node) -> None:
 
 def _shard(graph: Graph, plan: _Plan, rank: int) -> Shard:
     """Rank `rank`'s graph: split shapes, attention attributes and constants, an all_reduce after
-    each row-parallel linear (its consumers read the sum)."""
+    each row-parallel linear and each split moe_ffn (their consumers read the sum)."""
     n_ranks = plan.ranks
     g = Graph(f"{graph.name} (rank {rank} of {n_ranks})", outputs=dict(graph.outputs),
               constants=dict(graph.constants), _counter=graph._counter)
