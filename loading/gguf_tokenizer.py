@@ -6,6 +6,7 @@ whose merges are ranked by the score of the token they produce.
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import gguf
@@ -21,9 +22,15 @@ CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
-SPLITS = {"llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "smaug-bpe": _LLAMA3,
-          "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2}
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+" + _CONTRACTION +   # o200k (gpt-oss)
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*" + _CONTRACTION +
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+SPLITS = {"llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "smaug-bpe": _LLAMA3, "dbrx": _LLAMA3,
+          "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "gpt-4o": _GPT4O}
+WHOLE_WORDS = {_LLAMA3, _GPT4O}     # tiktoken vocabularies: a piece in the vocabulary is one token
 DIGITS_FIRST = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+GPT2_SPLIT = {None, "gpt2", "default", "olmo", "gpt-2", "phi-2", "jais"}   # GPT-2's own regex
 
 
 def tokenizer_from_gguf(reader: gguf.GGUFReader, path: Path) -> TextTokenizer:
@@ -37,6 +44,9 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader, path: Path) -> TextTokenizer:
         raise FuselmError(f"{path}: GGUF tokenizer model '{kind}' is not supported (supported: gpt2, llama)")
     if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
         raise FuselmError(f"{path}: GGUF metadata tokenizer.ggml.tokens is not a list of strings")
+    if kind == "gpt2" and (pre := meta("pre")) not in {*SPLITS, *DIGITS_FIRST, *GPT2_SPLIT}:
+        warnings.warn(f"{path}: GGUF tokenizer.ggml.pre '{pre}' is not known here; text is split as GPT-2 "
+                      f"splits it, which may tokenize some text differently from llama.cpp", stacklevel=2)
     add_bos_default = kind == "llama"  # llama.cpp adds BOS to SentencePiece vocabularies unless told not to
     ids = {k: _token_id(meta(f"{k}_token_id"), len(tokens)) for k in ("bos", "eos", "unknown", "padding")}
     special = {name: tokens[ids[k]] if ids[k] is not None else None
@@ -89,7 +99,7 @@ def _token_id(value, n_tokens: int) -> int | None:
 def _byte_level(tokens: list[str], merges: list[str], pre: str | None) -> Tokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tok = Tokenizer(models.BPE(vocab, pairs, ignore_merges=SPLITS.get(pre) is _LLAMA3))
+    tok = Tokenizer(models.BPE(vocab, pairs, ignore_merges=SPLITS.get(pre) in WHOLE_WORDS))
     if pre in SPLITS:
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(SPLITS[pre]), behavior="isolated"),
@@ -97,7 +107,7 @@ def _byte_level(tokens: list[str], merges: list[str], pre: str | None) -> Tokeni
     elif pre in DIGITS_FIRST:  # GPT-2's split after cutting out every numeric character alone
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    else:  # "gpt2", "default" and unknown: GPT-2's own split
+    else:  # "gpt2", "default" and unknown (tokenizer_from_gguf warns): GPT-2's own split
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     return tok
