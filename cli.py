@@ -153,18 +153,41 @@ def run(args: argparse.Namespace) -> int:
     sampling = _sampling_kwargs(args)
     if interactive:
         return chat_loop(model, args.max_new_tokens, sampling)
-    _stream(model.generate(prompt, args.max_new_tokens, chat=args.chat, **sampling))
+    split = _splitter(model, [{"role": "user", "content": prompt}]) if args.chat else None
+    _stream(model.generate(prompt, args.max_new_tokens, chat=args.chat, **sampling), split)
     print(model.last_stats.summary(), file=sys.stderr)
     return 0
 
 
-def _stream(pieces) -> str:
-    """Print pieces to stdout as they come; return the whole text."""
-    text = []
+def _splitter(model, messages: list[dict]):
+    """A reasoning splitter for the model's answer to `messages` (loading/reasoning.py), or None."""
+    from .loading.reasoning import splitter_for
+    from .runtime.generate import encode_prompt
+    make = splitter_for(model.tokenizer, model.tokenizer.decode(encode_prompt(model.tokenizer, messages)[-8:]))
+    return make() if make else None
+
+
+def _stream(pieces, splitter=None) -> str:
+    """Print pieces to stdout as they come; return the whole text. With a reasoning `splitter`,
+    the reasoning goes to stderr (dimmed on a terminal), the answer to stdout, and only the
+    answer is returned."""
+    from .loading.reasoning import CONTENT
+    text, dim = [], sys.stderr.isatty()
+
+    def show(kind: str, part: str) -> None:
+        if kind == CONTENT:
+            text.append(part)
+            out = sys.stdout
+        else:
+            out, part = sys.stderr, f"\x1b[2m{part}\x1b[0m" if dim else part
+        out.write(part)
+        out.flush()
+
     for piece in pieces:
-        text.append(piece)
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+        for kind, part in splitter.push(piece) if splitter else [(CONTENT, piece)]:
+            show(kind, part)
+    for kind, part in splitter.flush() if splitter else []:
+        show(kind, part)
     sys.stdout.write("\n")
     sys.stdout.flush()
     return "".join(text)
@@ -225,10 +248,10 @@ def chat_loop(model, max_new_tokens: int, sampling: dict) -> int:
                 if dropped:
                     print(f"(context full: dropped the oldest {dropped} message{'s' * (dropped != 1)})",
                           file=sys.stderr)
-                pieces = model.chat(turn, max_new_tokens, **sampling)
+                pieces, split = model.chat(turn, max_new_tokens, **sampling), _splitter(model, turn)
             else:
-                pieces = model.generate(line, max_new_tokens, **sampling)
-            reply = _stream(pieces)
+                pieces, split = model.generate(line, max_new_tokens, **sampling), None
+            reply = _stream(pieces, split)
         except FuselmError as e:       # keep the loop and the conversation alive
             print(f"error: {e}", file=sys.stderr)
             continue

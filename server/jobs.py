@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import FuselmError
+from ..loading.reasoning import splitter_for
 from ..runtime.engine import SamplingError, SamplingParams
 from ..runtime.generate import encode_prompt
 from .batcher import batches
@@ -93,9 +94,12 @@ def build_job(model, body: GenerationRequest, grammars=None, batching: bool | No
     else:
         prompt_field, prompt = "prompt", body.prompt
     try:
-        prompt_tokens = len(encode_prompt(model.tokenizer, prompt))
+        ids = encode_prompt(model.tokenizer, prompt)
     except FuselmError as e:
         raise APIError(400, str(e), prompt_field) from None
+    prompt_tokens = len(ids)
+    reasoning = (splitter_for(model.tokenizer, model.tokenizer.decode(ids[-8:]))
+                 if isinstance(body, ChatCompletionRequest) else None)
     room = model.engine.max_context - prompt_tokens
     if room <= 0:
         raise APIError(400, f"{prompt_field}: the prompt of {prompt_tokens} tokens leaves no room for an answer "
@@ -109,4 +113,4 @@ def build_job(model, body: GenerationRequest, grammars=None, batching: bool | No
                        f"does not fit the context of {model.engine.max_context} tokens (at most {room} here)",
                        body.length_field, "context_length_exceeded")
     return Job(prompt, max_tokens, sampling, tuple(body.stop or ()), body.ignore_eos, grammar, logprobs_of(body),
-               body.n or 1)
+               body.n or 1, reasoning)

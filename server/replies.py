@@ -13,6 +13,7 @@ from typing import Sequence
 
 from pydantic import BaseModel
 
+from ..loading.reasoning import CONTENT, REASONING, split
 from .logprobs import TokenLogprob
 from .scheduler import Finished
 from .schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
@@ -68,8 +69,17 @@ class Reply(ABC):
 
 
 class ChatReply(Reply):
-    """`chat.completion` and `chat.completion.chunk` objects."""
+    """`chat.completion` and `chat.completion.chunk` objects. `reasoning`: a splitter factory
+    (loading/reasoning.py) where the model reasons; its reasoning then goes to reasoning_content."""
     id_prefix = "chatcmpl"
+
+    def __init__(self, model_name: str, with_logprobs: bool = False, reasoning=None):
+        super().__init__(model_name, with_logprobs)
+        self.reasoning, self._splitters = reasoning, {}
+
+    def _delta(self, parts) -> Delta:
+        reasoning, content = ("".join(t for k, t in parts if k == kind) for kind in (REASONING, CONTENT))
+        return Delta(content=content or (None if reasoning else ""), reasoning_content=reasoning or None)
 
     def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> ChatLogprobs | None:
         if not self.with_logprobs:
@@ -80,7 +90,7 @@ class ChatReply(Reply):
             for e in logprobs])
 
     def whole(self, answers: Sequence[Answer]) -> ChatCompletion:
-        choices = [ChatChoice(index=a.done.index, message=AssistantMessage(content=a.text),
+        choices = [ChatChoice(index=a.done.index, message=self._message(a.text),
                               finish_reason=a.done.finish_reason, logprobs=self._logprobs(a.logprobs)) for a in answers]
         return ChatCompletion(**self._head(), choices=choices, usage=usage_of([a.done for a in answers]))
 
@@ -92,11 +102,22 @@ class ChatReply(Reply):
     def opening(self, index: int = 0) -> ChatCompletionChunk:
         return self._chunk(Delta(role="assistant", content=""), index)
 
+    def _message(self, text: str) -> AssistantMessage:
+        if self.reasoning is None:
+            return AssistantMessage(content=text)
+        reasoning, content = split(text, self.reasoning)
+        return AssistantMessage(content=content, reasoning_content=reasoning or None)
+
     def chunk(self, text: str, logprobs: Sequence[TokenLogprob] = (), index: int = 0) -> ChatCompletionChunk:
-        return self._chunk(Delta(content=text), index, logprobs=self._logprobs(logprobs))
+        if self.reasoning is None:
+            return self._chunk(Delta(content=text), index, logprobs=self._logprobs(logprobs))
+        splitter = self._splitters.setdefault(index, self.reasoning())
+        return self._chunk(self._delta(splitter.push(text)), index, logprobs=self._logprobs(logprobs))
 
     def closing(self, done: Finished) -> ChatCompletionChunk:
-        return self._chunk(Delta(), done.index, done.finish_reason)
+        splitter = self._splitters.pop(done.index, None)
+        held = splitter.flush() if splitter else []
+        return self._chunk(self._delta(held) if held else Delta(), done.index, done.finish_reason)
 
     def usage_chunk(self, dones: Sequence[Finished]) -> ChatCompletionChunk:
         return ChatCompletionChunk(**self._head(), choices=[], usage=usage_of(dones))
@@ -106,8 +127,8 @@ class CompletionReply(Reply):
     """`text_completion` objects, whole or as chunks."""
     id_prefix = "cmpl"
 
-    def __init__(self, model_name: str, with_logprobs: bool = False):
-        super().__init__(model_name, with_logprobs)
+    def __init__(self, model_name: str, with_logprobs: bool = False, reasoning=None):
+        super().__init__(model_name, with_logprobs)     # (a completion is text as it is: no reasoning split)
         self.offsets: dict[int, int] = {}   # choice -> characters of its answer so far (text_offset)
 
     def _logprobs(self, logprobs: Sequence[TokenLogprob], index: int) -> CompletionLogprobs | None:

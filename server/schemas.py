@@ -135,20 +135,29 @@ class Usage(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    """The reply of a chat completion."""
+    """The reply of a chat completion; a reasoning model's reasoning apart (reasoning_content, as
+    vLLM and llama-server name it), present only where the model gave some."""
     role: Literal["assistant"] = "assistant"
     content: str
+    reasoning_content: str | None = None
+
+    @model_serializer
+    def _given_fields(self) -> dict:
+        return {"role": self.role, "content": self.content,
+                **({"reasoning_content": self.reasoning_content} if self.reasoning_content is not None else {})}
 
 
 class Delta(BaseModel):
-    """What a chat chunk adds: the role (first chunk), then content."""
+    """What a chat chunk adds: the role (first chunk), then content (and reasoning_content)."""
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
     @model_serializer
     def _given_fields(self) -> dict:
         """Only the fields set, as OpenAI sends them (the closing chunk's delta is {})."""
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        return {k: v for k, v in (("role", self.role), ("content", self.content),
+                                  ("reasoning_content", self.reasoning_content)) if v is not None}
 
 
 class TopLogprob(BaseModel):
