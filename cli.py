@@ -160,8 +160,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _splitter(model, messages: list[dict]):
-    """A reasoning splitter for the model's answer to `messages` (loading/reasoning.py), or None."""
-    from .loading.reasoning import splitter_for
+    """A reasoning splitter for the model's answer to `messages` (loading/answers.py), or None."""
+    from .loading.answers import splitter_for
     from .runtime.generate import encode_prompt
     make = splitter_for(model.tokenizer, model.tokenizer.decode(encode_prompt(model.tokenizer, messages)[-8:]))
     return make() if make else None
@@ -171,7 +171,7 @@ def _stream(pieces, splitter=None) -> str:
     """Print pieces to stdout as they come; return the whole text. With a reasoning `splitter`,
     the reasoning goes to stderr (dimmed on a terminal), the answer to stdout, and only the
     answer is returned."""
-    from .loading.reasoning import CONTENT
+    from .loading.answers import CONTENT
     text, dim = [], sys.stderr.isatty()
 
     def show(kind: str, part: str) -> None:

@@ -72,6 +72,11 @@ class TextTokenizer:
         self.stop_ids = frozenset(i for i in stop if i is not None)
 
     @property
+    def takes_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list (its text names them)."""
+        return self.chat_template is not None and "tools" in self.chat_template
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(self.chat_template)
 
@@ -107,13 +112,17 @@ class TextTokenizer:
         texts = {t.content for t in self.backend.get_added_tokens_decoder().values() if t.special}
         return tuple(sorted((t for t in texts if t), key=lambda t: (-len(t), t)))
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of `messages` through the chat template, where only the template's own markup
-        can become special tokens: special-token text inside the messages stays text (no forged
-        turns). Each such text is swapped for a placeholder before rendering, so the template sees
-        and transforms the rest of the content as usual; the placeholders are encoded as text."""
-        marked, sentinel = special_text.mark(messages, self.special_texts, self.chat_template or "")
-        rendered = self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt)
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+        """Token ids of `messages` (and the `tools` they may call, OpenAI's function definitions)
+        through the chat template, where only the template's own markup can become special
+        tokens: special-token text inside the messages and tools stays text (no forged turns).
+        Each such text is swapped for a placeholder before rendering, so the template sees and
+        transforms the rest of the content as usual; the placeholders are encoded as text."""
+        marked, sentinel = special_text.mark([{"messages": messages, "tools": tools}], self.special_texts,
+                                             self.chat_template or "")
+        rendered = self.apply_chat_template(marked[0]["messages"], add_generation_prompt=add_generation_prompt,
+                                            **({"tools": marked[0]["tools"]} if tools else {}))
         ids: list[int] = []
         for text, typed in special_text.split(rendered, sentinel, self.special_texts):
             ids += self.encode(text, add_special_tokens=False, parse_special=not typed)

@@ -65,9 +65,10 @@ def check_text(text: str, what: str) -> None:
         raise FuselmError(f"{what} is not valid UTF-8 text ({raw} at character {e.start})") from None
 
 
-def encode_prompt(tok, prompt: str | Sequence[dict]) -> list[int]:
-    """Token ids of a plain prompt, or of chat messages rendered by the model's chat template.
-    Neither the prompt nor the messages' contents can produce special tokens."""
+def encode_prompt(tok, prompt: str | Sequence[dict], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a plain prompt, or of chat messages (and the `tools` they may call) rendered
+    by the model's chat template. Neither the prompt nor the messages' contents can produce
+    special tokens."""
     if isinstance(prompt, str):
         if not prompt.strip():
             raise FuselmError("the prompt is empty")
@@ -76,7 +77,7 @@ def encode_prompt(tok, prompt: str | Sequence[dict]) -> list[int]:
     messages = list(prompt)
     if not all(isinstance(m, dict) for m in messages):
         raise FuselmError("each chat message must be a dict with 'role' and 'content'")
-    if not messages or not any(str(m.get("content", "")).strip() for m in messages):
+    if not messages or not any(str(m.get("content", "")).strip() or m.get("tool_calls") for m in messages):
         raise FuselmError("the chat has no messages with content")
     for i, m in enumerate(messages):
         for key, value in m.items():
@@ -85,7 +86,7 @@ def encode_prompt(tok, prompt: str | Sequence[dict]) -> list[int]:
     if not tok.has_chat_template:
         raise FuselmError("this model has no chat template; run without --chat")
     # The template writes its own special tokens (BOS included), so add none here, as HF does.
-    return list(tok.encode_chat(messages, add_generation_prompt=True))
+    return list(tok.encode_chat(messages, add_generation_prompt=True, **({"tools": tools} if tools else {})))
 
 
 def generate(engine: Engine, tok, prompt: str | Sequence[dict], max_new_tokens: int,

@@ -85,7 +85,7 @@ def create_app(model, model_name: str | None = None, max_waiting: int = 256, max
                            "model", "model_not_found")
         # the chat template and a schema's grammar may take a while
         job = await run_in_threadpool(build_job, model, body, getattr(scheduler, "grammars", None), batching)
-        reply = reply_of(name, with_logprobs=job.logprobs is not None, reasoning=job.reasoning)
+        reply = reply_of(name, with_logprobs=job.logprobs is not None, splitter=job.splitter)
         try:
             ticket = scheduler.submit(job)
         except QueueFull as e:

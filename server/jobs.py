@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import FuselmError
-from ..loading.reasoning import splitter_for
+from ..loading.answers import calls_format, splitter_for
 from ..runtime.engine import SamplingError, SamplingParams
 from ..runtime.generate import encode_prompt
 from .batcher import batches
@@ -42,6 +42,14 @@ def reject_unsupported(body: GenerationRequest, batching: bool) -> None:
         raise APIError(400, "logprobs need continuous batching, which this server runs without", "logprobs")
     if isinstance(body, CompletionRequest):
         return
+    if body.tool_choice is not None and body.tool_choice not in ("auto", "none"):
+        raise APIError(400, "tool_choice: only \"auto\" and \"none\" are supported (the model decides whether "
+                            "to call)", "tool_choice")
+    if body.tool_choice is not None and not body.tools:
+        raise APIError(400, "tool_choice needs tools", "tool_choice")
+    if body.parallel_tool_calls is False:
+        raise APIError(400, "parallel_tool_calls: false is not supported (a model may make several calls)",
+                       "parallel_tool_calls")
     if None not in (body.max_tokens, body.max_completion_tokens) and body.max_tokens != body.max_completion_tokens:
         raise APIError(400, "max_tokens and max_completion_tokens differ; give one of them",
                        "max_completion_tokens")
@@ -89,16 +97,23 @@ def build_job(model, body: GenerationRequest, grammars=None, batching: bool | No
             raise APIError(400, "ignore_eos cannot be combined with a response_format", "ignore_eos")
         grammar = grammars.compile(body.response_format)
     sampling = sampling_of(body, model.defaults)
+    tools = None
     if isinstance(body, ChatCompletionRequest):
         prompt_field, prompt = "messages", [m.as_template_input() for m in body.messages]
+        tools = body.template_tools()
+        if tools and not model.tokenizer.takes_tools:
+            raise APIError(400, "tools: this model's chat template does not render tools", "tools")
+        if tools and calls_format(model.tokenizer) is None:
+            raise APIError(400, "tools: this model's vocabulary has no tool call format fuselm reads "
+                                "(harmony or <tool_call> tags)", "tools")
     else:
         prompt_field, prompt = "prompt", body.prompt
     try:
-        ids = encode_prompt(model.tokenizer, prompt)
+        ids = encode_prompt(model.tokenizer, prompt, tools)
     except FuselmError as e:
         raise APIError(400, str(e), prompt_field) from None
     prompt_tokens = len(ids)
-    reasoning = (splitter_for(model.tokenizer, model.tokenizer.decode(ids[-8:]))
+    splitter = (splitter_for(model.tokenizer, model.tokenizer.decode(ids[-8:]), tools=bool(tools))
                  if isinstance(body, ChatCompletionRequest) else None)
     room = model.engine.max_context - prompt_tokens
     if room <= 0:
@@ -113,4 +128,4 @@ def build_job(model, body: GenerationRequest, grammars=None, batching: bool | No
                        f"does not fit the context of {model.engine.max_context} tokens (at most {room} here)",
                        body.length_field, "context_length_exceeded")
     return Job(prompt, max_tokens, sampling, tuple(body.stop or ()), body.ignore_eos, grammar, logprobs_of(body),
-               body.n or 1, reasoning)
+               body.n or 1, splitter)

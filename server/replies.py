@@ -5,6 +5,7 @@ knows how its endpoint shapes text, logprobs, the finish reason and the usage.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -13,12 +14,12 @@ from typing import Sequence
 
 from pydantic import BaseModel
 
-from ..loading.reasoning import CONTENT, REASONING, split
+from ..loading.answers import CONTENT, REASONING, TOOL_CALL, whole
 from .logprobs import TokenLogprob
 from .scheduler import Finished
 from .schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                       ChatLogprobs, Completion, CompletionChoice, CompletionLogprobs, ContentLogprob, Delta,
-                      TopLogprob, Usage)
+                      FunctionCall, ToolCall, ToolCallDelta, TopLogprob, Usage)
 
 
 @dataclass
@@ -69,17 +70,28 @@ class Reply(ABC):
 
 
 class ChatReply(Reply):
-    """`chat.completion` and `chat.completion.chunk` objects. `reasoning`: a splitter factory
-    (loading/reasoning.py) where the model reasons; its reasoning then goes to reasoning_content."""
+    """`chat.completion` and `chat.completion.chunk` objects. `splitter`: a splitter factory
+    (loading/answers.py) where the model reasons or may call tools; its reasoning then goes to
+    reasoning_content, its calls to tool_calls (finish reason "tool_calls")."""
     id_prefix = "chatcmpl"
 
-    def __init__(self, model_name: str, with_logprobs: bool = False, reasoning=None):
+    def __init__(self, model_name: str, with_logprobs: bool = False, splitter=None):
         super().__init__(model_name, with_logprobs)
-        self.reasoning, self._splitters = reasoning, {}
+        self.splitter, self._splitters = splitter, {}
+        self._calls: dict[int, int] = {}        # choice -> tool calls sent so far
 
-    def _delta(self, parts) -> Delta:
+    def _delta(self, parts, index: int) -> Delta:
         reasoning, content = ("".join(t for k, t in parts if k == kind) for kind in (REASONING, CONTENT))
-        return Delta(content=content or (None if reasoning else ""), reasoning_content=reasoning or None)
+        calls = [ToolCallDelta(index=self._calls.get(index, 0) + i, **_call(t).model_dump())
+                 for i, t in enumerate(t for k, t in parts if k == TOOL_CALL)]
+        if calls:
+            self._calls[index] = self._calls.get(index, 0) + len(calls)
+        return Delta(content=content or (None if reasoning or calls else ""), reasoning_content=reasoning or None,
+                     tool_calls=calls or None)
+
+    def _finish_reason(self, done: Finished, called: bool) -> str:
+        """OpenAI's "tool_calls" where the answer ended (not cut by the limit) on its calls."""
+        return "tool_calls" if called and done.finish_reason == "stop" else done.finish_reason
 
     def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> ChatLogprobs | None:
         if not self.with_logprobs:
@@ -90,8 +102,12 @@ class ChatReply(Reply):
             for e in logprobs])
 
     def whole(self, answers: Sequence[Answer]) -> ChatCompletion:
-        choices = [ChatChoice(index=a.done.index, message=self._message(a.text),
-                              finish_reason=a.done.finish_reason, logprobs=self._logprobs(a.logprobs)) for a in answers]
+        choices = []
+        for a in answers:
+            message = self._message(a.text)
+            choices.append(ChatChoice(index=a.done.index, message=message,
+                                      finish_reason=self._finish_reason(a.done, bool(message.tool_calls)),
+                                      logprobs=self._logprobs(a.logprobs)))
         return ChatCompletion(**self._head(), choices=choices, usage=usage_of([a.done for a in answers]))
 
     def _chunk(self, delta: Delta, index: int, finish_reason: str | None = None, logprobs=None) -> ChatCompletionChunk:
@@ -103,32 +119,43 @@ class ChatReply(Reply):
         return self._chunk(Delta(role="assistant", content=""), index)
 
     def _message(self, text: str) -> AssistantMessage:
-        if self.reasoning is None:
+        if self.splitter is None:
             return AssistantMessage(content=text)
-        reasoning, content = split(text, self.reasoning)
-        return AssistantMessage(content=content, reasoning_content=reasoning or None)
+        parts = whole(text, self.splitter)
+        reasoning, content = ("".join(t for k, t in parts if k == kind) for kind in (REASONING, CONTENT))
+        calls = [_call(t) for k, t in parts if k == TOOL_CALL]
+        return AssistantMessage(content=content if content or not calls else None,
+                                reasoning_content=reasoning or None, tool_calls=calls or None)
 
     def chunk(self, text: str, logprobs: Sequence[TokenLogprob] = (), index: int = 0) -> ChatCompletionChunk:
-        if self.reasoning is None:
+        if self.splitter is None:
             return self._chunk(Delta(content=text), index, logprobs=self._logprobs(logprobs))
-        splitter = self._splitters.setdefault(index, self.reasoning())
-        return self._chunk(self._delta(splitter.push(text)), index, logprobs=self._logprobs(logprobs))
+        splitter = self._splitters.setdefault(index, self.splitter())
+        return self._chunk(self._delta(splitter.push(text), index), index, logprobs=self._logprobs(logprobs))
 
     def closing(self, done: Finished) -> ChatCompletionChunk:
         splitter = self._splitters.pop(done.index, None)
         held = splitter.flush() if splitter else []
-        return self._chunk(self._delta(held) if held else Delta(), done.index, done.finish_reason)
+        delta = self._delta(held, done.index) if held else Delta()
+        return self._chunk(delta, done.index, self._finish_reason(done, self._calls.pop(done.index, 0) > 0))
 
     def usage_chunk(self, dones: Sequence[Finished]) -> ChatCompletionChunk:
         return ChatCompletionChunk(**self._head(), choices=[], usage=usage_of(dones))
+
+
+def _call(part: str) -> ToolCall:
+    """A TOOL_CALL part (loading/answers.py) as OpenAI's tool call, with an id of its own."""
+    call = json.loads(part)
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=call["name"],
+                                                                               arguments=call["arguments"]))
 
 
 class CompletionReply(Reply):
     """`text_completion` objects, whole or as chunks."""
     id_prefix = "cmpl"
 
-    def __init__(self, model_name: str, with_logprobs: bool = False, reasoning=None):
-        super().__init__(model_name, with_logprobs)     # (a completion is text as it is: no reasoning split)
+    def __init__(self, model_name: str, with_logprobs: bool = False, splitter=None):
+        super().__init__(model_name, with_logprobs)     # (a completion is text as it is: no splitting)
         self.offsets: dict[int, int] = {}   # choice -> characters of its answer so far (text_offset)
 
     def _logprobs(self, logprobs: Sequence[TokenLogprob], index: int) -> CompletionLogprobs | None:

@@ -32,8 +32,8 @@ class Job:
     """What to generate: a prompt string or chat messages, a token limit, sampling, stop strings;
     `ignore_eos` generates past the model's stop tokens up to the limit (benchmarks); `grammar`
     (structured.py) constrains the answer; `logprobs`: report each token's log probability and
-    that many alternatives (None: none); `n` answers to the one prompt; `reasoning` splits a
-    chat answer's reasoning from its content."""
+    that many alternatives (None: none); `n` answers to the one prompt; `splitter` parts a
+    chat answer into reasoning, content and tool calls."""
     prompt: str | Sequence[dict]
     max_tokens: int
     sampling: SamplingParams = SamplingParams()
@@ -42,7 +42,7 @@ class Job:
     grammar: str | None = None
     logprobs: int | None = None
     n: int = 1                          # choices, each its own sequence (batching only)
-    reasoning: Callable | None = None   # chat: a splitter factory (loading/reasoning.py), if the model reasons
+    splitter: Callable | None = None    # chat: a splitter factory (loading/answers.py): reasoning, tool calls
 
 
 @dataclass(frozen=True)

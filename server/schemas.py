@@ -7,9 +7,10 @@ penalties, logprobs, response_format: continuous batching has them) are declared
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
 
 MAX_STOP_STRINGS = 4   # as OpenAI's API
 
@@ -94,15 +95,76 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    """A call's function: its name and its arguments as a JSON text."""
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class ToolCall(_Strict):
+    """A function call an assistant message made (OpenAI's `tool_calls` items)."""
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    """One chat message. `developer` is OpenAI's newer name for `system`."""
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[list[TextPart], BeforeValidator(_text_parts)]
+    """One chat message. `developer` is OpenAI's newer name for `system`; an assistant message may
+    hold the tool calls it made (its content then optional), a `tool` message the result of one."""
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[list[TextPart] | None, BeforeValidator(lambda v: v if v is None else _text_parts(v))] = None
+    tool_calls: list[ToolCall] | None = Field(None, min_length=1)
+    tool_call_id: str | None = None
+    name: str | None = None
 
     def as_template_input(self) -> dict:
-        """The message as the chat template takes it: role and content as strings."""
+        """The message as the chat template takes it: role and content as strings, a call's
+        arguments as the object they encode (as Hugging Face templates expect them)."""
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": "".join(part.text for part in self.content)}
+        out = {"role": role, "content": "".join(part.text for part in self.content or [])}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.content is None and not self.tool_calls:
+            raise ValueError("a message needs content (only an assistant's tool calls may stand without it)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages hold tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        for call in self.tool_calls or []:
+            try:
+                json.loads(call.function.arguments)
+            except ValueError:
+                raise ValueError(f"tool call {call.id}: arguments are not JSON") from None
+        return self
+
+
+class FunctionDefinition(_Strict):
+    """A function the model may call: its name, what it does, its parameters' JSON schema."""
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    """One of `tools`: a function."""
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(_Strict):
+    """`tool_choice` naming the function to call."""
+    type: Literal["function"]
+    function: dict
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -111,6 +173,15 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, gt=0)
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[Tool] | None = Field(None, min_length=1)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as the chat template takes them, or None where the answer may call none."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     @property
     def length_field(self) -> str:
@@ -136,28 +207,47 @@ class Usage(BaseModel):
 
 class AssistantMessage(BaseModel):
     """The reply of a chat completion; a reasoning model's reasoning apart (reasoning_content, as
-    vLLM and llama-server name it), present only where the model gave some."""
+    vLLM and llama-server name it) and the calls it made, each present only where there are some
+    (content is null beside calls with no text)."""
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     @model_serializer
     def _given_fields(self) -> dict:
-        return {"role": self.role, "content": self.content,
-                **({"reasoning_content": self.reasoning_content} if self.reasoning_content is not None else {})}
+        out = {"role": self.role, "content": self.content}
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return out
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed tool call: sent whole, in one chunk, once the model finished writing it."""
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class Delta(BaseModel):
-    """What a chat chunk adds: the role (first chunk), then content (and reasoning_content)."""
+    """What a chat chunk adds: the role (first chunk), then content (and reasoning_content, tool
+    calls)."""
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer
     def _given_fields(self) -> dict:
         """Only the fields set, as OpenAI sends them (the closing chunk's delta is {})."""
-        return {k: v for k, v in (("role", self.role), ("content", self.content),
-                                  ("reasoning_content", self.reasoning_content)) if v is not None}
+        out = {k: v for k, v in (("role", self.role), ("content", self.content),
+                                 ("reasoning_content", self.reasoning_content)) if v is not None}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return out
 
 
 class TopLogprob(BaseModel):

@@ -273,6 +273,9 @@ BAD_REQUESTS = [   # (endpoint, body, status, the field the error names)
     ("chat/completions", {**CHAT_OK, "top_logprobs": 2}, 400, "top_logprobs"),
     ("chat/completions", {**CHAT_OK, "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("chat/completions", {**CHAT_OK, "tools": []}, 400, "tools"),
+    ("chat/completions", {**CHAT_OK, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),  # SmolLM2's template has none
+    ("chat/completions", {**CHAT_OK, "tool_choice": "required"}, 400, "tool_choice"),
+    ("chat/completions", {**CHAT_OK, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0]"),
     ("chat/completions", {**CHAT_OK, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("completions", {**COMPLETION_OK, "prompt": "word " * 600}, 400, "prompt"),
     ("completions", {**COMPLETION_OK, "prompt": "  "}, 400, "prompt"),
