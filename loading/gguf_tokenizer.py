@@ -35,15 +35,13 @@ GPT2_SPLIT = {None, "gpt2", "default", "olmo", "gpt-2", "phi-2", "jais"}   # GPT
 
 def tokenizer_from_gguf(reader: gguf.GGUFReader, path: Path) -> TextTokenizer:
     """The file's tokenizer, its control tokens as specials, BOS added when the file asks for it."""
-    meta = lambda key, default=None: metadata(reader, f"tokenizer.ggml.{key}", default)  # noqa: E731
+    meta = lambda key, default=None: _typed_metadata(reader, path, key, default)  # noqa: E731
     tokens = meta("tokens")
     if not tokens:
         raise FuselmError(f"{path}: GGUF metadata has no tokenizer (tokenizer.ggml.tokens)")
     kind = meta("model")
     if kind not in ("gpt2", "llama"):
         raise FuselmError(f"{path}: GGUF tokenizer model '{kind}' is not supported (supported: gpt2, llama)")
-    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
-        raise FuselmError(f"{path}: GGUF metadata tokenizer.ggml.tokens is not a list of strings")
     if kind == "gpt2" and (pre := meta("pre")) not in {*SPLITS, *DIGITS_FIRST, *GPT2_SPLIT}:
         warnings.warn(f"{path}: GGUF tokenizer.ggml.pre '{pre}' is not known here; text is split as GPT-2 "
                       f"splits it, which may tokenize some text differently from llama.cpp", stacklevel=2)
@@ -88,6 +86,28 @@ def _backend(meta, kind: str, tokens: list[str]) -> Tokenizer:
     backend.add_tokens([AddedToken(t, normalized=False, special=False)
                         for t, ty in zip(tokens, types) if ty == USER_DEFINED])
     return backend
+
+
+# The type each tokenizer key must hold: a scalar type, or [element type] for an array.
+KEY_TYPES = {"model": str, "pre": str, "add_bos_token": bool, "add_eos_token": bool, "add_space_prefix": bool,
+             "tokens": [str], "merges": [str], "scores": [(int, float)], "token_type": [int]}
+_NAMES = {str: "string", bool: "boolean", int: "integer", (int, float): "number"}
+
+
+def _typed_metadata(reader: gguf.GGUFReader, path: Path, key: str, default=None):
+    """`tokenizer.ggml.{key}`, or `default` where absent; a value of another type names the key."""
+    value = metadata(reader, f"tokenizer.ggml.{key}")
+    if value is None:
+        return default
+    want = KEY_TYPES.get(key)
+    if isinstance(want, list):
+        ok = isinstance(value, list) and all(isinstance(v, want[0]) for v in value)
+    else:
+        ok = want is None or isinstance(value, want)
+    if not ok:
+        what = f"a list of {_NAMES[want[0]]}s" if isinstance(want, list) else f"a {_NAMES[want]}"
+        raise FuselmError(f"{path}: GGUF metadata tokenizer.ggml.{key} is not {what}")
+    return value
 
 
 def _token_id(value, n_tokens: int) -> int | None:

@@ -72,7 +72,8 @@ GGUF_KEYS = [f"llama.{k}" for k in ("block_count", "context_length", "embedding_
                                      "expert_count", "rope.scaling.type", "rope.scaling.factor")]
 GGUF_KEYS += ["general.architecture", "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.bos_token_id",
               "tokenizer.ggml.eos_token_id", "tokenizer.ggml.add_bos_token", "tokenizer.chat_template",
-              "tokenizer.ggml.merges", "tokenizer.ggml.token_type"]
+              "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.add_space_prefix",
+              "tokenizer.ggml.scores"]
 gguf_scalars = st.one_of(
     st.tuples(st.integers(0, 2**32 - 1), st.just(gguf.GGUFValueType.UINT32)),
     st.tuples(st.integers(-2**63, 2**63 - 1), st.just(gguf.GGUFValueType.INT64)),

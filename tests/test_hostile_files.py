@@ -7,6 +7,7 @@ import shutil
 import sys
 import time
 
+import gguf
 import numpy as np
 import pytest
 from gguf_files import TOKENS
@@ -217,6 +218,25 @@ def test_gguf_chat_template_that_is_not_a_string(tmp_path):
     path = write_tiny_gguf(tmp_path / "c.gguf", weights=False,
                            edit=lambda w: w.add_array("tokenizer.chat_template", [1, 2]))
     assert one_line(open_checkpoint, path).endswith("tokenizer.chat_template is not a string")
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("pre", [0], "tokenizer.ggml.pre is not a string"),
+    ("model", 7, "tokenizer.ggml.model is not a string"),
+    ("add_bos_token", "yes", "tokenizer.ggml.add_bos_token is not a boolean"),
+    ("merges", [1, 2], "tokenizer.ggml.merges is not a list of strings"),
+    ("token_type", "control", "tokenizer.ggml.token_type is not a list of integers"),
+])
+def test_gguf_tokenizer_keys_of_the_wrong_type(tmp_path, key, value, says):
+    def edit(writer):
+        writer.kv_data[0].pop(f"tokenizer.ggml.{key}", None)
+        if isinstance(value, list):
+            writer.add_array(f"tokenizer.ggml.{key}", value)
+        else:
+            writer.add_key_value(f"tokenizer.ggml.{key}", value, {str: gguf.GGUFValueType.STRING,
+                                                                  int: gguf.GGUFValueType.UINT32}[type(value)])
+    path = write_tiny_gguf(tmp_path / "k.gguf", weights=False, edit=edit)
+    assert one_line(open_checkpoint, path) == f"{path}: GGUF metadata {says}"
 
 
 def test_tiny_gguf_loads(tmp_path):
