@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import ctypes
 
+from ..errors import FuselmError
+
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
@@ -78,7 +80,14 @@ def bind_launch(module, launch, buffer_of, pdl: bool, tokens: int = 1):
     grid = tuple(tokens if g == "T" else g for g in launch.grid)
     args = tuple(buffer_of(a) for a in launch.args)
     if launch.smem > 48 * 1024:
-        fn.max_dynamic_shared_size_bytes = launch.smem
+        try:
+            fn.max_dynamic_shared_size_bytes = launch.smem
+        except Exception as e:  # CUDA_ERROR_INVALID_VALUE: more than the device lets one block hold
+            import cupy
+            optin = cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
+            raise FuselmError(f"kernel {launch.function} asks for {launch.smem} B of dynamic shared memory "
+                              f"beside {fn.shared_size_bytes} B static; the device allows "
+                              f"{optin} B per block ({e})") from None
     if pdl:
         return PdlLaunch(fn, grid, launch.block, args, launch.smem)
     return lambda stream: fn(grid, (launch.block,), args, stream=stream, shared_mem=launch.smem)
