@@ -6,6 +6,7 @@ from __future__ import annotations
 import networkx as nx
 import numpy as np
 
+from ..compiler.kernels import moe_parts
 from ..dsl import Kind, get
 from ..dsl.paging import PAGED_OPS
 from ..errors import FuselmError
@@ -72,7 +73,7 @@ def _traffic(G: nx.DiGraph, launch, ctx: int, tokens: int = 1) -> tuple[int, int
     read = sum(nbytes(v) for v in launch.reads if G.nodes[storage_of(G, v)]["op"] != "state"
                or launch.family == "attention")
     if launch.family == "moe" and tokens == 1:   # only the chosen experts' weights are streamed
-        (n,) = launch.nodes
+        _, n, _ = moe_parts(G, launch.nodes)
         experts = G.nodes[G.nodes[n]["inputs"][2]]["shape"][0]
         read -= sum(nbytes(w) for w in G.nodes[n]["inputs"][2:]) * (1 - G.nodes[n]["attrs"]["top_k"] / experts)
     written = sum(nbytes(v) for v in launch.writes if get(G.nodes[v]["op"]).inplace_of is None)

@@ -220,7 +220,7 @@ def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False, pr
         decls.append(f"float {v} = 0.0f;")
         if kind is Kind.ELEMENTWISE:
             ops = [var[i] if i in inside else _preloaded(G, i, params, launch, preload) if not batched
-                   else _external(G, i, params, batched) for i in d["inputs"]]
+                   else row_operand(G, i, params, batched) for i in d["inputs"]]
             body.append(f"if (active) {v} = {cexpr.elementwise(G, n, ops)};")
         elif kind is Kind.ROW_LOCAL:   # RoPE: the only row-local op; its pair is in slot s ^ 1
             src, pos, inv_freq = d["inputs"]
@@ -282,13 +282,13 @@ def _preloaded(G, value, params, launch, preload: list[str] | None) -> str:
     """An external operand of a GEMV's epilogue with an element per row, loaded ahead where the
     launch may (see _ahead); a scalar is read where it is used."""
     if not G.nodes[value]["shape"]:
-        return _external(G, value, params)
+        return row_operand(G, value, params)
     p = params.ref(value)
     early = f"w2f({p}[row])" if G.nodes[value]["op"] == "weight" else f"__ldcg({p} + row)"
-    return _ahead(_external(G, value, params), [value], "float", early, launch, preload, False)
+    return _ahead(row_operand(G, value, params), [value], "float", early, launch, preload, False)
 
 
-def _external(G, value, params, batched: bool = False) -> str:
+def row_operand(G, value, params, batched: bool = False) -> str:
     """An operand computed by an earlier kernel (or a weight): its element for this row (and
     token t of the step, where `batched` and it has a token dimension)."""
     d = G.nodes[value]

@@ -1,16 +1,20 @@
 """The moe family: routed expert FFN in two launches (gate/up of the chosen experts, then down);
 for steps of several tokens, GEMMs per expert over the step's tokens (templates/moe_gemm.cuh) and
 a third launch that sums each token's weighted expert outputs in a fixed order.
+A norm prologue (compiler/fuse_prologue.py) is applied by the gate/up kernel to the vector it
+reads, as the gemv family's is; an elementwise epilogue (the residual add) runs where each output
+row is finished: in _down for one token, in _sum for a step.
 The experts' stacks may be quantized (one format for gate and up, one for down): a token's GEMVs
 then take the float path of templates/quant.cuh, the step's GEMMs the quantized tiles."""
 from __future__ import annotations
 
 import networkx as nx
 
-from ..compiler.kernels import ScheduledKernel
+from ..compiler.kernels import ScheduledKernel, moe_parts
+from ..dsl import get
 from ..errors import FuselmError
 from . import cexpr, gemm
-from .gemv import weight_format
+from .gemv import row_operand, weight_format
 from .kernel import KernelSource, KernelSpec, Launch
 from .params import Params
 from .render import render
@@ -25,8 +29,8 @@ QUANT_MAX_TOKENS = 32
 
 
 def _shapes(G: nx.DiGraph, launch: ScheduledKernel) -> tuple[str, int, int, int]:
-    """(node, experts E, intermediate size I, model width D) of a moe launch."""
-    (n,) = launch.nodes
+    """(moe node, experts E, intermediate size I, model width D) of a moe launch."""
+    _, n, _ = moe_parts(G, launch.nodes)
     E, I, D = G.nodes[G.nodes[n]["inputs"][2]]["shape"]
     return n, E, I, D
 
@@ -72,6 +76,31 @@ def _glu(attrs: dict) -> str:
     return f"{cexpr.elementwise_op(attrs.get('act', 'silu'), ['a'])} * b"
 
 
+def _prologue(G: nx.DiGraph, launch: ScheduledKernel, params: Params) -> dict | None:
+    """The norm prologue's gain, eps and offset (C), or None."""
+    prologue, _, _ = moe_parts(G, launch.nodes)
+    if prologue is None:
+        return None
+    a = G.nodes[prologue]["attrs"]
+    return {"weight": params.ref(G.nodes[prologue]["inputs"][1]), "eps": cexpr.float_literal(a["eps"]),
+            "offset": cexpr.float_literal(a.get("offset", 0.0))}
+
+
+def _epilogue(G: nx.DiGraph, launch: ScheduledKernel, params: Params) -> str:
+    """A C lambda (t, row, m) run once for each finished output element m = moe[t][row]: the
+    epilogue's ops on it, then the stores of every value that other kernels read."""
+    _, n, epilogue = moe_parts(G, launch.nodes)
+    var, body = {n: "m"}, []
+    for i, e in enumerate(epilogue):
+        ops = [var.get(v) or row_operand(G, v, params, batched=True) for v in G.nodes[e]["inputs"]]
+        body.append(f"const float v{i} = {cexpr.elementwise(G, e, ops)};")
+        var[e] = f"v{i}"
+    D = G.nodes[n]["shape"][-1]
+    body += [f"{params.ref(v, written=True)}[t * {D} + row] = {var[v]};" for v in launch.writes
+             if v in var and get(G.nodes[v]["op"]).inplace_of is None]
+    return "[=](int t, int row, float m) {\n        " + "\n        ".join(body) + "\n    }"
+
+
 def generate(spec: KernelSpec) -> KernelSource:
     """The moe kernels (_up, _down; _sum for steps of several tokens) for steps of spec.tokens
     tokens; their activations go through the runtime's "workspace" (`workspace_floats`)."""
@@ -79,7 +108,10 @@ def generate(spec: KernelSpec) -> KernelSource:
     params = Params(G)
     n, E, I, D = _shapes(G, launch)
     d = G.nodes[n]
+    prologue = _prologue(G, launch, params)
     x, logits, w_gate, w_up, w_down = d["inputs"][:5]
+    if prologue:               # the norm's input: the moe kernel normalises it itself
+        x = G.nodes[x]["inputs"][0]
     biases = d["inputs"][5:]                     # gate, up [E, I] and down [E, D] (gpt-oss), or none
     top_k = d["attrs"]["top_k"]
     if E > MAX_EXPERTS:
@@ -90,7 +122,8 @@ def generate(spec: KernelSpec) -> KernelSource:
            "up_format": up_format, "down_format": down_format, "quant_unroll": tuning.gemv_quant_unroll,
            "up_bytes": weight_format(G, w_gate).nbytes((I, D)), "down_bytes": weight_format(G, w_down).nbytes((D, I)),
            "x": params.ref(x), "logits": params.ref(logits), "w_gate": params.ref(w_gate),
-           "w_up": params.ref(w_up), "w_down": params.ref(w_down), "out": params.ref(n, written=True),
+           "w_up": params.ref(w_up), "w_down": params.ref(w_down), "prologue": prologue,
+           "epilogue": _epilogue(G, launch, params),
            "ws": params.extra("float*", "workspace"),
            "glu": _glu(d["attrs"]), "biases": [params.ref(b) for b in biases]}
     if tokens == 1:
@@ -105,7 +138,8 @@ def generate(spec: KernelSpec) -> KernelSource:
         workspace = E * tokens * I + tokens * top_k * D
     formats = "" if not (up_format or down_format) else f"_{(up_format or 'bf16').lower()}+{(down_format or 'bf16').lower()}"
     weights = "" if norm == "true" else "_probs"   # top-k probabilities not renormalised
-    name, source = render("moe.cu.j2", "moe", f"e{E}_top{top_k}{weights}_d{D}_i{I}{formats}", params=params.decls, **ctx)
+    shape = ("norm_" if prologue else "") + f"e{E}_top{top_k}{weights}_d{D}_i{I}{formats}"
+    name, source = render("moe.cu.j2", "moe", shape, params=params.decls, **ctx)
     launches = [Launch(f"{name}_{part}", (ctx[f"grid_{part}"], 1), ctx["threads"], params.values)
                 for part in ("up", "down", "sum") if f"grid_{part}" in ctx]
     return KernelSource(name, "moe", source, launch.nodes, launches, launch.layer, workspace_floats=workspace)

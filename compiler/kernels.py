@@ -5,7 +5,9 @@ Families (each one a CUDA template in codegen/):
                produces that vector, and an epilogue of ELEMENTWISE / ROW_LOCAL / CACHE_WRITE nodes
                computed on the tile of output rows each block owns;
 - "attention": one ATTENTION node (split over the context, then combined);
-- "moe":       one MOE node (gate/up of the routed experts, then their weighted down projection);
+- "moe":       one MOE node (gate/up of the routed experts, then their weighted down projection),
+               optionally a NORM prologue that produces its input vector and an epilogue of
+               ELEMENTWISE nodes on its output rows (the residual add);
 - "rowwise":   any other ops (EMBEDDING, NORM, ELEMENTWISE, ROW_LOCAL, CACHE_WRITE, REDUCTION),
                one block per token row, op after op.
 The helpers here are shared by the passes; they never look at op names, only at kinds and traits.
@@ -114,11 +116,13 @@ def merge(G: nx.DiGraph, kernels: list[str], into: str | None = None) -> bool:
 def family(G: nx.DiGraph, nodes: list[str]) -> str:
     """The family of a kernel made of `nodes`; raises ValueError when no family can run it."""
     kinds = [G.nodes[n]["kind"] for n in nodes]
-    for kind, fam in ((Kind.ATTENTION, "attention"), (Kind.MOE, "moe")):
-        if kind in kinds:
-            if len(nodes) != 1:
-                raise ValueError(f"{fam} cannot share a kernel: {nodes}")
-            return fam
+    if Kind.ATTENTION in kinds:
+        if len(nodes) != 1:
+            raise ValueError(f"attention cannot share a kernel: {nodes}")
+        return "attention"
+    if Kind.MOE in kinds:
+        check_moe(G, nodes)
+        return "moe"
     if Kind.LINEAR in kinds:
         check_gemv(G, nodes)
         return "gemv"
@@ -154,6 +158,37 @@ def check_gemv(G: nx.DiGraph, nodes: list[str]) -> None:
                                  or prologue in G.graph["outputs"].values()):
         raise ValueError(f"prologue {prologue} is read outside its GEMVs, so it must be written")
     zip_sets(G, nodes)  # raises on misaligned tiles
+
+
+def moe_parts(G: nx.DiGraph, nodes: list[str]) -> tuple[str | None, str, list[str]]:
+    """Split a moe kernel into (prologue norm or None, the moe node, epilogue nodes), in graph order."""
+    moes = [n for n in nodes if G.nodes[n]["kind"] is Kind.MOE]
+    if len(moes) != 1:
+        raise ValueError(f"a moe kernel computes one moe node, not {moes}")
+    (moe,) = moes
+    x = G.nodes[moe]["inputs"][0]
+    prologue = x if x in nodes else None
+    return prologue, moe, [n for n in nodes if n not in (moe, prologue)]
+
+
+def check_moe(G: nx.DiGraph, nodes: list[str]) -> None:
+    """Raise ValueError unless `nodes` form a legal moe kernel (see the module docstring): its
+    prologue a whole-row norm read by the moe node alone, its epilogue elementwise ops as wide as
+    its output that descend from it inside the kernel."""
+    prologue, moe, epilogue = moe_parts(G, nodes)
+    if prologue is not None:
+        d = G.nodes[prologue]
+        if d["kind"] is not Kind.NORM or d["attrs"].get("group") not in (None, d["shape"][-1]):
+            raise ValueError(f"prologue {prologue} of {moe} is not a norm of whole rows")
+        if set(G.successors(prologue)) != {moe} or prologue in G.graph["outputs"].values():
+            raise ValueError(f"prologue {prologue} is read outside {moe}, so it must be written")
+    inside = {moe}
+    for n in epilogue:
+        if G.nodes[n]["kind"] is not Kind.ELEMENTWISE:
+            raise ValueError(f"{n} ({G.nodes[n]['op']}) cannot run in a moe epilogue")
+        if tile_width(G, n) != tile_width(G, moe) or not inside & set(G.nodes[n]["inputs"]):
+            raise ValueError(f"epilogue node {n} is not an elementwise op on {moe}'s rows")
+        inside.add(n)
 
 
 def tile_width(G: nx.DiGraph, name: str) -> int:

@@ -97,6 +97,22 @@ class _Builder:
                 y = y + self.weight((y.shape[-1],))
             self.pool.append(y)
 
+    def moe(self) -> None:
+        """Routed experts over a vector, often normalized first (the norm then feeds the router
+        and the experts alike, as in a MoE layer)."""
+        x = self.pick()
+        d = x.shape[-1]
+        if self.draw(st.booleans()):
+            x = self.g.op("rmsnorm", x, self.weight((d,)), eps=1e-5)
+            if self.draw(st.booleans()):
+                self.pool.append(x)
+        experts = self.draw(st.integers(1, 4))
+        inter = self.width()
+        logits = self.g.op("linear", x, self.weight((experts, d)))
+        self.pool.append(self.g.op("moe_ffn", x, logits, self.weight((experts, inter, d)),
+                                   self.weight((experts, inter, d)), self.weight((experts, d, inter)),
+                                   top_k=self.draw(st.integers(1, experts)), norm_topk=self.draw(st.booleans())))
+
     def unary(self) -> None:
         x = self.pick()
         op = self.draw(st.sampled_from(UNARY))
@@ -158,7 +174,7 @@ def random_graphs(draw, min_blocks: int = 2, max_blocks: int = 7, attention: boo
     rows = start + T + draw(st.integers(0, 2))
     x = b.g.input("x", ("T", b.width(2, 13)))
     b.pool.append(x)
-    blocks = ["linears", "linears", "unary", "binary", "rope"] + (["attention"] if attention else [])
+    blocks = ["linears", "linears", "unary", "binary", "rope", "moe"] + (["attention"] if attention else [])
     b.linears()                                     # at least one GEMV
     for _ in range(draw(st.integers(min_blocks - 1, max_blocks - 1))):
         kind = draw(st.sampled_from(blocks))

@@ -795,22 +795,32 @@ def test_presets_compile(name):
     assert cg.generate(G, ctx=64)
 
 
-def test_mixtral_moe_runs_as_its_own_kernel_family():
-    """moe_ffn (Kind.MOE) is one "moe" kernel per layer, and the compiled schedule (fused or not,
-    buffers reused) computes what the op-by-op reference computes."""
+@pytest.mark.parametrize("arch", ["MixtralForCausalLM", "Qwen3MoeForCausalLM"])
+def test_moe_layers_run_as_their_own_kernel_family(arch):
+    """moe_ffn (Kind.MOE) is one "moe" kernel per MoE layer; fused, it takes the norm before it
+    (cloned: the router's gemv takes the other copy) and the residual add after it, so no
+    row-wise kernel is left between attention's output and the next layer. The compiled schedule
+    (fused or not, buffers reused, prompt and decode step) computes what the op-by-op reference
+    computes."""
     from fuselm.compiler import compile_graph
     from fuselm.runtime.reference import new_state, run_graph
     from fuselm.runtime.schedule_reference import run_schedule
 
-    graph, vocab = tiny_graph("MixtralForCausalLM")
+    graph, vocab = tiny_graph(arch)
     rng = np.random.default_rng(0)
     weights = {n.name: (0.2 * rng.standard_normal(n.shape)).astype(np.float32) for n in graph.sources("weight")}
-    feeds = {"ids": np.array([3, 17, 5], np.int32), "pos": np.arange(3, dtype=np.int32)}
-    want = run_graph(graph, weights, feeds, new_state(graph, 8))["logits"]
-    for fuse in (True, False):
-        G = compile_graph(graph, fuse=fuse, tokens=3)
-        moe = [l for l in G.graph["schedule"] if l.family == "moe"]
-        assert len(moe) == 3 and all(len(l.nodes) == 1 for l in moe)
-        got = run_schedule(G, weights, feeds, new_state(graph, 8))["logits"]
-        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+    layers = 3 if arch == "MixtralForCausalLM" else 2           # Qwen3-MoE's layer 1 is dense
+    for tokens in (3, 1):
+        feeds = {"ids": np.array([3, 17, 5][:tokens], np.int32), "pos": np.arange(tokens, dtype=np.int32)}
+        want = run_graph(graph, weights, feeds, new_state(graph, 8))["logits"]
+        for fuse in (True, False):
+            G = compile_graph(graph, fuse=fuse, tokens=tokens)
+            moe = [l for l in G.graph["schedule"] if l.family == "moe"]
+            ops = [[G.nodes[n]["op"] for n in l.nodes] for l in moe]
+            assert ops == [["rmsnorm", "moe_ffn", "add"] if fuse else ["moe_ffn"]] * layers, ops
+            if fuse:   # between a layer's O projection and the next layer's Q/K/V: router and experts
+                after_o = [l.family for l in G.graph["schedule"] if l.layer == moe[0].layer][-2:]
+                assert after_o == ["gemv", "moe"]
+            got = run_schedule(G, weights, feeds, new_state(graph, 8))["logits"]
+            assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
 

@@ -33,11 +33,13 @@ struct ExpertTile<void, K, M, R, N, EXPERT_BYTES> {
 // Batched prefill, gate and up: block (expert e, tile of R = 16 x warps rows), in a grid of E x
 // ceil(I / R) blocks, writes glu(e, row, gate, up) of every token of the step into the workspace ws
 // [E][TT][I]; an expert no token chose is skipped. F, EXPERT_BYTES: the experts' format
-// (ExpertTile); W their pointers; NORM: the router's renormalised top-K (route_token).
+// (ExpertTile); W their pointers; NORM: the router's renormalised top-K (route_token). NORMED: x
+// goes through an RMSNorm first (gain, gain_offset, eps), each token's scale applied to its dot
+// products (gemm_tile gathers the sums of squares as it stages x).
 template <int E, int TOPK, bool NORM, int I, int D, int TT, int KC, int THREADS, class F, long long EXPERT_BYTES,
-          class W, class Glu>
+          bool NORMED, class W, class Glu>
 __device__ __forceinline__ void moe_up_tokens(const float* x, const float* logits, const W* w_gate, const W* w_up,
-                                              float* ws, Glu glu) {
+                                              float* ws, Glu glu, const weight_t* gain, float gain_offset, float eps) {
     constexpr int R = 16 * (THREADS / 32), TILES = (I + R - 1) / R;
     using Experts = ExpertTile<F, D, 2, R, I, EXPERT_BYTES>;
     static_assert(TT <= THREADS, "route_tokens_to: a thread per token");
@@ -45,18 +47,20 @@ __device__ __forceinline__ void moe_up_tokens(const float* x, const float* logit
         StagedChunk<TT, KC, Experts::GROUPED> x;   // the k loop's chunk of the tokens' vectors
         float tile[2 * R * TT];                    // then [gate, up][R][TT] dot products
     } smem;
-    __shared__ float ss[TT];                 // (no norm prologue: unused)
+    __shared__ float ss[TT];                 // each token's sum of x^2 (NORMED)
     __shared__ float weight_of[TT];
     __shared__ int slot_of[TT];
     const int e = blockIdx.x / TILES, tile = blockIdx.x % TILES;
     if (!route_tokens_to<E, TOPK, NORM, TT>(logits, e, weight_of, slot_of)) return;
     const W* const stacks[2] = {w_gate, w_up};
-    VectorsFromX<D, TT, KC, false, THREADS, Experts::GROUPED> vectors{x, nullptr, 0.0f};
+    VectorsFromX<D, TT, KC, NORMED, THREADS, Experts::GROUPED> vectors{x, gain, gain_offset};
     const auto rows = Experts::of(stacks, e, tile);
     gemm_tile<D, D, TT, KC, THREADS, false>(rows, 0, vectors, smem.x, smem.tile, ss);
     for (int i = threadIdx.x; i < R * TT; i += THREADS) {
         const int s = i % R, t = i / R, row = tile * R + s;
-        if (row < I) ws[((size_t)e * TT + t) * I + row] = glu(e, row, smem.tile[s * TT + t], smem.tile[(R + s) * TT + t]);
+        const float scale = NORMED ? rms_scale(ss[t], D, eps) : 1.0f;
+        if (row < I)
+            ws[((size_t)e * TT + t) * I + row] = glu(e, row, smem.tile[s * TT + t] * scale, smem.tile[(R + s) * TT + t] * scale);
     }
 }
 
@@ -92,14 +96,15 @@ __device__ __forceinline__ void moe_down_tokens(const float* logits, const W* w_
     }
 }
 
-// Batched prefill, the sum: out [TT][D] = each token's TOPK terms of moe_down_tokens, in slot order.
-template <int TOPK, int D, int TT>
-__device__ __forceinline__ void moe_sum_tokens(const float* terms, float* out) {
+// Batched prefill, the sum: each token's TOPK terms of moe_down_tokens added in slot order, handed
+// with its token and row to epilogue(t, row, sum), which stores it (after the fused ops, if any).
+template <int TOPK, int D, int TT, class Epilogue>
+__device__ __forceinline__ void moe_sum_tokens(const float* terms, Epilogue epilogue) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < TT * D; i += gridDim.x * blockDim.x) {
         const float* term = terms + (size_t)(i / D) * TOPK * D + i % D;
         float sum = 0.0f;
 #pragma unroll
         for (int k = 0; k < TOPK; k++) sum += term[k * D];
-        out[i] = sum;
+        epilogue(i / D, i % D, sum);
     }
 }
