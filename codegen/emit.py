@@ -6,7 +6,9 @@ from __future__ import annotations
 import networkx as nx
 import numpy as np
 
-from ..compiler.kernels import moe_parts
+from dataclasses import replace
+
+from ..compiler.kernels import moe_parts, split_tail
 from ..dsl import Kind, get
 from ..dsl.paging import PAGED_OPS
 from ..errors import FuselmError
@@ -32,7 +34,7 @@ def generate(G: nx.DiGraph, ctx: int, target: Target | None = None, tuning: Tuni
     if tokens > 1 and (why := prefill_unsupported(G, tokens, tuning, target)):
         raise FuselmError(f"no steps of {tokens} tokens: {why}")
     out = []
-    for launch in G.graph["schedule"]:
+    for launch in _launches(G, tokens):
         family = launch.family
         if tokens > 1 and family == "gemv":
             family = "gemm"
@@ -41,6 +43,26 @@ def generate(G: nx.DiGraph, ctx: int, target: Target | None = None, tuning: Tuni
         k = FAMILIES[family].generate(KernelSpec(G, launch, ctx, tokens, target, tuning))
         k.bytes_read, k.bytes_written = _traffic(G, launch, ctx, tokens)
         out.append(k)
+    return out
+
+
+def _launches(G: nx.DiGraph, tokens: int) -> list:
+    """The schedule's launches as the kernels run them: for steps of several tokens a gemv
+    kernel's row-wise tail (compiler/fuse_tail.py) is a row-wise launch of its own after the gemm,
+    which stores for it what the tail reads (the kernel's scratch)."""
+    out = []
+    for launch in G.graph["schedule"]:
+        body, tail = split_tail(G, launch.nodes)
+        if tokens == 1 or not tail:
+            out.append(launch)
+            continue
+        inside = set(tail)
+        mine = lambda values, part: [v for v in values if v in set(part)]   # noqa: E731
+        out.append(replace(launch, nodes=body, writes=mine(launch.writes, body) + mine(launch.scratch, body),
+                           scratch=[]))
+        reads = list(dict.fromkeys(i for n in tail for i in G.nodes[n]["inputs"] if i not in inside))
+        out.append(replace(launch, kernel=f"{launch.kernel}.tail", family="rowwise", nodes=tail, reads=reads,
+                           writes=mine(launch.writes, tail), scratch=mine(launch.scratch, tail), early=[]))
     return out
 
 

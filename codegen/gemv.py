@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from ..compiler.kernels import ScheduledKernel, ZipSet, gemv_parts, zip_sets
+from ..compiler.kernels import ScheduledKernel, ZipSet, gemv_parts, split_tail, stored_rows, zip_sets
 from ..dsl import Kind, get
 from ..errors import FuselmError
 from ..quant.formats import Format, format_of
-from . import cexpr
+from . import cexpr, rowwise
 from .kernel import KernelSource, KernelSpec, Launch
 from .kv_cache import cache_row, layout_of, staging
 from .params import Params
@@ -87,13 +87,41 @@ def generate(spec: KernelSpec) -> KernelSource:
                               rows_per_warp=rows_per_warp)
     max_tile = max(z.R * len(z.members) for z in zips)
     staged = all(f.integer_codes for f in formats) and staged_fits(vec["K"], ksplit, max_tile)
-    name, source = render("gemv.cu.j2", "gemv", shape_name(vec, zips), params=params.decls, **vec, zips=zips,
+    tail = _tail(G, launch, params)
+    name, source = render("gemv.cu.j2", "gemv", shape_name(vec, zips) + ("_tail" if tail else ""),
+                          params=params.decls, **vec, zips=zips, tail=tail,
                           quantized=quantized, staged=staged, threads=tuning.gemv_warps * 32, unroll=unroll, ksplit=ksplit,
                           min_blocks=tuning.gemv_quant_blocks_per_sm if quantized and not staged else 1,
                           rows_per_warp=rows_per_warp,
                           max_tile=max_tile, grid=grid)
     return KernelSource(name, "gemv", source, launch.nodes,
                         [Launch(name, (grid, 1), tuning.gemv_warps * 32, params.values)], launch.layer)
+
+
+def _tail(G: nx.DiGraph, launch: ScheduledKernel, params: Params) -> dict | None:
+    """The kernel's row-wise tail (compiler/fuse_tail.py) for one token: its phases, run by the
+    block that finishes last (counted at `counter` of the runtime's "block_counts", after the
+    counts of the kernel's fp8 cache writes), or None."""
+    body, tail = split_tail(G, launch.nodes)
+    if not tail:
+        return None
+    stored = set(stored_rows(G, tail)) | (set(launch.writes) & set(tail))
+    code = rowwise.phases(G, tail, params, stored, through_l2=frozenset(body))
+    counter = f"{runtime_buffer(params, 'unsigned*', 'block_counts')} + {counters(G, launch) - 1}"
+    return {"phases": code, "counter": counter, "quantized": rowwise.quantized(G, tail)}
+
+
+def counters(G: nx.DiGraph, launch: ScheduledKernel) -> int:
+    """The arrival counters a gemv kernel uses in the runtime's "block_counts": a head's for each
+    fp8 cache write (kv_cache.staging), then one for its tail, if it has one."""
+    counts = staging(G, launch.nodes, G.graph.get("tokens", 1))[2]
+    return counts + bool(split_tail(G, launch.nodes)[1])
+
+
+def block_counts(G: nx.DiGraph) -> int:
+    """The counters any gemv kernel of compiled graph G needs (at least 1): the runtime's
+    "block_counts", all 0 between kernels (each kernel's last arrivals leave them at 0)."""
+    return max([counters(G, k) for k in G.graph["schedule"] if k.family == "gemv"] + [1])
 
 
 def staged_fits(K: int, ksplit: int, max_tile: int) -> bool:
@@ -234,7 +262,7 @@ def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False, pr
                            preload, batched)
             body.append(f"if (active) {v} = rope_rotate({var[src]}, {partner[src]}, s & 1, {angle});")
         var[n] = v
-    for n in launch.writes:
+    for n in launch.writes + launch.scratch:     # scratch: what the kernel's tail reads back
         if n in var and get(G.nodes[n]["op"]).inplace_of is None:
             at = f"t * {G.nodes[n]['shape'][-1]} + row" if batched else "row"
             body.append(f"if (active) {params.ref(n, written=True)}[{at}] = {var[n]};")
@@ -253,7 +281,7 @@ def _fp8_write(G, launch, node, value: str, R: int, params, batched: bool, paire
     # a round's first token: thread e of the round takes token (first) + e / R, whatever the first is
     ntok, t0, token, live = (("THREADS / R", "t - (int)threadIdx.x / R", "t", "THREADS") if batched
                              else ("1", "0", "0", "blockDim.x"))
-    stage, counts = runtime_buffer(params, "float*", "kv_stage"), runtime_buffer(params, "unsigned*", "kv_counts")
+    stage, counts = runtime_buffer(params, "float*", "kv_stage"), runtime_buffer(params, "unsigned*", "block_counts")
     lines = ['static_assert(THREADS % R == 0, "a round of the epilogue takes whole tokens");'] if batched else []
     return lines + [f"kv_fp8_epilogue<{lay.head_dim}, {unit}, {R // unit}, {lay.width}, {ntok}, {lay.stride}, "
                     f"{lay.scale_at}>({params.ref(cache, written=True)}, {stage} + {st.stage}, {counts} + {st.counts}, "

@@ -103,7 +103,7 @@ def check_target(layout: CacheLayout, target, where: str) -> None:
 @dataclass(frozen=True)
 class Staging:
     """Where one fp8 kv_write of a GEMV / gemm kernel stages its rows: floats [T][width] at
-    `stage` of the runtime's "kv_stage", counts [T][kv_heads] at `counts` of "kv_counts"."""
+    `stage` of the runtime's "kv_stage", counts [T][kv_heads] at `counts` of "block_counts"."""
     stage: int
     counts: int
 
@@ -124,7 +124,8 @@ def staging(G: nx.DiGraph, nodes: list[str], tokens: int) -> tuple[dict[str, Sta
 
 def staging_sizes(G: nx.DiGraph) -> tuple[int, int]:
     """The largest (floats, counts) any gemv kernel of compiled graph G stages (at least 1 each):
-    what the runtime's "kv_stage" and "kv_counts" buffers hold."""
+    what the runtime's "kv_stage" holds and the counts "block_counts" starts with (codegen/gemv.py:
+    block_counts)."""
     tokens = G.graph.get("tokens", 1)
     sizes = [staging(G, k.nodes, tokens)[1:] for k in G.graph["schedule"] if k.family == "gemv"]
     return max([f for f, _ in sizes] + [1]), max([c for _, c in sizes] + [1])

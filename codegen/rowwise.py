@@ -28,7 +28,31 @@ def generate(spec: KernelSpec) -> KernelSource:
     G, launch = spec.G, spec.launch
     params = Params(G)
     nodes = launch.nodes
-    stored = set(materialized(G, nodes)) | set(launch.writes)
+    code = phases(G, nodes, params, set(materialized(G, nodes)) | set(launch.writes))
+    # the widest row this block walks: an op's output or its first operand (argmax outputs [T];
+    # ops on per-token scalars [T] walk one element)
+    width = max((s[-1] for n in nodes for s in (G.nodes[n]["shape"], G.nodes[G.nodes[n]["inputs"][0]]["shape"])
+                 if s and isinstance(s[-1], int)), default=1)
+    # One block per token row: at decode time a single block, so its latency is the kernel's;
+    # more threads mean shorter chains of dependent loads per thread.
+    threads = min(1024, max(256, width // 4 // 32 * 32))
+    name, source = render("rowwise.cu.j2", "rowwise", f"{len(code)}ops", params=params.decls, phases=code,
+                          threads=threads, quantized=quantized(G, nodes))
+    return KernelSource(name, "rowwise", source, nodes, [Launch(name, ("T", 1), threads, params.values)], launch.layer)
+
+
+def quantized(G: nx.DiGraph, nodes: list[str]) -> bool:
+    """Whether any of the ops reads a quantized weight (an embedding table)."""
+    return any(G.nodes[i].get("format", "bf16") != "bf16" for n in nodes for i in G.nodes[n]["inputs"])
+
+
+def phases(G: nx.DiGraph, nodes: list[str], params: Params, stored: set[str],
+           through_l2: frozenset[str] = frozenset()) -> list[str]:
+    """The C code of row-wise ops `nodes` on token t's row, one phase per op that is `stored`
+    (the block puts a barrier between phases); elementwise ops not stored are inlined into their
+    readers. Values in `through_l2` were written by other blocks of this kernel (a gemv kernel's
+    tail reads its GEMVs' results): they are loaded through L2, which L1 does not keep coherent
+    with other SMs' writes."""
     inside = set(nodes)
 
     def at(v: str, i: str = "i") -> str:
@@ -41,29 +65,22 @@ def generate(spec: KernelSpec) -> KernelSource:
             return f"{p}[0]"
         if len(d["shape"]) == 1:
             return f"w2f({p}[{i}])" if d["op"] == "weight" else f"{p}[{i}]"
+        if v in through_l2:
+            return f"__ldcg({p} + t * {d['shape'][-1]} + {i})"
         return f"{p}[t * {d['shape'][-1]} + {i}]"
 
     def row(v: str) -> str:
-        return f"{params.ref(v)} + t * {G.nodes[v]['shape'][-1]}"
+        start = f"{params.ref(v)} + t * {G.nodes[v]['shape'][-1]}"
+        return f"RowFromL2{{{start}}}" if v in through_l2 else start
 
-    phases = []
+    out = []
     for n in nodes:
         d = G.nodes[n]
         if n not in stored and d["kind"] is Kind.ELEMENTWISE:
             continue
         emit = PHASES.get(d["op"], _elementwise)       # elementwise ops have no entry
-        phases.append(f"// {d['op']}\n" + emit(G, n, params, at, row))
-    # the widest row this block walks: an op's output or its first operand (argmax outputs [T];
-    # ops on per-token scalars [T] walk one element)
-    width = max((s[-1] for n in nodes for s in (G.nodes[n]["shape"], G.nodes[G.nodes[n]["inputs"][0]]["shape"])
-                 if s and isinstance(s[-1], int)), default=1)
-    # One block per token row: at decode time a single block, so its latency is the kernel's;
-    # more threads mean shorter chains of dependent loads per thread.
-    threads = min(1024, max(256, width // 4 // 32 * 32))
-    quantized = any(G.nodes[i].get("format", "bf16") != "bf16" for n in nodes for i in G.nodes[n]["inputs"])
-    name, source = render("rowwise.cu.j2", "rowwise", f"{len(phases)}ops", params=params.decls, phases=phases,
-                          threads=threads, quantized=quantized)
-    return KernelSource(name, "rowwise", source, nodes, [Launch(name, ("T", 1), threads, params.values)], launch.layer)
+        out.append(f"// {d['op']}\n" + emit(G, n, params, at, row))
+    return out
 
 
 def _loop(width, stmt: str) -> str:

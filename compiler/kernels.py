@@ -3,7 +3,9 @@
 Families (each one a CUDA template in codegen/):
 - "gemv":      one or more LINEAR nodes reading the same vector, optionally a NORM prologue that
                produces that vector, and an epilogue of ELEMENTWISE / ROW_LOCAL / CACHE_WRITE nodes
-               computed on the tile of output rows each block owns;
+               computed on the tile of output rows each block owns; optionally a row-wise tail
+               (nodes marked TAIL, compiler/fuse_tail.py) run on whole rows of its results by
+               the block that finishes last;
 - "attention": one ATTENTION node (split over the context, then combined);
 - "moe":       one MOE node (gate/up of the routed experts, then their weighted down projection),
                optionally a NORM prologue that produces its input vector and an epilogue of
@@ -22,6 +24,7 @@ import networkx as nx
 from ..dsl import Kind, get
 
 EPILOGUE_KINDS = (Kind.ELEMENTWISE, Kind.ROW_LOCAL, Kind.CACHE_WRITE)
+TAIL = "tail"     # node attribute: the node runs in its gemv kernel's row-wise tail
 ROWWISE_KINDS = (Kind.EMBEDDING, Kind.NORM, Kind.ELEMENTWISE, Kind.ROW_LOCAL, Kind.CACHE_WRITE,
                  Kind.REDUCTION)
 
@@ -126,14 +129,25 @@ def family(G: nx.DiGraph, nodes: list[str]) -> str:
     if Kind.LINEAR in kinds:
         check_gemv(G, nodes)
         return "gemv"
-    bad = [n for n, k in zip(nodes, kinds) if k not in ROWWISE_KINDS]
-    if bad:
-        raise ValueError(f"no kernel family runs {bad}")
+    _check_rowwise(G, nodes)
     return "rowwise"
 
 
+def _check_rowwise(G: nx.DiGraph, nodes: list[str]) -> None:
+    bad = [n for n in nodes if G.nodes[n]["kind"] not in ROWWISE_KINDS]
+    if bad:
+        raise ValueError(f"no kernel family runs {bad}")
+
+
+def split_tail(G: nx.DiGraph, nodes: list[str]) -> tuple[list[str], list[str]]:
+    """A kernel's nodes as (its body, its row-wise tail), each in the order given."""
+    return [n for n in nodes if not G.nodes[n].get(TAIL)], [n for n in nodes if G.nodes[n].get(TAIL)]
+
+
 def gemv_parts(G: nx.DiGraph, nodes: list[str]) -> tuple[str | None, list[str], list[str]]:
-    """Split a gemv kernel into (prologue norm or None, linears, epilogue nodes), in graph order."""
+    """Split a gemv kernel into (prologue norm or None, linears, epilogue nodes), in graph order
+    (its tail aside: split_tail)."""
+    nodes, _ = split_tail(G, nodes)
     linears = [n for n in nodes if G.nodes[n]["kind"] is Kind.LINEAR]
     x = G.nodes[linears[0]]["inputs"][0]
     prologue = x if x in nodes else None
@@ -143,6 +157,13 @@ def gemv_parts(G: nx.DiGraph, nodes: list[str]) -> tuple[str | None, list[str], 
 
 def check_gemv(G: nx.DiGraph, nodes: list[str]) -> None:
     """Raise ValueError unless `nodes` form a legal gemv kernel (see the module docstring)."""
+    body, tail = split_tail(G, nodes)
+    if tail:
+        _check_rowwise(G, tail)
+        if any(G.nodes[n]["kind"] is Kind.EMBEDDING for n in tail) or set(tail) & {
+                i for n in body for i in G.nodes[n]["inputs"]}:
+            raise ValueError(f"tail {tail} must run after its GEMVs on their results")
+        nodes = body
     prologue, linears, epilogue = gemv_parts(G, nodes)
     inputs = {G.nodes[n]["inputs"][0] for n in linears}
     if len(inputs) != 1:
@@ -246,10 +267,22 @@ def materialized(G: nx.DiGraph, nodes: list[str]) -> list[str]:
     A row-wise kernel runs its ops one after another over the whole row, so every value a later
     op reads at other positions (norms, row-local ops, reductions read whole rows) is stored;
     elementwise values read only by elementwise ops are inlined as C expressions instead.
-    GEMV epilogues and attention keep their intermediates on chip.
+    GEMV epilogues and attention keep their intermediates on chip; a gemv kernel's tail is a
+    row-wise group of its own, reading the GEMV results it needs from memory.
     """
-    if family(G, nodes) != "rowwise":
+    fam = family(G, nodes)
+    if fam == "gemv":       # a tail reads whole rows of the GEMVs' results: other blocks wrote them
+        body, tail = split_tail(G, nodes)
+        read = {i for n in tail for i in G.nodes[n]["inputs"]}
+        return [n for n in body if n in read and get(G.nodes[n]["op"]).inplace_of is None] + \
+            (stored_rows(G, tail) if tail else [])
+    if fam != "rowwise":
         return []
+    return stored_rows(G, nodes)
+
+
+def stored_rows(G: nx.DiGraph, nodes: list[str]) -> list[str]:
+    """The nodes a row-wise group of ops stores (see materialized)."""
     inside = set(nodes)
     keep = []
     for n in nodes:

@@ -18,6 +18,7 @@ from .fuse_elementwise import fuse_elementwise
 from .fuse_epilogue import fuse_epilogue
 from .fuse_horizontal import fuse_horizontal
 from .fuse_prologue import fuse_prologue
+from .fuse_tail import fuse_tail
 from .infer_shapes import infer_shapes
 from .keep_state import keep_state
 from .lower import to_networkx
@@ -28,7 +29,7 @@ from .validate import validate
 
 Pass = Callable[[nx.DiGraph], nx.DiGraph]
 
-FUSION_PASSES: list[Pass] = [fuse_horizontal, fuse_prologue, fuse_epilogue, fuse_elementwise]
+FUSION_PASSES: list[Pass] = [fuse_horizontal, fuse_prologue, fuse_epilogue, fuse_elementwise, fuse_tail]
 
 
 def passes(fuse: bool = True, tokens: int = 1, state_only: bool = False, formats=None) -> list[Pass]:

@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ..codegen import Target, Tuning, build_program
+from ..codegen.gemv import block_counts
 from ..codegen.kv_cache import graph_kv_bytes, layout_of, staging_sizes
 from ..codegen.params import storage_of
 from ..codegen.sample import scratch_words
@@ -32,7 +33,7 @@ SAMPLING_ARGS = np.dtype([("temperature", "f4"), ("top_p", "f4"), ("min_p", "f4"
 
 
 # Launch arguments that are the engine's own buffers (attributes of the same name), not graph values.
-RUNTIME_BUFFERS = ("workspace", "seen", "sampled", "pos", "sampling_args", "sampler_scratch", "kv_stage", "kv_counts")
+RUNTIME_BUFFERS = ("workspace", "seen", "sampled", "pos", "sampling_args", "sampler_scratch", "kv_stage", "block_counts")
 
 
 def check_variant(kernels, variant: str | None) -> None:
@@ -212,10 +213,10 @@ class CudaEngine:
         self.states = {name: cp.zeros((self.max_context, lay.stride), cp.uint8) if lay.fp8
                        else cp.zeros((self.max_context, lay.width), cp.uint16)
                        for name, lay in self.cache_layouts.items()}
-        # fp8 cache writes: each GEMV block's staged values and the blocks counted per head
-        stage, counts = staging_sizes(G)
-        self.kv_stage = cp.empty(stage, cp.float32)
-        self.kv_counts = cp.zeros(counts, cp.uint32)
+        # fp8 cache writes: each GEMV block's staged values; the blocks counted per head and
+        # per row-wise tail (the last to arrive writes the head or runs the tail)
+        self.kv_stage = cp.empty(staging_sizes(G)[0], cp.float32)
+        self.block_counts = cp.zeros(block_counts(G), cp.uint32)
         self.arena = cp.empty(max(G.graph["arena_bytes"], 256), cp.uint8)
         self.inputs = {n.name: cp.zeros([1 if d == "T" else d for d in n.shape],
                                         cp.int32 if n.dtype == "i32" else cp.float32)

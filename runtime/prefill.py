@@ -22,6 +22,7 @@ import weakref
 import numpy as np
 
 from ..codegen.build import PrefillStep
+from ..codegen.gemv import block_counts
 from ..codegen.kv_cache import staging_sizes
 from ..codegen.params import storage_of
 from ..errors import FuselmError
@@ -63,7 +64,7 @@ def step_buffers(cp, steps) -> dict:
         # fp8 cache writes: the gemm blocks' staged values, and per (token, head) the blocks
         # counted in (the last one writes the head and leaves 0)
         "kv_stage": cp.empty(max(staging_sizes(s.G)[0] for s in steps), cp.float32),
-        "kv_counts": cp.zeros(max(staging_sizes(s.G)[1] for s in steps), cp.uint32),
+        "block_counts": cp.zeros(max(block_counts(s.G) for s in steps), cp.uint32),
     }
 
 

@@ -17,7 +17,8 @@ compiler's own launch list and buffer plan:
 - inside a launch, nodes are evaluated in order with each op's numpy reference
   (`dsl.get(op).reference`); intermediates stay local to the launch (on chip), and only the values
   in `launch.writes` and `launch.scratch` are stored into the arena, right after they are
-  computed;
+  computed; a gemv kernel's row-wise tail (compiler/fuse_tail.py) reads what the rest of its
+  kernel computed from the arena too, as the block that runs it does;
 - graph outputs are read back from the arena after the last launch.
 
 So a buffer plan that lets two live buffers overlap, a value some kernel reads that no kernel
@@ -35,6 +36,7 @@ from typing import Mapping
 import networkx as nx
 import numpy as np
 
+from ..compiler.kernels import split_tail
 from ..dsl import Kind, get
 from .reference import bind_shape
 
@@ -105,10 +107,14 @@ def run_schedule(G: nx.DiGraph, weights: Mapping[str, np.ndarray], feeds: Mappin
         inside = set(launch.nodes)
         to_store = set(launch.writes) | set(launch.scratch)
         local: dict[str, np.ndarray] = {}
+        body, tail = split_tail(G, launch.nodes)
         for n in launch.nodes:
             d = G.nodes[n]
             opdef = get(d["op"])
-            args = [local[i] if i in inside else stored(i) for i in d["inputs"]]
+            # a gemv kernel's tail runs in the block that finishes last: it reads the GEMVs'
+            # results from memory, where the other blocks stored them
+            mine = set(tail) if n in tail else inside
+            args = [local[i] if i in mine else stored(i) for i in d["inputs"]]
             out = opdef.reference(*args, **d["attrs"])
             st = storage_of(n)
             if st is not None:                    # in place into persistent state

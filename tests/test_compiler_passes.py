@@ -24,7 +24,8 @@ from fuselm.compiler.fuse_horizontal import fuse_horizontal
 from fuselm.compiler.fuse_prologue import fuse_prologue
 from fuselm.compiler.infer_shapes import infer_shapes
 from fuselm.compiler.keep_state import keep_state
-from fuselm.compiler.kernels import family, kernel_graph, members
+from fuselm.compiler.fuse_tail import fuse_tail
+from fuselm.compiler.kernels import family, kernel_graph, members, split_tail
 from fuselm.compiler.lower import to_networkx
 from fuselm.compiler.pipeline import passes
 from fuselm.compiler.plan_buffers import plan_buffers
@@ -34,7 +35,7 @@ from fuselm.dsl import REGISTRY, Graph, Kind, OpDef, register
 from fuselm.dsl.ops import elementwise_shape
 from fuselm.models import DecoderConfig, build_graph
 from fuselm.runtime.reference import new_state, run_graph
-from fuselm.runtime.schedule_reference import run_schedule
+from fuselm.runtime.schedule_reference import ScheduleError, run_schedule
 
 from graph_strategies import model_weights, random_graphs
 
@@ -381,16 +382,25 @@ def test_a_new_elementwise_op_is_fused_into_a_gemv_epilogue(h, mytest_op):
 
 # ---- legality refusals ---------------------------------------------------------------------------
 
-def test_softmax_after_a_linear_is_not_fused_into_it(h):
+def test_softmax_after_a_linear_is_its_tail_not_its_epilogue(h):
+    """A softmax needs the whole row: not an epilogue (fuse_epilogue takes only the silu), but the
+    row-wise tail the last block runs (fuse_tail); without fuse_tail, a row-wise kernel."""
     g = Graph("sm")
     y = g.op("linear", g.input("x", ("T", 6)), g.weight("w", (9, 6)))
-    s = g.op("softmax", g.op("silu", y))
+    silu = g.op("silu", y)
+    s = g.op("softmax", silu)
     g.output(s=s)
     G = compile_graph(g, tokens=2)
+    assert kernel_of(G, s.name) == kernel_of(G, silu.name) == kernel_of(G, y.name)
+    body, tail = split_tail(G, members(G)[kernel_of(G, y.name)])
+    assert tail == [s.name] and silu.name in body
+    (launch,) = G.graph["schedule"]
+    assert launch.scratch == [silu.name]                   # the tail reads it back from memory
+    assert run_both(h, g, G, tokens=2) < 1e-5
+    plist = [p for p in passes(tokens=2) if p is not fuse_tail]
+    G = compile_graph(g, tokens=2, pass_list=plist)
     assert kernel_of(G, s.name) != kernel_of(G, y.name)
     assert family(G, members(G)[kernel_of(G, s.name)]) == "rowwise"
-    assert kernel_of(G, g.nodes[s.name].inputs[0]) == kernel_of(G, y.name)   # the silu is taken
-    assert run_both(h, g, G, tokens=2) < 1e-5
 
 
 def test_norm_read_by_a_non_linear_stays_its_own_kernel_and_is_written(h):
@@ -411,10 +421,11 @@ def test_an_epilogue_value_read_by_a_later_kernel_is_written(h):
     y = g.op("linear", g.input("x", ("T", 6)), g.weight("w", (5, 6)))
     b = y + g.weight("b", (5,))
     z = g.op("linear", b, g.weight("w2", (3, 5)))
-    g.output(z=z, s=g.op("softmax", b))
+    sm = g.op("softmax", b)
+    g.output(z=z, s=sm)
     G = compile_graph(g, tokens=2)
     launch = next(l for l in G.graph["schedule"] if y.name in l.nodes)
-    assert b.name in launch.nodes and launch.writes == [b.name]
+    assert b.name in launch.nodes and launch.writes == [b.name, sm.name]   # the softmax: its tail
     assert run_both(h, g, G, tokens=2) < 1e-5
 
 
@@ -551,3 +562,51 @@ def test_plan_early_reads_lets_a_gemv_read_early_only_what_kernels_before_the_la
         assert set(la.early) <= set(la.reads)
     lm_head = G.graph["schedule"][-1]
     assert "lm_head.weight" in lm_head.early and "add_37" not in lm_head.early
+
+
+# ---- row-wise tails (fuse_tail) ------------------------------------------------------------------
+
+def _qwen3(layers: int = 2):
+    return build_graph(DecoderConfig.from_hf(dict(
+        architectures=["Qwen3ForCausalLM"], vocab_size=29, hidden_size=16, intermediate_size=24,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8)))
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_qwen3_qk_norms_run_in_the_qkv_kernels_tail(h, tokens):
+    """Qwen3's per-head Q/K norms, their RoPE and the K cache write need whole heads, which many
+    blocks compute: they become the Q/K/V kernel's tail, and a layer is 5 kernels as Llama's."""
+    graph = _qwen3()
+    G = compile_graph(graph, tokens=tokens)
+    qkv = [l for l in G.graph["schedule"] if l.family == "gemv" and l.layer == 0][0]
+    body, tail = split_tail(G, qkv.nodes)
+    assert [G.nodes[n]["op"] for n in tail] == ["rmsnorm", "rmsnorm", "rope", "rope", "kv_write"]
+    assert [l.family for l in G.graph["schedule"] if l.layer == 0] == ["gemv", "attention", "gemv", "gemv", "gemv"]
+    q, k = (G.nodes[n]["inputs"][0] for n in tail[:2])
+    assert {q, k} <= set(qkv.scratch) and {q, k} <= set(body)    # stored for the tail to read back
+    assert run_both(h, graph, G, tokens=tokens) < 1e-5
+
+
+def test_a_tail_reads_the_gemvs_results_from_memory(h):
+    """The executor runs a tail as the last block does: from the stored values. A plan that does
+    not store what the tail reads fails there."""
+    graph = _qwen3(1)
+    G = compile_graph(graph, tokens=1)
+    qkv = next(l for l in G.graph["schedule"] if split_tail(G, l.nodes)[1])
+    lost = qkv.scratch[0]
+    bad = G.copy()
+    bad.graph["schedule"] = [replace(l, scratch=l.scratch[1:]) if l is qkv else l for l in G.graph["schedule"]]
+    bad.graph["buffers"] = {v: b for v, b in G.graph["buffers"].items() if v != lost}
+    with pytest.raises(ScheduleError, match=f"{lost} is read from memory but has no buffer"):
+        run_both(h, graph, bad, tokens=1)
+
+
+def test_tails_generate_a_last_block_for_a_token_and_a_launch_for_a_step():
+    graph = _qwen3(1)
+    [qkv] = [k for k in generate(compile_graph(graph, tokens=1), ctx=8) if "_tail" in k.name]
+    assert "last_block_arrives(" in qkv.source and "RowFromL2{" in qkv.source
+    step = generate(compile_graph(graph, tokens=32, state_only=True), ctx=64, tokens=32)
+    families = [k.family for k in step]
+    i = next(i for i, k in enumerate(step) if k.family == "gemm")
+    assert families[i + 1] == "rowwise" and "last_block_arrives(" not in step[i].source
+    assert "rmsnorm_row(" in step[i + 1].source

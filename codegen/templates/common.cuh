@@ -67,6 +67,22 @@ __device__ __forceinline__ float rope_rotate(float self, float partner, bool sec
 
 __device__ __forceinline__ float rms_scale(float sum_sq, int n, float eps) { return rsqrtf(sum_sq / n + eps); }
 
+// Whether this block is the last of the grid to get here. Every thread's global writes before the
+// call are visible to the last block after it (each thread fences before its block is counted
+// in). `count` is 0 before a launch's first arrival; the last block leaves it at 0 for the next.
+__device__ __forceinline__ bool last_block_arrives(unsigned* count) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(count, 1u) == gridDim.x - 1;
+        if (last) *count = 0u;                   // every other block has counted in
+    }
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
 // Block timeline for `fuselm trace` (a module built with trace=True compiles it in): thread 0 of every block
 // records its own times: when it started, when its wait for the previous kernel returned (0 if it
 // never waited) and when it left. codegen's module_source numbers each kernel's TRACE_BLOCK() in

@@ -3,8 +3,17 @@
 #include "common.cuh"
 #include "kv_cache.cuh"
 
+// A row that other blocks of this kernel wrote (a gemv kernel's tail reads its GEMVs' results),
+// read through L2: L1 is not kept coherent with other SMs' writes. The helpers below take it
+// wherever they take a row pointer (Row: const float* or RowFromL2).
+struct RowFromL2 {
+    const float* p;
+    __device__ __forceinline__ float operator[](int i) const { return __ldcg(p + i); }
+};
+
 // Index of the largest element of x[0:n] (the first one on ties), for the whole block.
-__device__ __forceinline__ int block_argmax(const float* x, int n) {
+template <class Row>
+__device__ __forceinline__ int block_argmax(const Row x, int n) {
     __shared__ float best_v[32];
     __shared__ int best_i[32];
     float v = NEG_INF;
@@ -39,7 +48,8 @@ __device__ __forceinline__ int block_argmax(const float* x, int n) {
 // RMSNorm of x[0:n] in groups of `group` (group == n: the whole row), weight w[group]. Groups
 // (per-head norms) go one per warp, all at once: a block-wide reduction per group would run them
 // one after another.
-__device__ __forceinline__ void rmsnorm_row(const float* x, const weight_t* w, float* out, int n, int group,
+template <class Row>
+__device__ __forceinline__ void rmsnorm_row(const Row x, const weight_t* w, float* out, int n, int group,
                                             float eps, float offset) {
     if (group < n) {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
@@ -60,7 +70,8 @@ __device__ __forceinline__ void rmsnorm_row(const float* x, const weight_t* w, f
     }
 }
 
-__device__ __forceinline__ void softmax_row(const float* x, float* out, int n) {
+template <class Row>
+__device__ __forceinline__ void softmax_row(const Row x, float* out, int n) {
     float m = NEG_INF;
     for (int i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, x[i]);
     m = block_max(m);
@@ -71,7 +82,10 @@ __device__ __forceinline__ void softmax_row(const float* x, float* out, int n) {
 }
 
 // RoPE over a row of heads of `hd`: element i pairs with i +- rot/2 (or its odd/even neighbour).
-__device__ __forceinline__ void rope_row(const float* x, float* out, int n, int hd, int pairs,
+// Not inlined: sincosf's slow path (angles past ~1e5 radians) keeps a stack frame, and inlined
+// twice into a GEMV's tail (Q's and K's RoPE) it made ptxas spill around it.
+template <class Row>
+__device__ __noinline__ void rope_row(const Row x, float* out, int n, int hd, int pairs,
                                          bool interleaved, int pos, const float* inv_freq) {
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         const int j = i % hd, base = i - j;

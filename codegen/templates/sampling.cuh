@@ -114,7 +114,7 @@ constexpr unsigned NONFINITE_BIT = 0x80000000u;   // beside a block's argmax ind
 
 // Grid-wide argmax of the penalized logits, step one: this block's best of [begin, end) goes to
 // scratch (values as float bits at [0, G), indices at [G, 2G) with NONFINITE_BIT set when the
-// slice held a NaN or inf, a finished-block counter at 2G); returns true in the one block that
+// slice held a NaN or inf, a finished-block counter at 2G, left at 0); returns true in the one block that
 // finishes last, which then sees every block's result.
 __device__ bool last_block_of_argmax(const float* logits, const unsigned char* seen, float rp,
                                      int begin, int end, unsigned* scratch) {
@@ -129,7 +129,6 @@ __device__ bool last_block_of_argmax(const float* logits, const unsigned char* s
     nonfinite = __syncthreads_or(nonfinite);
     const float bm = block_max(m);
     __shared__ int first;
-    __shared__ bool last;
     if (threadIdx.x == 0) first = 0x7fffffff;
     __syncthreads();
     if (m == bm) atomicMin(&first, idx);
@@ -138,12 +137,8 @@ __device__ bool last_block_of_argmax(const float* logits, const unsigned char* s
     if (threadIdx.x == 0) {
         scratch[blockIdx.x] = __float_as_uint(bm);
         scratch[G + blockIdx.x] = (unsigned)first | (nonfinite ? NONFINITE_BIT : 0u);
-        __threadfence();                          // results visible before the count says so
-        last = atomicAdd(&scratch[2 * G], 1u) == G - 1;
     }
-    __syncthreads();
-    if (last) __threadfence();
-    return last;
+    return last_block_arrives(&scratch[2 * G]);
 }
 
 // Step two, in the last block: the best of the blocks' results (lowest index on ties).
