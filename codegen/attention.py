@@ -269,6 +269,31 @@ def paged_pass(kv: int, head_dim: int, group: int, target: Target, tuning: Tunin
     return pass_of(kv, head_dim, group, warps, tuning.attn_single_rows, target), warps
 
 
+def _paged_split(spec: KernelSpec, params: Params, layout: Layout, walk: Pass, warps: int) -> KernelSource:
+    """A PAGED_ATTENTION node's kernels for a step of one token (one sequence decoding alone):
+    the split over chunks of the paged pass, each inside one page, and the combine; one form
+    for every position (the batch engine's graphs take no variants)."""
+    G, launch, ctx, tuning = spec.G, spec.launch, spec.ctx, spec.tuning
+    (n,) = launch.nodes
+    q, kc, vc, pos, pages = G.nodes[n]["inputs"][:5]
+    a = G.nodes[n]["attrs"]
+    H, KV, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
+    nchunk, record = -(-ctx // walk.chunk), (hd + 3) // 4 * 4 + 4            # Record<HD>::FLOATS
+    combine_threads = tuning.attn_combine_warps * 32
+    name, source = render(
+        "attention.cu.j2", "attention", f"h{H}_kv{KV}_d{hd}_paged{a['page']}_t1", params=params.decls, H=H, KV=KV,
+        HD=hd, chunk=walk.chunk, split_pass=walk.type, nchunk=nchunk, window=int(a.get("window") or 0),
+        scale=cexpr.float_literal(a["scale"]), softcap=cexpr.float_literal(a.get("softcap") or 0.0),
+        threads=warps * 32, combine_warps=tuning.attn_combine_warps, combine_threads=combine_threads,
+        combine_group=tuning.attn_combine_group, q=params.ref(q), kc=params.ref(kc), vc=params.ref(vc),
+        pos=params.ref(pos), out=params.ref(n, written=True), ws=params.extra("float*", "workspace"), tokens=1,
+        paged={"page": a["page"], "pages": params.ref(pages)}, sinks=sinks_arg(G, n, params))
+    launches = [Launch(f"{name}_split", (KV, nchunk), warps * 32, params.values),
+                Launch(f"{name}_combine", (H, 1), combine_threads, params.values)]
+    return KernelSource(name, "attention", source, launch.nodes, launches, launch.layer,
+                        workspace_floats=H * nchunk * record, passes={"split": walk})
+
+
 def _paged(spec: KernelSpec, params: Params, layout: Layout) -> KernelSource:
     """The kernel of a PAGED_ATTENTION node: a block per KV head and token, each token walking its
     own sequence's rows through its page table (templates/attention.cuh: attention_paged)."""
@@ -283,6 +308,8 @@ def _paged(spec: KernelSpec, params: Params, layout: Layout) -> KernelSource:
     if page % walk.chunk:
         raise FuselmError(f"{n}: pages of {page} rows are no multiple of the attention pass's {walk.chunk}-row "
                           f"chunks (fewer attn_paged_warps make them shorter)")
+    if tokens == 1:
+        return _paged_split(spec, params, layout, walk, warps)
     name, source = render(
         "attention.cu.j2", "attention", f"h{H}_kv{KV}_d{hd}_paged{page}", params=params.decls, H=H, KV=KV, HD=hd,
         scale=cexpr.float_literal(a["scale"]), softcap=cexpr.float_literal(a.get("softcap") or 0.0),

@@ -10,7 +10,6 @@ from dataclasses import replace
 
 from ..compiler.kernels import moe_parts, split_tail
 from ..dsl import Kind, get
-from ..dsl.paging import PAGED_OPS
 from ..errors import FuselmError
 from ..quant.formats import format_of
 from . import attention, flash, gemm, gemv, moe, rowwise
@@ -29,8 +28,6 @@ def generate(G: nx.DiGraph, ctx: int, target: Target | None = None, tuning: Tuni
     per KV head; see prefill_unsupported), on
     `target` with `tuning` (default: the H200 and the default tuning)."""
     target, tuning = target or Target(), tuning or Tuning()
-    if tokens == 1 and any(d["op"] in PAGED_OPS.values() for _, d in G.nodes(data=True)):
-        raise FuselmError("a graph over paged KV caches runs in steps of several tokens (a batch), not one")
     if tokens > 1 and (why := prefill_unsupported(G, tokens, tuning, target)):
         raise FuselmError(f"no steps of {tokens} tokens: {why}")
     out = []

@@ -240,8 +240,9 @@ def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False, pr
                 body += _fp8_write(G, launch, n, var[src], R, params, batched, paired)
                 continue
             width = d["shape"][-1]
-            at = _ahead(cache_row(G, n, params, token), [pos], "int", f"__ldcg({params.ref(pos)})", launch, preload,
-                        batched)
+            at = cache_row(G, n, params, token)
+            if d["op"] != "paged_kv_write":   # a paged row comes from the page table, after the wait
+                at = _ahead(at, [pos], "int", f"__ldcg({params.ref(pos)})", launch, preload, batched)
             body.append(f"if (active) {params.ref(cache, written=True)}[(size_t){at} * "
                         f"{width} + row] = f32_to_bf16({var[src]});")
             continue

@@ -161,6 +161,29 @@ def test_the_batch_build_pages_every_cache_and_compiles(shape):
         assert s.G.nodes["pages"]["shape"] == ("T", -(-200 // page))
 
 
+def test_a_lone_decoding_sequence_takes_a_step_of_one_token():
+    """The default step sizes start at one token: its GEMVs are the decode step's (no padding to a
+    gemm step), its attention the split over page-sized chunks of the sequence's own pages and the
+    combine (one form for every position), its cache rows written through the page table."""
+    from fuselm.codegen import Target, Tuning
+    from fuselm.codegen.build import batch_page, build_batch
+    graph = build_graph(DecoderConfig.from_hf({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 500, "intermediate_size": 640, "num_hidden_layers": 2,
+        "num_key_value_heads": 2, "max_position_embeddings": 256, "hidden_size": 512, "num_attention_heads": 4}))
+    steps = build_batch(graph, 200, Target(), Tuning())
+    assert sorted(s.tokens for s in steps) == sorted((1, *Tuning().prefill_tokens))
+    one = next(s for s in steps if s.tokens == 1)
+    page = batch_page(graph, Target(), Tuning())
+    families = {k.family for k in one.kernels}
+    assert "gemv" in families and "gemm" not in families
+    (attention,) = {k.name: k for k in one.kernels if k.family == "attention"}.values()
+    split, combine = attention.launches
+    chunk = attention.passes["split"].chunk
+    assert page % chunk == 0 and split.grid == (2, -(-200 // chunk)) and combine.grid == (4, 1)
+    assert f"PagedRows<{page}>" in attention.source and "paged_row(" in one.source and one.cubin
+    assert attention.workspace_floats == 4 * split.grid[1] * (128 + 4)    # a record per head and chunk
+
+
 def test_paged_kernels_refuse_what_they_cannot_run():
     from fuselm.codegen import Target, Tuning, generate
     from fuselm.compiler import compile_graph
@@ -170,7 +193,6 @@ def test_paged_kernels_refuse_what_they_cannot_run():
         "num_hidden_layers": 1, "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 256}))
     cases = [(paged(graph, 16, table=8), 32, "pages of 16 rows are no multiple of the attention pass's 32-row chunks"),
              (paged(graph, 32), 32, "a page table of a fixed width"),
-             (paged(graph, 32, table=8), 1, "runs in steps of several tokens"),
              (paged(with_kv_dtype(graph, "fp8"), 32, table=8), 32, "paged fp8 KV caches have no kernels yet")]
     for g, tokens, message in cases:
         with pytest.raises(FuselmError, match=message):

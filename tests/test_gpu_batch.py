@@ -36,8 +36,10 @@ CONFIGS = {   # the paged pass on CUDA cores (head 32) and on tensor cores (head
     "mixtral": {"architectures": ["MixtralForCausalLM"], **ARCH_TINY["MixtralForCausalLM"]},
     "gpt-oss": {"architectures": ["GptOssForCausalLM"], **ARCH_TINY["GptOssForCausalLM"]},
 }
-# tokens per step and sequence: a full 64-token step, mixed chunks, single tokens (steps of 32 mostly padding)
-PLAN = [[40, 9, 15], [20, 1, 30], [10, 1, 40], [1, 1, 1], [1, 0, 33], [30, 1, 1], [1, 1, 1]]
+# tokens per step and sequence: a full 64-token step, mixed chunks, single tokens (steps of 32 mostly
+# padding), then one sequence's token alone (the one-token step: decode GEMVs, paged split attention)
+PLAN = [[40, 9, 15], [20, 1, 30], [10, 1, 40], [1, 1, 1], [1, 0, 33], [30, 1, 1], [1, 1, 1],
+        [0, 0, 1], [1, 0, 0], [0, 1, 0]]
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -56,13 +58,13 @@ def test_mixed_batch_steps_on_shuffled_pages_match_each_sequence_alone(name):
     engine = engine_for(graph, weights, ctx=CTX, batched_prefill=False)
     program = engine.program
     per_seq = -(-CTX // batch_page(graph, program.target, program.tuning))
-    batch = CudaBatchEngine(engine, pages=3 * per_seq + 2, sizes=(64, 32))
+    batch = CudaBatchEngine(engine, pages=3 * per_seq + 2, sizes=(64, 32, 1))
     order = rng.permutation(batch.pages)[:3 * per_seq].reshape(3, per_seq).tolist()   # shuffled pages
     with engine.stream:
         batch.arena.view(cp.float32).fill(cp.nan)
         for c in batch.states.values():
             c.fill(0x7FC0)                                                        # bf16 NaN
-    seqs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (102, 14, 121)]
+    seqs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (104, 16, 123)]   # the last steps feed each
     got, fed = feed_in_steps(batch, seqs, order, PLAN)
     tol = MOE_PREFILL_TOL if is_moe(cfg) else PREFILL_TOL
     worst, worst_row, worst_cache = 0.0, 0.0, 0.0

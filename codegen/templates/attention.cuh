@@ -19,11 +19,29 @@ struct Record {
     static constexpr int MAX_AT = (HD + 3) / 4 * 4, SUM_AT = MAX_AT + 1, FLOATS = MAX_AT + 4;
 };
 
+// Where a pass finds the cache rows of positions base .. base + CHUNK - 1: in one cache of rows
+// by position ...
+struct ContiguousRows {
+    template <int W, class E>
+    __device__ __forceinline__ const E* moved(const E* cache, int) const { return cache; }
+};
+
+// ... or on pages of PAGE rows (a multiple of the pass's chunk) through a sequence's page table:
+// the pointer that puts those positions on their page's rows.
+template <int PAGE>
+struct PagedRows {
+    const int* table;
+    template <int W, class E>
+    __device__ __forceinline__ const E* moved(const E* cache, int base) const {
+        return cache + ((long long)table[base / PAGE] * PAGE + base % PAGE - base) * W;
+    }
+};
+
 // Flash-decoding split: block (KV head, chunk blockIdx.y) leaves its chunk's softmax state of each
-// query head in the workspace for attention_combine.
-template <int H, int KV, int HD, class P, int NCHUNK>
+// query head in the workspace for attention_combine. `rows`: where the chunk's cache rows are.
+template <int H, int KV, int HD, class P, int NCHUNK, class Rows = ContiguousRows>
 __device__ __forceinline__ void attention_chunk(const float* q, const typename P::Elem* kc, const typename P::Elem* vc, const int* pos_p,
-                                                int window, float scale, float softcap, float* ws) {
+                                                int window, float scale, float softcap, float* ws, Rows rows = {}) {
     constexpr int G = H / KV;
     const int c = blockIdx.y;
     // A graph input, read before the wait: the previous step's sampler wrote it, and has finished,
@@ -32,6 +50,8 @@ __device__ __forceinline__ void attention_chunk(const float* q, const typename P
     const int lo = window > 0 ? max(0, pos - window + 1) : 0;
     const int start = max(c * P::CHUNK, lo), end = min(c * P::CHUNK + P::CHUNK, pos + 1);
     if (start >= end) return;                   // the combine reads only chunks with positions
+    kc = rows.template moved<P::W>(kc, c * P::CHUNK);
+    vc = rows.template moved<P::W>(vc, c * P::CHUNK);
     P pass;
     pass.before_wait(kc, vc, c * P::CHUNK, start, end, pos);
     grid_wait_then_release();
@@ -120,12 +140,9 @@ __device__ __forceinline__ void attention_paged(const float* q, const bf16_t* kc
     constexpr int G = H / KV;
     grid_wait_then_release();
     const int t = blockIdx.y, pos = pos_p[t];
-    const int* table = pages_p + (size_t)t * TABLE;
+    const PagedRows<PAGE> rows{pages_p + (size_t)t * TABLE};
     const int lo = window > 0 ? max(0, pos - window + 1) : 0;
-    // the pointers that put position `base` .. base + CHUNK - 1 on their page's rows
-    const auto moved = [&](const bf16_t* cache, int base) {
-        return cache + ((long long)table[base / PAGE] * PAGE + base % PAGE - base) * P::W;
-    };
+    const auto moved = [&](const bf16_t* cache, int base) { return rows.template moved<P::W>(cache, base); };
     int base = lo / P::CHUNK * P::CHUNK;
     P pass;
     pass.load(moved(kc, base), moved(vc, base), base, lo, min(base + P::CHUNK, pos + 1), -1);
