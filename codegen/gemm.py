@@ -41,6 +41,7 @@ from .tuning import SMEM_STATIC, Target, Tuning
 STAGE_THREADS = 256
 WGMMA_ROWS = 128            # weight rows per wgmma tile: two warpgroups of 64
 WGMMA_THREADS = 384         # two consumer warpgroups (the epilogue's 256 threads) and a producer
+WGMMA_CONSUMERS = 256       # (gemm_wgmma.cuh: WGMMA_CONSUMERS)
 WGMMA_MAX_TOKENS = 256      # the widest wgmma (m64n256k16)
 WGMMA_MAX_STAGES = 8
 
@@ -104,12 +105,14 @@ def wgmma_form(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, target: Targ
             and all(len(z.linears) in (1, 2, 4) for z in zip_sets(G, launch.nodes)))
 
 
-def wgmma_stages(columns: int, tokens: int, target: Target) -> int:
+def wgmma_stages(columns: int, tokens: int, target: Target, exchanges: int = 0) -> int:
     """Pipeline slots of a wgmma tile of `columns` tokens: as many as the device's shared memory
-    per block holds (less 1 kB of alignment, 1 kB for the static arrays and the step's `tokens`
-    sums of squares), at most WGMMA_MAX_STAGES."""
+    per block holds beside the static arrays (1 kB of alignment, 1 kB for the pipeline's barriers
+    and the like, the step's `tokens` sums of squares and the epilogue's `exchanges` arrays of a
+    float per consumer thread), at most WGMMA_MAX_STAGES."""
     slot = (WGMMA_ROWS + columns) * 128
-    return min(WGMMA_MAX_STAGES, (target.smem_per_block - 2048 - 4 * tokens) // slot)
+    static = 2048 + 4 * tokens + 4 * WGMMA_CONSUMERS * exchanges
+    return min(WGMMA_MAX_STAGES, (target.smem_per_block - static) // slot)
 
 
 def _wgmma_block_cost(slots: int, columns: int, tokens: int, split: int, tuning: Tuning) -> float:
@@ -194,7 +197,7 @@ def generate(spec: KernelSpec) -> KernelSource:
     staged_x = params.extra("float*", "gemm_x")
     group_order = grouped(G, launch)
     if wgmma:   # the slots, which the tile of dot products takes over; the 1024-byte alignment
-        stages = wgmma_stages(columns, tokens, target)
+        stages = wgmma_stages(columns, tokens, target, sum(z.exchanges for z in zips))
         threads = WGMMA_THREADS
         smem = max(stages * (WGMMA_ROWS + columns) * 128, WGMMA_ROWS * stride * 4) + 1024
         staged = tokens * K // 2 + tokens

@@ -62,6 +62,7 @@ class ZipTile:
     epilogue: str             # C statements of its epilogue (see _epilogue)
     preload: str              # declarations loading epilogue operands before the wait
     groups: list[FormatGroup] # its members by weight format
+    exchanges: int = 0        # the epilogue's shared arrays of a float per thread (RoPE of an epilogue value)
 
     @property
     def formats(self) -> str:
@@ -197,8 +198,11 @@ def zip_contexts(G: nx.DiGraph, launch: ScheduledKernel, params: Params, slots, 
         preload: list[str] = []
         members = [params.ref(G.nodes[l]["inputs"][1]) for l in z.linears]
         body = _epilogue(G, launch, z.linears, z_epi, R, params, batched, preload, paired=bool(hd))
+        # _epilogue shares each RoPE source that is not a dot product itself (a biased one) once
+        exchanges = len({G.nodes[n]["inputs"][0] for n in z_epi if G.nodes[n]["kind"] is Kind.ROW_LOCAL}
+                        - set(z.linears))
         zips.append(ZipTile(z.width, R, hd, str(interleaved).lower(), start, start + tiles, members, body,
-                            "\n".join(preload), groups))
+                            "\n".join(preload), groups, exchanges))
         start += tiles
     return zips, start
 

@@ -79,16 +79,28 @@ def _first_error(log: str) -> str:
 
 
 SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+SMEM = re.compile(r"(\d+) bytes smem")
 
 
-def spills(log: str) -> dict[str, int]:
-    """Per function, the spill bytes ptxas reported (needs options(verbose=True))."""
+def _per_function(log: str, rx: re.Pattern) -> dict[str, int]:
+    """Per function of ptxas' resource report (needs options(verbose=True)), the sum of the
+    numbers `rx` captures on its lines."""
     out, fn = {}, None
     for line in log.splitlines():
         m = re.search(r"Compiling entry function '(\w+)'", line) or re.search(r"Function properties for (\w+)", line)
         if m:
             fn = m.group(1)
-        s = SPILL.search(line)
+        s = rx.search(line)
         if s and fn:
-            out[fn] = int(s.group(1)) + int(s.group(2))
+            out[fn] = sum(int(g) for g in s.groups())
     return out
+
+
+def static_smem(log: str) -> dict[str, int]:
+    """Per function, the static shared memory in bytes ptxas reported."""
+    return _per_function(log, SMEM)
+
+
+def spills(log: str) -> dict[str, int]:
+    """Per function, the spill bytes (stored + loaded) ptxas reported."""
+    return _per_function(log, SPILL)
