@@ -65,10 +65,16 @@ def check_text(text: str, what: str) -> None:
         raise FuselmError(f"{what} is not valid UTF-8 text ({raw} at character {e.start})") from None
 
 
-def encode_prompt(tok, prompt: str | Sequence[dict], tools: list[dict] | None = None) -> list[int]:
+def encode_prompt(tok, prompt: str | Sequence[dict] | Sequence[int], tools: list[dict] | None = None) -> list[int]:
     """Token ids of a plain prompt, or of chat messages (and the `tools` they may call) rendered
-    by the model's chat template. Neither the prompt nor the messages' contents can produce
-    special tokens."""
+    by the model's chat template, or token ids given as they are (each checked to be in the
+    vocabulary). Neither the prompt nor the messages' contents can produce special tokens."""
+    if is_token_ids(prompt):
+        ids = list(prompt)
+        bad = next((t for t in ids if not 0 <= t < tok.vocab_size), None)
+        if bad is not None:
+            raise FuselmError(f"the prompt's token id {bad} is not in the vocabulary of {tok.vocab_size} tokens")
+        return ids
     if isinstance(prompt, str):
         if not prompt.strip():
             raise FuselmError("the prompt is empty")
@@ -89,7 +95,13 @@ def encode_prompt(tok, prompt: str | Sequence[dict], tools: list[dict] | None = 
     return list(tok.encode_chat(messages, add_generation_prompt=True, **({"tools": tools} if tools else {})))
 
 
-def generate(engine: Engine, tok, prompt: str | Sequence[dict], max_new_tokens: int,
+def is_token_ids(prompt) -> bool:
+    """Whether `prompt` is a non-empty sequence of token ids (ints, not bools)."""
+    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))
+
+
+def generate(engine: Engine, tok, prompt: str | Sequence[dict] | Sequence[int], max_new_tokens: int,
              sampling: SamplingParams = SamplingParams(), stats: GenerationStats | None = None,
              cache_ids: list[int] | None = None, ignore_eos: bool = False) -> Iterator[str]:
     """Validate now, then return an iterator of text pieces.

@@ -1,7 +1,7 @@
 """The FastAPI app over one loaded model: OpenAI's completion endpoints, models, health, metrics.
 
     POST /v1/chat/completions   messages through the model's chat template
-    POST /v1/completions        a prompt string continued
+    POST /v1/completions        a prompt (a string or token ids) continued
     GET  /v1/models             the one model served
     GET  /health                200 while the worker runs
     GET  /metrics               Prometheus text

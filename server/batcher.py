@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from ..errors import FuselmError
 from ..runtime.batch import Chunk, CpuBatchEngine
 from ..runtime.engine import check_logits
-from ..runtime.generate import GenerationStats, encode_prompt
+from ..runtime.generate import GenerationStats
 from ..runtime.kv_pages import PagePool
 from ..runtime.sampling import Sampler
 from .errors import APIError
@@ -232,7 +232,7 @@ class BatchScheduler(Scheduler):
             return []                 # cancel() has answered it
         job = ticket.job
         try:
-            ids = encode_prompt(self.tokenizer, job.prompt)
+            ids = job.prompt
             choices = []
             for i in range(job.n):
                 seed = None if job.sampling.seed is None else job.sampling.seed + i

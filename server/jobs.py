@@ -127,5 +127,5 @@ def build_job(model, body: GenerationRequest, grammars=None, batching: bool | No
         raise APIError(400, f"{body.length_field}: the prompt of {prompt_tokens} tokens plus {max_tokens} new tokens "
                        f"does not fit the context of {model.engine.max_context} tokens (at most {room} here)",
                        body.length_field, "context_length_exceeded")
-    return Job(prompt, max_tokens, sampling, tuple(body.stop or ()), body.ignore_eos, grammar, logprobs_of(body),
+    return Job(tuple(ids), max_tokens, sampling, tuple(body.stop or ()), body.ignore_eos, grammar, logprobs_of(body),
                body.n or 1, splitter)

@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Sequence
+from typing import AsyncIterator, Callable
 
 from ..errors import FuselmError
 from ..runtime.engine import SamplingParams
@@ -29,12 +29,13 @@ log = logging.getLogger("fuselm.server")
 
 @dataclass(frozen=True)
 class Job:
-    """What to generate: a prompt string or chat messages, a token limit, sampling, stop strings;
+    """What to generate: the prompt's token ids (build_job encodes text, chat messages and the
+    tools they may call once), a token limit, sampling, stop strings;
     `ignore_eos` generates past the model's stop tokens up to the limit (benchmarks); `grammar`
     (structured.py) constrains the answer; `logprobs`: report each token's log probability and
     that many alternatives (None: none); `n` answers to the one prompt; `splitter` parts a
     chat answer into reasoning, content and tool calls."""
-    prompt: str | Sequence[dict]
+    prompt: tuple[int, ...]
     max_tokens: int
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
@@ -210,7 +211,7 @@ class Scheduler:
         """Stream the job's pieces to its ticket; return the finish reason, or "cancelled"."""
         job = ticket.job
         stops = StopStrings(job.stop)
-        pieces = generate(self.model.engine, self.model.tokenizer, job.prompt, job.max_tokens,
+        pieces = generate(self.model.engine, self.model.tokenizer, list(job.prompt), job.max_tokens,
                           job.sampling, stats, ignore_eos=job.ignore_eos)
         try:
             for piece in pieces:

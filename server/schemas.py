@@ -33,6 +33,13 @@ def _text_parts(value):
     return value
 
 
+def _prompt(value):
+    """A completion's prompt as served here: a string or a non-empty list of token ids."""
+    if isinstance(value, str) or isinstance(value, list) and value and all(type(t) is int for t in value):
+        return value
+    raise ValueError("must be a string or a non-empty list of token ids (one prompt: batches of prompts are not served)")
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -193,8 +200,8 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 class CompletionRequest(GenerationRequest):
-    """`POST /v1/completions`: a prompt string continued."""
-    prompt: str
+    """`POST /v1/completions`: a prompt continued, as a string or as token ids."""
+    prompt: Annotated[str | list[int], BeforeValidator(_prompt)]
     logprobs: int | None = None
 
 

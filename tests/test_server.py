@@ -61,6 +61,7 @@ def expected(model):
         "sampled": run(model.generate(PROMPT, 6, temperature=1.0, top_k=40, seed=7)),
         "sampled_seed_8": run(model.generate(PROMPT, 6, temperature=1.0, top_k=40, seed=8)),
     }
+    out["prompt_ids"] = encode_prompt(model.tokenizer, PROMPT)
     model.engine.reset()   # the prompt's last logits, for the logprobs of the first answer token
     out["prompt_logits"] = model.engine.logits_of(encode_prompt(model.tokenizer, PROMPT))[-1].astype(np.float64)
     model.engine.reset()
@@ -93,6 +94,12 @@ def test_completion_equals_python_api(client, expected):
     assert reply.choices[0].text == text and reply.choices[0].finish_reason == "length"
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (stats.prompt_tokens, TOKENS)
     assert reply.usage.total_tokens == stats.prompt_tokens + TOKENS
+
+
+def test_a_prompt_of_token_ids_is_the_same_prompt(client, expected):
+    text, stats = expected["completion"]
+    reply = client.completions.create(model=NAME, prompt=expected["prompt_ids"], max_tokens=TOKENS)
+    assert reply.choices[0].text == text and reply.usage.prompt_tokens == len(expected["prompt_ids"])
 
 
 def test_concurrent_requests_each_get_their_own_answer(client, expected):
@@ -279,6 +286,13 @@ BAD_REQUESTS = [   # (endpoint, body, status, the field the error names)
     ("chat/completions", {**CHAT_OK, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("completions", {**COMPLETION_OK, "prompt": "word " * 600}, 400, "prompt"),
     ("completions", {**COMPLETION_OK, "prompt": "  "}, 400, "prompt"),
+    ("completions", {**COMPLETION_OK, "prompt": []}, 400, "prompt"),
+    ("completions", {**COMPLETION_OK, "prompt": [1, -1]}, 400, "prompt"),
+    ("completions", {**COMPLETION_OK, "prompt": [49152]}, 400, "prompt"),     # SmolLM2's vocabulary: 49,152
+    ("completions", {**COMPLETION_OK, "prompt": [1] * 600}, 400, "prompt"),
+    ("completions", {**COMPLETION_OK, "prompt": [True, 2]}, 400, "prompt"),
+    ("completions", {**COMPLETION_OK, "prompt": [[1, 2]]}, 400, "prompt"),    # batches of prompts: not served
+    ("completions", {**COMPLETION_OK, "prompt": ["a", "b"]}, 400, "prompt"),
     ("completions", {**COMPLETION_OK, "top_p": 0}, 400, "top_p"),
     ("completions", {**COMPLETION_OK, "seed": -1}, 400, "seed"),
     ("completions", {**COMPLETION_OK, "stop": 3}, 400, "stop"),
@@ -336,6 +350,7 @@ class CharTokenizer:
     """One id per character; nothing stops generation but the token limit."""
     stop_ids = frozenset()
     has_chat_template = False
+    vocab_size = 0x110000
 
     def encode(self, text, add_special_tokens=True, parse_special=False):
         return [ord(c) for c in text]
