@@ -6,6 +6,9 @@
 # SERVE=MODEL serves MODEL on the GPU and loads it with bench-serve (SERVE_OPTS: serve's options,
 # SERVE_ARGS: bench-serve's), into $OUT/serve.json and serve.log; a preset name serves its shapes
 # with random weights (scripts/serve_random.py, the carried SmolLM2 GGUF's tokenizer).
+# ALT=FILE.tar (`git archive BRANCH -o FILE.tar`, carried) runs the same GPU tests and bench over
+# that tree too, in the same run (A/B of a branch against this checkout): $OUT/alt_tests.log,
+# alt_bench.log and alt_bench.json.
 # SKIP_TESTS=1 / SKIP_BENCH=1 leave a part out; PEERS= (empty) skips the transformers comparison;
 # BENCH_ARGS adds options to the bench (e.g. --decode-only); TESTS picks the GPU test files.
 # AB="FUSELM_TUNE=gemv_unroll=8;FUSELM_TUNE=attn_wide_warps=0" adds decode-only runs of $AB_MODELS, one
@@ -27,6 +30,18 @@ fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   models=${*:-llama-3.2-1b llama-3.1-8b smollm2-135m}
   python3 -m fuselm.tools.bench $models --profile --peers "${PEERS-hf}" ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+fi
+if [ -n "${ALT:-}" ]; then   # the other tree, imported as fuselm ahead of this checkout
+  alt=$(mktemp -d); mkdir -p "$alt/src" && tar xf "$ALT" -C "$alt/src" && ln -s "$alt/src" "$alt/fuselm"
+  if [ "${SKIP_TESTS:-0}" != 1 ]; then
+    (cd "$alt/src" && PYTHONPATH="$alt:${PYTHONPATH:-}" python3 -m pytest ${TESTS:-tests/test_gpu.py tests/test_gpu_quant.py} \
+      -m gpu -q -s -p no:cacheprovider) > "$OUT/alt_tests.log" 2>&1
+    tests_rc=$(( tests_rc | $? ))
+  fi
+  if [ "${SKIP_BENCH:-0}" != 1 ]; then
+    (cd /tmp && PYTHONPATH="$alt:${PYTHONPATH:-}" python3 -m fuselm.tools.bench ${*:-llama-3.2-1b llama-3.1-8b smollm2-135m} \
+      --peers "" ${BENCH_ARGS:-} --json "$OUT/alt_bench.json") 2>&1 | tee "$OUT/alt_bench.log"
+  fi
 fi
 if [ -n "${SERVE:-}" ]; then   # fuselm serve on the GPU, loaded by bench-serve (SERVE_ARGS: its options)
   if [ -e "$SERVE" ]; then   # a checkpoint; else a preset's shapes, random weights, the fixture's tokenizer
