@@ -136,17 +136,19 @@ class Model:
         except ValueError as e:
             raise FuselmError(str(e)) from None
 
-    def generate(self, prompt: str, max_new_tokens: int = 64, *, temperature: float | None = None,
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 64, *, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
                  repetition_penalty: float | None = None, seed: int | None = None,
                  chat: bool = False) -> Iterator[str]:
-        """Stream the continuation of `prompt` (with chat=True: the answer to it as a user message,
-        through the chat template). Sampling settings left as None take the model's defaults
-        (`self.defaults`). Starts from an empty cache."""
+        """Stream the continuation of `prompt`, text or token ids (with chat=True: the answer to
+        the text as a user message, through the chat template). Sampling settings left as None
+        take the model's defaults (`self.defaults`). Starts from an empty cache."""
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                         repetition_penalty=repetition_penalty, seed=seed)
         self._cache_ids.clear()
         if chat:
+            if not isinstance(prompt, str):
+                raise FuselmError("chat=True takes the prompt as text, not token ids")
             return self.chat([{"role": "user", "content": prompt}], max_new_tokens, **sampling)
         return self._generate(prompt, max_new_tokens, None, sampling)
 

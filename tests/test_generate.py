@@ -42,6 +42,7 @@ class ByteTokenizer:
     stop_ids = frozenset({STOP})
     bos_id = None
     has_chat_template = True
+    vocab_size = STOP + 1
 
     def encode(self, text, add_special_tokens=True, parse_special=True):
         return list(text.encode("utf-8"))
@@ -177,6 +178,12 @@ def test_stop_id_ends_generation_and_is_not_printed():
     assert engine.fed == list(b"prompt") + [ord("h"), ord("i")]   # the stop id is never fed
 
 
+def test_a_prompt_of_token_ids_is_fed_as_it_is():
+    engine = ScriptedEngine([ord("h"), STOP])
+    assert "".join(generate(engine, ByteTokenizer(), [7, STOP, 9], 10)) == "h"   # ids, specials included
+    assert engine.fed == [7, STOP, 9, ord("h")]   # then the answer; the stop id never
+
+
 def test_ignore_eos_feeds_the_stop_id_and_runs_to_the_limit():
     engine = ScriptedEngine([ord("h"), STOP, ord("x")])
     stats = GenerationStats()
@@ -245,6 +252,8 @@ def test_a_prompt_that_does_not_extend_the_cache_resets_the_engine():
     ("x" * 12, 5, SamplingParams(), "plus 5 new tokens does not fit the context of 16"),
     ("hello", 5, SamplingParams(top_p=1.5), "top_p"),
     ("hello", 5, SamplingParams(temperature=-0.1), "temperature"),
+    ([104, 257], 5, SamplingParams(), "token id 257 is not in the vocabulary of 257 tokens"),
+    ([104, -1], 5, SamplingParams(), "token id -1 is not in the vocabulary"),
 ])
 def test_bad_input_is_a_one_line_error_before_any_work(prompt, n, sampling, message):
     engine = ScriptedEngine([1, 2, 3], max_context=16)
