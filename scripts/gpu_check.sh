@@ -8,7 +8,7 @@
 # with random weights (scripts/serve_random.py, the carried SmolLM2 GGUF's tokenizer).
 # ALT=FILE.tar (`git archive BRANCH -o FILE.tar`, carried) runs the same GPU tests and bench over
 # that tree too, in the same run (A/B of a branch against this checkout): $OUT/alt_tests.log,
-# alt_bench.log and alt_bench.json.
+# alt_bench.log and alt_bench.json (ALT_TESTS=0: the bench only).
 # SKIP_TESTS=1 / SKIP_BENCH=1 leave a part out; PEERS= (empty) skips the transformers comparison;
 # BENCH_ARGS adds options to the bench (e.g. --decode-only); TESTS picks the GPU test files.
 # AB="FUSELM_TUNE=gemv_unroll=8;FUSELM_TUNE=attn_wide_warps=0" adds decode-only runs of $AB_MODELS, one
@@ -33,7 +33,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
 fi
 if [ -n "${ALT:-}" ]; then   # the other tree, imported as fuselm ahead of this checkout
   alt=$(mktemp -d); mkdir -p "$alt/src" && tar xf "$ALT" -C "$alt/src" && ln -s "$alt/src" "$alt/fuselm"
-  if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  if [ "${SKIP_TESTS:-0}" != 1 ] && [ "${ALT_TESTS:-1}" != 0 ]; then
     (cd "$alt/src" && PYTHONPATH="$alt:${PYTHONPATH:-}" python3 -m pytest ${TESTS:-tests/test_gpu.py tests/test_gpu_quant.py} \
       -m gpu -q -s -p no:cacheprovider) > "$OUT/alt_tests.log" 2>&1
     tests_rc=$(( tests_rc | $? ))

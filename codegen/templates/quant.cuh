@@ -714,3 +714,53 @@ __device__ __forceinline__ void warp_dot_rows_q(const typename F::Row (&rows)[NR
     for (int r = 0; r < NR; r++) acc[r] = warp_sum(acc[r]);
     sumsq = Source::NORMED ? warp_sum(ss) : 0.0f;
 }
+
+// Step t of NR rows into q: each lane's group 32 t + lane of the slice, where it lies in the slice.
+template <class F, int GROUPS, int NR>
+__device__ __forceinline__ void load_step(const typename F::Row (&rows)[NR], int g0, int t,
+                                          typename F::Group (&q)[NR]) {
+    const int g = 32 * t + (threadIdx.x & 31);
+#pragma unroll
+    for (int r = 0; r < NR; r++)
+        if (GROUPS % 32 == 0 || g < GROUPS) q[r] = F::load(rows[r], g0 + g);
+}
+
+// The staged path's stream: the calling warp's row sets i0 = first, first + stride, .. < end, NR
+// rows of format F each (rows_of(i0, rows) gives their handles), dotted with the staged vector
+// over [k0, k0 + K) and handed to emit(i0, acc) as whole sums. Software-pipelined: the groups of
+// the next step (these rows' next 32 groups, or the next row set's first) are loaded before the
+// current step's dot products, so a lane's loads stay in flight while it multiplies, across row
+// sets too; two steps' groups live in registers. `pending`: as warp_dot_rows_q.
+template <class F, int K, int NR, class Source, class RowsOf, class Emit>
+__device__ __forceinline__ void warp_stream_rows_q(int first, int stride, int end, int k0, const Source& src,
+                                                   bool& pending, RowsOf rows_of, Emit emit) {
+    static_assert(K % 32 == 0, "rows of quantized groups");
+    constexpr int GROUPS = K / 32, STEPS = (GROUPS + 31) / 32;
+    if (first >= end) return;
+    const int g0 = k0 / 32, lane = threadIdx.x & 31;
+    typename F::Row rows[NR];
+    typename F::Group cur[NR], next[NR];
+    rows_of(first, rows);
+    load_step<F, GROUPS, NR>(rows, g0, 0, cur);
+    if (pending) { src.wait(); pending = false; }   // the first step in flight meanwhile
+    for (int i0 = first; i0 < end; i0 += stride) {
+        float acc[NR], ss;
+#pragma unroll
+        for (int r = 0; r < NR; r++) acc[r] = 0.0f;
+#pragma unroll
+        for (int t = 0; t < STEPS; t++) {
+            if (t + 1 < STEPS) {
+                load_step<F, GROUPS, NR>(rows, g0, t + 1, next);
+            } else if (i0 + stride < end) {     // the last step: the next row set's first
+                rows_of(i0 + stride, rows);
+                load_step<F, GROUPS, NR>(rows, g0, 0, next);
+            }
+            if (GROUPS % 32 == 0 || 32 * t + lane < GROUPS) src.template dot<F, NR>(cur, 32 * t + lane, acc, ss);
+#pragma unroll
+            for (int r = 0; r < NR; r++) cur[r] = next[r];
+        }
+#pragma unroll
+        for (int r = 0; r < NR; r++) acc[r] = warp_sum(acc[r]);
+        emit(i0, acc);
+    }
+}
