@@ -87,19 +87,21 @@ def generate(spec: KernelSpec) -> KernelSource:
         zips, grid = zip_contexts(G, launch, params,
                                   lambda members, pairs: _slots(ksplit, members, pairs, rows_per_warp, tuning),
                                   rows_per_warp=rows_per_warp)
-        return rows_per_warp, ksplit, zips, grid, max(z.R * len(z.members) for z in zips)
+        return ksplit, zips, grid, max(z.R * len(z.members) for z in zips)
 
     # Integer formats read the vector staged in shared memory where it fits, else take the float
     # path. gemv_stream_rows_per_warp > 0 pipelines the staged path (warp_stream_rows_q: two
     # steps of rows in registers, so fewer rows a warp); not yet measured on a GPU, so off.
-    staged = stream = all(f.integer_codes for f in formats) and tuning.gemv_stream_rows_per_warp > 0
-    if stream:
-        rows_per_warp, ksplit, zips, grid, max_tile = layout(tuning.gemv_stream_rows_per_warp)
-        staged = stream = staged_fits(vec["K"], ksplit, max_tile)
+    integer = all(f.integer_codes for f in formats)
+    stream = False
+    if integer and tuning.gemv_stream_rows_per_warp:
+        rows_per_warp = tuning.gemv_stream_rows_per_warp
+        ksplit, zips, grid, max_tile = layout(rows_per_warp)
+        stream = staged_fits(vec["K"], ksplit, max_tile)
     if not stream:
-        rows_per_warp, ksplit, zips, grid, max_tile = layout(
-            tuning.gemv_quant_rows_per_warp if quantized else tuning.gemv_rows_per_warp)
-        staged = all(f.integer_codes for f in formats) and staged_fits(vec["K"], ksplit, max_tile)
+        rows_per_warp = tuning.gemv_quant_rows_per_warp if quantized else tuning.gemv_rows_per_warp
+        ksplit, zips, grid, max_tile = layout(rows_per_warp)
+    staged = integer and staged_fits(vec["K"], ksplit, max_tile)
     tail = _tail(G, launch, params)
     name, source = render("gemv.cu.j2", "gemv", shape_name(vec, zips) + ("_tail" if tail else ""),
                           params=params.decls, **vec, zips=zips, tail=tail,
