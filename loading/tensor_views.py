@@ -14,11 +14,15 @@ from .tensor_store import TensorStore
 @dataclass(frozen=True)
 class View:
     """A tensor made from the checkpoint tensors `sources`: `shape` maps their shapes to its
-    own, `take` their arrays (float32, or bytes with `codes`: MXFP4 blocks and scales) to it."""
+    own, `take` their arrays (float32, or bytes with `codes`: MXFP4 blocks and scales) to it as
+    floats, and `keep` (if given) the same bytes to a quant.QuantizedWeight in format `format`,
+    for the GPU."""
     sources: tuple[str, ...]
     shape: Callable[..., tuple]
     take: Callable[..., np.ndarray]
     codes: bool = False
+    keep: Callable[..., object] | None = None
+    format: str | None = None
 
 
 class TensorViews(TensorStore):
@@ -48,11 +52,23 @@ class TensorViews(TensorStore):
         if name not in self._views:
             return self._store.get(name, dtype)
         view = self._views[name]
-        arrays = [self._store.get(s, np.uint8 if view.codes else np.float32) for s in view.sources]
-        return np.ascontiguousarray(view.take(*arrays), dtype=dtype)
+        return np.ascontiguousarray(view.take(*self._sources(view)), dtype=dtype)
+
+    def _sources(self, view: View) -> list[np.ndarray]:
+        return [self._store.get(s, np.uint8 if view.codes else np.float32) for s in view.sources]
 
     def gpu_format(self, name: str) -> str | None:
-        return None if name in self._views else self._store.gpu_format(name)
+        if name not in self._views:
+            return self._store.gpu_format(name)
+        return self._views[name].format
 
     def quantized(self, name: str):
-        return None if name in self._views else self._store.quantized(name)
+        if name not in self._views:
+            return self._store.quantized(name)
+        view = self._views[name]
+        if view.keep is None:
+            return None
+        try:
+            return view.keep(*self._sources(view))
+        except ValueError as e:
+            raise FuselmError(f"{self.source}: tensors {', '.join(view.sources)}: {e}") from None

@@ -7,7 +7,8 @@ g = min(gate, `swiglu_limit`) and u = up clipped to +-limit. YaRN's attention fa
 the rotated Q and K, so scores by f^2: the attention scale carries it. The checkpoint stacks the
 experts: `mlp.experts.gate_up_proj` [E, D, 2I] with gate and up interleaved (columns 0, 2, ... and
 1, 3, ...), `down_proj` [E, I, D], both transposed against ours, plus their biases; the released
-checkpoints hold both matrices in MXFP4 (`_blocks`, `_scales`), read here as floats.
+checkpoints hold both matrices in MXFP4 (`_blocks`, `_scales`), read here as floats for the CPU
+and kept in MXFP4 for the GPU.
 """
 from __future__ import annotations
 
@@ -85,7 +86,10 @@ def checkpoint_views(cfg: DecoderConfig, names: set[str]) -> dict:
 
 
 def _mxfp4_view(stack: str, rows: slice):
-    """The View of rows `rows` of MXFP4 stack `stack` (its `_blocks` and `_scales`) as floats."""
+    """The View of rows `rows` of MXFP4 stack `stack` (its `_blocks` and `_scales`): floats, or
+    kept in MXFP4 for the GPU (the Hub's nibble order is ours: quant/layout.from_mxfp4)."""
     from ..loading.tensor_views import View
+    from ..quant.layout import from_mxfp4
     return View((f"{stack}_blocks", f"{stack}_scales"), lambda s, _: (s[0], len(range(s[1])[rows]), s[2] * 32),
-                lambda b, sc: mxfp4_to_float(b[:, rows], sc[:, rows]), codes=True)
+                lambda b, sc: mxfp4_to_float(b[:, rows], sc[:, rows]), codes=True,
+                keep=lambda b, sc: from_mxfp4(b[:, rows], sc[:, rows]), format="mxfp4")

@@ -16,12 +16,16 @@ row-major over the N rows (layout.py writes and reads them):
 | q6_k   | low nibbles (K/2), high 2-bit pairs (K/4),      | d * sc[16-run] * (code - 32)    |
 |        | int8 scale per 16 (K/16), d f16 per 256 (K/128) |                                 |
 | fp8    | e4m3 codes (K), a float32 scale per row (4)     | scale * e4m3(code)              |
+| mxfp4  | e2m1 nibbles in element order (K/2),            | 2^(e[g] - 128) * E2M1x2[code]   |
+|        | e8m0 byte e per group (K/32)                    |   (doubled e2m1 values)         |
 
 A stack of experts' matrices [E, N, K] (a mixture of experts) is E such buffers one after another,
 expert e's at e * nbytes([N, K]).
 
 Nibbles of a group of 32 take 16 bytes: byte i holds weight i (low nibble) and weight i + 16
-(high nibble), GGUF's Q4_0 order, so one lane's 16-byte load is one group. A fifth or sixth bit
+(high nibble), GGUF's Q4_0 order, so one lane's 16-byte load is one group. MXFP4's nibbles are in
+element order instead (byte i: weights 2i and 2i + 1), so that a 16-bit half of a nibble word is
+the table lookup of 4 consecutive weights (templates/quant.cuh, MXFP4). A fifth or sixth bit
 is laid out to line up with the nibbles' bytes (layout.pack_bits, pack_pairs). Every section keeps
 GGUF's bytes (scales and codes are never rounded again): dequantizing ours equals dequantizing
 the file's.
@@ -77,6 +81,7 @@ FORMATS = {f.name: f for f in [
     Format("q5_k", "Q5_K", "Q5_K", 256, 176),
     Format("q6_k", "Q6_K", "Q6_K", 256, 210),
     Format("fp8", "FP8", None, 32, 32, 4),        # Hugging Face fp8 checkpoints, --quant fp8
+    Format("mxfp4", "MXFP4", "MXFP4", 32, 17),    # gpt-oss's experts (GGUF and the Hub's _blocks)
 ]}
 GGUF_FORMATS = {f.gguf_type: f for f in FORMATS.values() if f.gguf_type}
 

@@ -80,8 +80,13 @@ def _q6_k(b, N, K):
     return [pack_nibbles(codes & 0xF), pack_pairs(codes >> 4), b[..., 192:208], b[..., 208:210]]
 
 
+def _mxfp4(b, N, K):
+    codes = unpack_nibbles(b[..., 1:].reshape(N, -1))       # GGUF's Q4_0 order to element order
+    return [codes[:, 0::2] | (codes[:, 1::2] << 4), b[..., 0]]
+
+
 _REPACK = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1, "q4_k": _q4_k, "q5_0": _q5_0, "q5_1": _q5_1,
-           "q5_k": _q5_k, "q6_k": _q6_k}
+           "q5_k": _q5_k, "q6_k": _q6_k, "mxfp4": _mxfp4}
 
 
 def q6_k_codes(b: np.ndarray) -> np.ndarray:
@@ -163,7 +168,11 @@ SECTIONS = {
     "q6_k": [("nibbles", lambda K: K // 2), ("pairs", lambda K: K // 4), ("scales", lambda K: K // 16),
              ("d", lambda K: K // 128)],
     "fp8": [("codes", lambda K: K), ("scale", lambda K: 4)],
+    "mxfp4": [("nibbles", lambda K: K // 2), ("e", lambda K: K // 32)],
 }
+
+# MXFP4's doubled e2m1 values by code (a weight = 2^(e - 128) times its code's)
+E2M1_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
 
 
 def from_fp8(codes: np.ndarray, scale: np.ndarray) -> QuantizedWeight:
@@ -174,6 +183,20 @@ def from_fp8(codes: np.ndarray, scale: np.ndarray) -> QuantizedWeight:
     scale = np.broadcast_to(np.asarray(scale, np.float32).reshape(-1), (N,))
     data = np.concatenate([codes.reshape(-1), np.ascontiguousarray(scale).view(np.uint8)])
     return QuantizedWeight("fp8", (N, K), data)
+
+
+def from_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> QuantizedWeight:
+    """A Hub checkpoint's MXFP4 matrix (`blocks` [N, K/32, 16] bytes, element 2j in byte j's low
+    nibble; `scales` [N, K/32] e8m0 bytes) in our layout, whose nibbles are already in that order,
+    or a stack of experts' ([E, N, K/32, 16] and [E, N, K/32])."""
+    if blocks.ndim == 4:
+        return stack_experts([from_mxfp4(b, s) for b, s in zip(blocks, scales)])
+    N, groups = scales.shape
+    if blocks.shape != (N, groups, 16):
+        raise ValueError(f"MXFP4 blocks of shape {list(blocks.shape)} do not match scales {[N, groups]}")
+    data = np.concatenate([np.ascontiguousarray(blocks, np.uint8).reshape(-1),
+                           np.ascontiguousarray(scales, np.uint8).reshape(-1)])
+    return QuantizedWeight("mxfp4", (N, 32 * groups), data)
 
 
 def stack_experts(experts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -255,6 +278,8 @@ def random_weight(fmt: str, shape: tuple[int, int], std: float, xp=np, seed: int
         f16(hdr[..., 2:4], mid * std / (spread * 32))
     elif fmt == "q6_k":            # int8 scales of about 64 in size
         f16(sec["d"], std / (18.5 * 64))
+    elif fmt == "mxfp4":           # the power of two nearest std over the codes' spread (5.85, doubled)
+        sec["e"][...] = 128 + int(round(np.log2(std / float(np.sqrt(np.mean(E2M1_DOUBLED ** 2))))))
     return w
 
 
@@ -267,6 +292,10 @@ def dequantize(w: QuantizedWeight) -> np.ndarray:
     f = w.format
     if f == "fp8":
         return s[0].view(ml_dtypes.float8_e4m3fn).astype(np.float32) * s[1].view(np.float32)
+    if f == "mxfp4":
+        codes = np.stack([s[0] & 15, s[0] >> 4], axis=-1).reshape(N, -1, 32)
+        scale = np.ldexp(np.float32(1), s[1].astype(np.int32) - 128)
+        return (E2M1_DOUBLED[codes] * scale[..., None]).reshape(N, K)
     if f == "q8_0":
         codes, d = s[0].view(np.int8).astype(np.float32), s[1].view(F16).astype(np.float32)
         return (codes.reshape(N, -1, 32) * d[..., None]).reshape(N, K)

@@ -9,7 +9,9 @@ from .formats import FORMATS
 # llama.cpp's Q4_K_M (Q5_K_M): Q4_K (Q5_K) everywhere, Q6_K for the LM head, and for V and the
 # MLP's down projection (the experts' w2 in a MoE) in the layers it gives more bits (the first and
 # last eighth, every third between).
-SCHEMES = ("q4_k_m", "q5_k_m", "q4_k", "q5_k", "q6_k", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "fp8")
+# mxfp4 is gpt-oss's release: its expert stacks in MXFP4, everything else bf16 (a model without
+# experts: every weight in MXFP4).
+SCHEMES = ("q4_k_m", "q5_k_m", "q4_k", "q5_k", "q6_k", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "fp8", "mxfp4")
 
 
 def _more_bits(layer: int, layers: int) -> bool:
@@ -23,7 +25,10 @@ def scheme_formats(scheme: str, weights: dict[str, tuple[int, ...]]) -> dict[str
         raise ValueError(f"unknown quantization scheme '{scheme}' (known: {', '.join(SCHEMES)})")
     layers = 1 + max((int(m[1]) for n in weights if (m := re.match(r"model\.layers\.(\d+)\.", n))), default=0)
     out = {}
+    experts_only = scheme == "mxfp4" and any(len(shape) == 3 for shape in weights.values())
     for name, shape in weights.items():
+        if experts_only and len(shape) != 3:
+            continue
         fmt = scheme
         if scheme in ("q4_k_m", "q5_k_m"):
             m = re.match(r"model\.layers\.(\d+)\.", name)

@@ -128,3 +128,19 @@ def test_gpt_oss_gguf_logits_match_transformers(h, tmp_path, mxfp4):
     ours, theirs = our_logits(path), hf_logits(model)
     assert float(np.std(theirs)) > 0.1
     assert h.rel_err(ours, theirs) < 1e-4, h.rel_err(ours, theirs)
+
+
+def test_mxfp4_expert_stacks_stay_mxfp4_for_the_gpu(h, tmp_path):
+    """Loaded for the GPU (keep_quantized), the GGUF's MXFP4 expert stacks stay in MXFP4 (repacked
+    to element order), their values exactly the floats the CPU reads."""
+    from fuselm.quant.formats import QuantizedWeight
+    from fuselm.quant.layout import dequantize
+    ckpt = open_checkpoint(write_gpt_oss(tmp_path / "m.gguf", tiny_gpt_oss(h, 1), True))
+    graph = build_graph(ckpt.config)
+    floats = load_weights(ckpt, graph, progress=False)
+    kept = load_weights(ckpt, graph, progress=False, keep_quantized=True)
+    quantized = {n for n, w in kept.items() if isinstance(w, QuantizedWeight)}
+    assert quantized == {n for n, w in floats.items() if w.ndim == 3}, quantized
+    for n in quantized:
+        assert kept[n].format == "mxfp4"
+        np.testing.assert_array_equal(dequantize(kept[n]), floats[n])

@@ -96,9 +96,9 @@ def test_the_graph_reads_every_checkpoint_tensor(h, tmp_path):
         assert ckpt.tensors.shape(n.name) == n.shape, n.name
 
 
-def test_mxfp4_experts_read_as_transformers_dequantizes_them(h, tmp_path):
-    """A checkpoint holding the experts in MXFP4 (`_blocks`, `_scales`, as the released ones do)
-    gives transformers' logits when transformers holds the same experts dequantized by its own
+def mxfp4_folder(h, tmp_path):
+    """(a tiny model, a checkpoint folder holding its experts in MXFP4, `_blocks` and `_scales` as
+    the released ones do); the model holds the same experts dequantized by transformers' own
     conversion (integrations/mxfp4.convert_moe_packed_tensors)."""
     import torch
     from safetensors.torch import save_file
@@ -121,7 +121,32 @@ def test_mxfp4_experts_read_as_transformers_dequantizes_them(h, tmp_path):
     folder = saved(model, tmp_path)
     (folder / "model.safetensors").unlink()
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return model, folder
+
+
+def test_mxfp4_experts_read_as_transformers_dequantizes_them(h, tmp_path):
+    """The MXFP4 experts, read as floats, give transformers' logits."""
+    model, folder = mxfp4_folder(h, tmp_path)
     compare(h, model, folder, 2)
+
+
+def test_mxfp4_experts_stay_mxfp4_for_the_gpu(h, tmp_path):
+    """Loaded for the GPU (keep_quantized), every expert stack stays in MXFP4, whose values are
+    exactly the floats the CPU reads; the other weights are floats."""
+    from fuselm.loading.checkpoint import load_weights, open_checkpoint
+    from fuselm.models import build_graph
+    from fuselm.quant.formats import QuantizedWeight
+    from fuselm.quant.layout import dequantize
+    _, folder = mxfp4_folder(h, tmp_path)
+    ckpt = open_checkpoint(folder)
+    graph = build_graph(ckpt.config)
+    floats = load_weights(ckpt, graph, progress=False)
+    kept = load_weights(ckpt, graph, progress=False, keep_quantized=True)
+    quantized = {n for n, w in kept.items() if isinstance(w, QuantizedWeight)}
+    assert quantized == {n for n, w in floats.items() if w.ndim == 3}, quantized
+    for n in quantized:
+        assert kept[n].format == "mxfp4" and kept[n].shape == floats[n].shape
+        np.testing.assert_array_equal(dequantize(kept[n]), floats[n])
 
 
 def test_yarn_frequencies_and_factor_are_transformers():

@@ -26,7 +26,7 @@ from test_gpu import (bf16_kv_cache, bf16_round, cache_rows, compare_steps, engi
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU on this machine")]
 
-FORMATS = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "fp8"]
+FORMATS = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "fp8", "mxfp4"]
 # rows of 512 and 768 weights (2 and 3 super-blocks), a vocabulary that is no multiple of anything
 QCFG = dict(architectures=["LlamaForCausalLM"], vocab_size=1001, hidden_size=512, intermediate_size=768,
             num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-5,
@@ -70,7 +70,7 @@ def quantized_model(formats_of, cfg=QCFG, seed=None):
 # real sizes where the GEMV splits K across warps (4096 outputs of 14336, Llama's down projection)
 GEMV_SHAPES = {32: [(1001, 544), (4096, 14336)], 256: [(1001, 768), (4096, 14336)]}
 ZIPPED_WITH = {"q8_0": "q4_0", "q4_0": "q8_0", "q4_1": "q8_0", "q5_0": "q4_1", "q5_1": "q5_0",
-               "q4_k": "q6_k", "q5_k": "q4_k", "q6_k": "q5_k", "fp8": "q8_0"}   # same block size
+               "q4_k": "q6_k", "q5_k": "q4_k", "q6_k": "q5_k", "fp8": "q8_0", "mxfp4": "q4_0"}   # same block size
 
 
 @pytest.mark.parametrize("stream_rows", [0, 4], ids=["staged", "pipelined"])
@@ -216,19 +216,28 @@ def test_quantized_batched_prefill_matches_the_reference(mix, split_k):
 
 
 MIXTRAL_QCFG = {**QCFG, "architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2}
-EXPERT_MIXES = {"q4_k+q6_k": lambda name, shape: None if name.endswith("moe.gate.weight") else
-                "q6_k" if name.endswith("w2.weight") else "q4_k",
-                "q8_0": lambda name, shape: None if name.endswith("moe.gate.weight") else "q8_0"}
+# gpt-oss's features (test_gpu.ARCH_TINY) at QCFG's sizes
+GPT_OSS_QCFG = {**QCFG, "architectures": ["GptOssForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2,
+                "sliding_window": 8, "attention_bias": True, "layer_types": ["sliding_attention", "full_attention"],
+                "swiglu_limit": 7.0}
+# mix -> (config, the format of each quantizable weight)
+EXPERT_MIXES = {"q4_k+q6_k": (MIXTRAL_QCFG, lambda name, shape: None if name.endswith("moe.gate.weight") else
+                              "q6_k" if name.endswith("w2.weight") else "q4_k"),
+                "q8_0": (MIXTRAL_QCFG, lambda name, shape: None if name.endswith("moe.gate.weight") else "q8_0"),
+                # as gpt-oss is released: its expert stacks in MXFP4, everything else bf16
+                "gpt-oss mxfp4": (GPT_OSS_QCFG, lambda name, shape: "mxfp4" if len(shape) == 3 else None)}
 
 
 @pytest.mark.parametrize("mix", sorted(EXPERT_MIXES))
 def test_quantized_experts_match_reference(mix):
-    """A tiny Mixtral whose expert stacks (and other matrices; the router in bf16) are quantized:
-    decode steps against the reference on the dequantized weights, then a 45-token prompt through
-    the batched prefill (steps of 32: the quantized experts' limit) against the reference."""
+    """A tiny Mixtral (or gpt-oss) whose expert stacks (and, for Mixtral, other matrices; the
+    router in bf16) are quantized: decode steps against the reference on the dequantized weights,
+    then a 45-token prompt through the batched prefill (steps of 32: the quantized experts'
+    limit) against the reference."""
     import cupy as cp
-    graph, weights, reference = quantized_model(EXPERT_MIXES[mix], MIXTRAL_QCFG)
-    stacks = [n for n, w in weights.items() if "*" in n]
+    cfg, formats_of = EXPERT_MIXES[mix]
+    graph, weights, reference = quantized_model(formats_of, cfg)
+    stacks = [n for n in weights if np.ndim(reference[n]) == 3]     # experts [E, N, K]
     assert len(stacks) == 6 and all(isinstance(weights[n], QuantizedWeight) for n in stacks)
     rng = np.random.default_rng()
     worst = compare_steps(graph, weights, rng.integers(0, QCFG["vocab_size"], 16), tol=STAGED_MODEL_TOL,
@@ -243,7 +252,7 @@ def test_quantized_experts_match_reference(mix):
         ref = run_graph(graph, reference, {"ids": np.array(prompt, np.int32), "pos": np.arange(45, dtype=np.int32)},
                         new_state(graph, 128))[next(iter(graph.outputs))][-1]
     logit_err = rel(eng.logits(), ref)
-    print(f"mixtral experts {mix}: decode worst rel logit error {worst:.2e}; after a batched prefill {logit_err:.2e}")
+    print(f"experts {mix}: decode worst rel logit error {worst:.2e}; after a batched prefill {logit_err:.2e}")
     assert logit_err < STAGED_MODEL_TOL
 
 

@@ -25,7 +25,7 @@ from fuselm.quant.schemes import scheme_formats
 
 QUANTIZED = [f for f in FORMATS if FORMATS[f].gguf_type]        # the GGUF block formats
 SCALE_FIELDS = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q4_k": [0, 2], "q5_0": [0], "q5_1": [0, 2],
-                "q5_k": [0, 2], "q6_k": [208]}   # where each block's f16 scales sit
+                "q5_k": [0, 2], "q6_k": [208], "mxfp4": []}   # where each block's f16 scales sit
 
 
 def random_blocks(fmt: str, n: int, k: int, rng) -> np.ndarray:
@@ -37,6 +37,8 @@ def random_blocks(fmt: str, n: int, k: int, rng) -> np.ndarray:
     for at in SCALE_FIELDS[fmt]:
         d = rng.uniform(-0.05, 0.05, (n, k // block)).astype("<f2")
         raw[..., at: at + 2] = d.view(np.uint8).reshape(n, k // block, 2)
+    if fmt == "mxfp4":     # e8m0 scales, the subnormal ones too, short of overflowing 12 * 2^(e - 128)
+        raw[..., 0] = rng.integers(0, 251, (n, k // block), dtype=np.uint8)
     return raw.reshape(n, -1)
 
 
@@ -148,7 +150,7 @@ QUANTIZED_MODELS = [("llama-3.1-8b", "q4_k_m"), ("llama-3.2-1b", "q8_0"), ("llam
                     ("llama-3.2-1b", "q4_1"), ("llama-3.2-1b", "q6_k"), ("smollm2-135m", "q4_1"),
                     ("gemma-2-9b", "q4_k_m"), ("mixtral-8x7b", "q4_k_m"), ("qwen2.5-7b", "q4_k_m"),
                     ("llama-3.2-1b", "q5_0"), ("llama-3.2-1b", "q5_1"), ("llama-3.1-8b", "q5_k_m"),
-                    ("llama-3.2-1b", "fp8")]
+                    ("llama-3.2-1b", "fp8"), ("llama-3.2-1b", "mxfp4"), ("gpt-oss-20b", "mxfp4")]
 
 
 # The float-path quantized GEMVs (fp8; rows too long to stage the vector) have their registers
@@ -169,7 +171,7 @@ def test_quantized_module_compiles_without_gemv_spills(name, scheme, fuse):
     formats = scheme_formats(scheme, {n: G.nodes[n]["shape"] for n in quantizable_weights(G)})
     program = build_program(graph, 4096, compile=False, fuse=fuse, formats=formats, prefill=False)
     ks = program.decode.kernels
-    assert any(scheme.split("_")[0] in k.name for k in ks if k.family == "gemv")
+    assert any(scheme.split("_")[0] in k.name for k in ks if k.family in ("gemv", "moe"))
     cubin, log, _ = compile_cubin(module_source(ks), headers(), options("sm_90", verbose=True), use_cache=False)
     functions = {launch.function for k in ks for launch in k.all_launches()}
     assert all(f.encode() in cubin for f in functions)
@@ -187,7 +189,8 @@ PREFILL_TOLERATED_SPILL_BYTES = 160
 QUANTIZED_PREFILLS = [("llama-3.1-8b", "q4_k_m"), ("llama-3.1-8b", "q6_k"), ("llama-3.2-1b", "q8_0"),
                       ("llama-3.2-1b", "q4_0"), ("llama-3.2-1b", "q4_1"), ("llama-3.2-1b", "q5_0"),
                       ("llama-3.2-1b", "q5_1"), ("llama-3.2-1b", "q5_k_m"), ("llama-3.2-1b", "fp8"),
-                      ("gemma-2-9b", "q4_k_m"), ("mixtral-8x7b", "q4_k_m")]
+                      ("gemma-2-9b", "q4_k_m"), ("mixtral-8x7b", "q4_k_m"), ("llama-3.2-1b", "mxfp4"),
+                      ("gpt-oss-20b", "mxfp4")]
 
 
 @pytest.mark.parametrize("name,scheme", QUANTIZED_PREFILLS, ids=[f"{n}-{s}" for n, s in QUANTIZED_PREFILLS])
@@ -201,7 +204,7 @@ def test_quantized_prefill_modules_compile(name, scheme):
     assert program.prefill and program.prefill_refused is None, program.prefill_refused
     for step in program.prefill:
         ks = step.kernels
-        assert any(scheme.split("_")[0] in k.name for k in ks if k.family == "gemm")
+        assert any(scheme.split("_")[0] in k.name for k in ks if k.family in ("gemm", "moe"))
         cubin, log, _ = compile_cubin(step.source, headers(), options("sm_90", verbose=True), use_cache=False)
         functions = {launch.function for k in ks for launch in k.all_launches()}
         assert all(f.encode() in cubin for f in functions)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 MANIFEST = Path(__file__).resolve().parent.parent / "tests" / "replay_manifest.json"
 QUANTIZED = ["llama-3.1-8b@q4_k_m", "llama-3.2-1b@q4_0", "llama-3.2-1b@q4_1", "llama-3.2-1b@q6_k",
-             "llama-3.2-1b@q8_0", "smollm2-135m@q4_1"]
+             "llama-3.2-1b@q8_0", "smollm2-135m@q4_1", "gpt-oss-20b@mxfp4"]
 
 
 def _sha(text: str) -> str:

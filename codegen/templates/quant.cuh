@@ -542,6 +542,78 @@ struct FP8 {           // e4m3 codes [N][K], float32 scale [N]
     }
 };
 
+// MXFP4 (gpt-oss's experts): e2m1 codes with a power-of-two scale (e8m0) per group of 32. A code's
+// value, doubled, is an integer: {0, 1, 2, 3, 4, 6, 8, 12} for codes 0-7, negated for 8-15, so
+// the codes are bytes for dp2a and exact bf16 for the tensor cores, and the scale is halved to
+// match (2^(e - 128), as gguf's e8m0_to_fp32_half). The nibbles are in element order (byte j:
+// weights 2j low and 2j + 1 high, the Hub's order): nibble word w holds weights 8w .. 8w + 7, so
+// its low and high 16 bits are the table selectors of 4 codes each.
+// The doubled values of the 4 codes in sel's low 16 bits, plus 12, as 4 bytes (0 .. 24): a code's
+// low 3 bits pick its magnitude, and prmt_signed gives 0 where its top bit is set, so one lookup
+// takes the positive codes, one (of `flipped`: sel ^ 0x8888) the negative ones, and
+// 12 + positive - negative is each byte without a carry.
+__device__ __forceinline__ unsigned e2m1_plus12(unsigned sel, unsigned flipped) {
+    const uint2 magnitudes = {0x03020100u, 0x0C080604u};
+    return prmt_signed(magnitudes, sel) + 0x0C0C0C0Cu - prmt_signed(magnitudes, flipped);
+}
+// Nibble word q's 8 codes as {weights 0-3, weights 4-7} in e2m1_plus12's bytes.
+__device__ __forceinline__ uint2 e2m1_word(unsigned q) {
+    const unsigned flipped = q ^ 0x88888888u;
+    return {e2m1_plus12(q, flipped), e2m1_plus12(q >> 16, flipped >> 16)};
+}
+// The halved e8m0 scale 2^(e - 128) (subnormal below e = 2).
+__device__ __forceinline__ float e8m0_half(unsigned e) {
+    return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+}
+
+struct MXFP4 {         // nibbles [N][K/2] in element order, e8m0 scales [N][K/32]
+    static constexpr bool XSUM = false;
+    struct Row { const unsigned char* q; const unsigned char* e; };
+    struct Group { uint4 q; unsigned e; };
+    static __device__ __forceinline__ Row row(const unsigned char* w, int N, int K, int r) {
+        return {w + (size_t)r * (K / 2), w + (size_t)N * (K / 2) + (size_t)r * (K / 32)};
+    }
+    static __device__ __forceinline__ Group load(const Row& r, int g) {
+        return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.e + g)};
+    }
+    static __device__ __forceinline__ float idot(const Group& g, const XGroup& x) {
+        int s = 0;
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            const uint2 u = e2m1_word(word_of(g.q, w));
+            s = dot4_i16(&x.v[4 * w + 2], u.y, dot4_i16(&x.v[4 * w], u.x, s));
+        }
+        return centred_idot<12>({s, 0}, x, e8m0_half(g.e));
+    }
+    static __device__ __forceinline__ float dot(const Group& g, const float (&x)[16], int half, float) {
+        float s = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 2; w++) {
+            const uint2 u = e2m1_word(word_of(g.q, 2 * half + w));
+            s = dot4<12>(u.y, &x[8 * w + 4], dot4<12>(u.x, &x[8 * w], s));
+        }
+        return e8m0_half(g.e) * s;
+    }
+    static __device__ __forceinline__ float at(const unsigned char* w, int N, int K, int r, int k) {
+        const Row row_ = row(w, N, K, r);
+        const unsigned code = (row_.q[k / 2] >> (4 * (k & 1))) & 15u;
+        return e8m0_half(row_.e[k / 32]) * (float)((int)(e2m1_plus12(code, code ^ 8u) & 0xffu) - 12);
+    }
+    struct Frag { unsigned short lo, hi; unsigned char e; };   // codes of weights 4c .., 16 + 4c ..
+    static constexpr bool HALF_SCALES = false;
+    static __device__ __forceinline__ Frag frag(const Row& r, int g, int c) {
+        const unsigned short* q = reinterpret_cast<const unsigned short*>(r.q) + 8 * g + c;
+        return {__ldcs(q), __ldcs(q + 4), __ldcs(r.e + g)};
+    }
+    static __device__ __forceinline__ GroupScale decode(const Frag& f, int, int, unsigned (&a)[4]) {
+        const uint2 lo = codes_bf16<12>(e2m1_plus12(f.lo, f.lo ^ 0x8888u));
+        const uint2 hi = codes_bf16<12>(e2m1_plus12(f.hi, f.hi ^ 0x8888u));
+        a[0] = lo.x; a[1] = lo.y; a[2] = hi.x; a[3] = hi.y;
+        const float d = e8m0_half(f.e);
+        return {d, d, 0.0f};
+    }
+};
+
 // 16 values of the input vector from x[k ..], through the vector's own load (a norm prologue
 // applies its gain and gathers x^2 into ss).
 template <class Vector>
