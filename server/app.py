@@ -1,13 +1,14 @@
 """The FastAPI app over one loaded model: OpenAI's completion endpoints, models, health, metrics.
 
     POST /v1/chat/completions   messages through the model's chat template
-    POST /v1/completions        a prompt (a string or token ids) continued
+    POST /v1/completions        prompts (strings or token ids, one or a batch) continued
     GET  /v1/models             the one model served
     GET  /health                200 while the worker runs
     GET  /metrics               Prometheus text
 
-Handlers validate (schemas, jobs), submit a Job to the Scheduler and turn its events into a JSON
-response or server-sent events ending in `data: [DONE]`. A client that goes away cancels its job.
+Handlers validate (schemas, jobs), submit a Job per prompt to the Scheduler and turn their events
+into a JSON response or server-sent events ending in `data: [DONE]`. A client that goes away
+cancels its jobs.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Response
+from fastapi import Request as HTTPRequest
 from fastapi.sse import EventSourceResponse, format_sse_event
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
@@ -27,10 +29,10 @@ from starlette.concurrency import run_in_threadpool
 from ..codegen.build import NoBatchSteps
 from .batcher import BatchScheduler, batches
 from .errors import APIError, install_error_handlers
-from .jobs import build_job
+from .jobs import build_jobs
 from .metrics import ServerMetrics
 from .replies import Answer, ChatReply, CompletionReply, Reply
-from .scheduler import Finished, Piece, QueueFull, Scheduler, Ticket
+from .scheduler import Finished, Piece, QueueFull, Request, Scheduler
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, ModelCard, ModelList
 
 log = logging.getLogger("fuselm.server")
@@ -79,33 +81,34 @@ def create_app(model, model_name: str | None = None, max_waiting: int = 256, max
     app.state.scheduler = scheduler
     install_error_handlers(app)
 
-    async def answer(request: Request, body: GenerationRequest, reply_of: type[Reply]):
+    async def answer(request: HTTPRequest, body: GenerationRequest, reply_of: type[Reply]):
         if body.model != name:
             raise APIError(404, f"model '{body.model}' is not served here; this server runs '{name}'",
                            "model", "model_not_found")
         # the chat template and a schema's grammar may take a while
-        job = await run_in_threadpool(build_job, model, body, getattr(scheduler, "grammars", None), batching)
-        reply = reply_of(name, with_logprobs=job.logprobs is not None, splitter=job.splitter)
+        jobs = await run_in_threadpool(build_jobs, model, body, getattr(scheduler, "grammars", None), batching)
+        reply = reply_of(name, with_logprobs=jobs[0].logprobs is not None, splitter=jobs[0].splitter,
+                         per_prompt=jobs[0].n)
         try:
-            ticket = scheduler.submit(job)
+            submitted = scheduler.submit_all(jobs)
         except QueueFull as e:
             raise APIError(503, str(e), code="server_busy", type="server_error") from None
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            # Cancelling is a no-op for a job that ended; the background task also covers a
+            # Cancelling is a no-op for jobs that ended; the background task also covers a
             # disconnect that the generator's `finally` does not see.
-            return EventSourceResponse(stream_events(scheduler, ticket, reply, usage),
-                                       background=BackgroundTask(scheduler.cancel, ticket))
-        return await collect(request, scheduler, ticket, reply)
+            return EventSourceResponse(stream_events(submitted, reply, usage),
+                                       background=BackgroundTask(submitted.cancel))
+        return await collect(request, submitted, reply)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(body: ChatCompletionRequest, request: HTTPRequest):
         """A chat completion of `messages`, whole or streamed."""
         return await answer(request, body, ChatReply)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        """A completion of `prompt`, whole or streamed."""
+    async def completions(body: CompletionRequest, request: HTTPRequest):
+        """A completion of each of `prompt`'s prompts, whole or streamed."""
         return await answer(request, body, CompletionReply)
 
     @app.get("/v1/models")
@@ -132,43 +135,43 @@ def _sse(item: BaseModel) -> bytes:
     return format_sse_event(data_str=item.model_dump_json())
 
 
-async def stream_events(scheduler: Scheduler, ticket: Ticket, reply: Reply, include_usage: bool):
-    """The server-sent events of one streamed request; leaving early cancels its job."""
+async def stream_events(submitted: Request, reply: Reply, include_usage: bool):
+    """The server-sent events of one streamed request; leaving early cancels its jobs."""
     try:
-        for index in range(ticket.job.n):
+        for index in range(submitted.n):
             opening = reply.opening(index)
             if opening is not None:
                 yield _sse(opening)
         dones = []
-        async for event in ticket.events():
+        async for event in submitted.events():
             if isinstance(event, Piece):
                 yield _sse(reply.chunk(event.text, event.logprobs, event.index))
             elif isinstance(event, Finished):
                 yield _sse(reply.closing(event))
                 dones.append(event)
-                if include_usage and len(dones) == ticket.job.n:
+                if include_usage and len(dones) == submitted.n:
                     yield _sse(reply.usage_chunk(dones))
             else:
                 error = APIError(500, event.message, type="server_error")
                 yield format_sse_event(data_str=json.dumps(error.body()))
         yield DONE
     finally:
-        scheduler.cancel(ticket)
+        submitted.cancel()
 
 
-async def _cancel_on_disconnect(request: Request, scheduler: Scheduler, ticket: Ticket) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
+async def _cancel_on_disconnect(http: HTTPRequest, submitted: Request) -> None:
+    while (await http.receive())["type"] != "http.disconnect":
         pass
-    scheduler.cancel(ticket)
+    submitted.cancel()
 
 
-async def collect(request: Request, scheduler: Scheduler, ticket: Ticket, reply: Reply) -> BaseModel:
-    """The whole response of one request; a client that disconnects first cancels its job."""
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, scheduler, ticket))
+async def collect(http: HTTPRequest, submitted: Request, reply: Reply) -> BaseModel:
+    """The whole response of one request; a client that disconnects first cancels its jobs."""
+    watcher = asyncio.create_task(_cancel_on_disconnect(http, submitted))
     try:
-        n = ticket.job.n
+        n = submitted.n
         parts, logprobs, dones = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
-        async for event in ticket.events():
+        async for event in submitted.events():
             if isinstance(event, Piece):
                 parts[event.index].append(event.text)
                 logprobs[event.index] += event.logprobs
@@ -180,4 +183,4 @@ async def collect(request: Request, scheduler: Scheduler, ticket: Ticket, reply:
                 raise APIError(500, event.message, type="server_error")
     finally:
         watcher.cancel()
-        scheduler.cancel(ticket)
+        submitted.cancel()

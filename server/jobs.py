@@ -81,11 +81,12 @@ def sampling_of(body: GenerationRequest, defaults: SamplingParams) -> SamplingPa
         raise APIError(400, str(e), e.param) from None
 
 
-def build_job(model, body: GenerationRequest, grammars=None, batching: bool | None = None) -> Job:
-    """The Job for `body` on `model` (a fuselm Model); APIError when the request cannot run.
+def build_jobs(model, body: GenerationRequest, grammars=None, batching: bool | None = None) -> list[Job]:
+    """The Jobs for `body` on `model` (a fuselm Model): one per prompt (a completion may give a
+    batch of them; chat has one conversation); APIError when the request cannot run.
     `grammars` (structured.Grammars; None where the scheduler cannot constrain sampling)
     compiles response_format; `batching`: whether the batch scheduler runs it (default: whether
-    the model's engine batches). Encodes the prompt (through the chat template for chat) and
+    the model's engine batches). Encodes the prompts (through the chat template for chat) and
     compiles any schema, so call it off the event loop."""
     reject_unsupported(body, batches(model) if batching is None else batching)
     grammar = None
@@ -97,35 +98,48 @@ def build_job(model, body: GenerationRequest, grammars=None, batching: bool | No
             raise APIError(400, "ignore_eos cannot be combined with a response_format", "ignore_eos")
         grammar = grammars.compile(body.response_format)
     sampling = sampling_of(body, model.defaults)
-    tools = None
     if isinstance(body, ChatCompletionRequest):
-        prompt_field, prompt = "messages", [m.as_template_input() for m in body.messages]
         tools = body.template_tools()
         if tools and not model.tokenizer.takes_tools:
             raise APIError(400, "tools: this model's chat template does not render tools", "tools")
         if tools and calls_format(model.tokenizer) is None:
             raise APIError(400, "tools: this model's vocabulary has no tool call format fuselm reads "
                                 "(harmony or <tool_call> tags)", "tools")
-    else:
-        prompt_field, prompt = "prompt", body.prompt
+        ids = _encoded(model, [m.as_template_input() for m in body.messages], tools, "messages", "messages")
+        splitter = splitter_for(model.tokenizer, model.tokenizer.decode(ids[-8:]), tools=bool(tools))
+        return [_job(model, body, ids, "messages", sampling, grammar, splitter)]
+    if len(body.prompt) * (body.n or 1) > MAX_CHOICES:
+        raise APIError(400, f"{len(body.prompt)} prompts of {body.n or 1} choices each are more than "
+                            f"{MAX_CHOICES} answers", "prompt")
+    labels = ["prompt"] if len(body.prompt) == 1 else [f"prompt[{i}]" for i in range(len(body.prompt))]
+    return [_job(model, body, _encoded(model, prompt, None, "prompt", label), label, sampling, grammar, None)
+            for prompt, label in zip(body.prompt, labels)]
+
+
+def _encoded(model, prompt, tools, field: str, label: str) -> list[int]:
+    """`prompt` (text, token ids or chat messages) as token ids; APIError naming `field`."""
     try:
-        ids = encode_prompt(model.tokenizer, prompt, tools)
+        return encode_prompt(model.tokenizer, prompt, tools)
     except FuselmError as e:
-        raise APIError(400, str(e), prompt_field) from None
+        raise APIError(400, f"{label}: {e}" if label != field else str(e), field) from None
+
+
+def _job(model, body: GenerationRequest, ids: list[int], label: str, sampling, grammar, splitter) -> Job:
+    """The Job of one encoded prompt (`label` names it in errors), its length checked against the
+    context."""
+    field = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     prompt_tokens = len(ids)
-    splitter = (splitter_for(model.tokenizer, model.tokenizer.decode(ids[-8:]), tools=bool(tools))
-                 if isinstance(body, ChatCompletionRequest) else None)
     room = model.engine.max_context - prompt_tokens
     if room <= 0:
-        raise APIError(400, f"{prompt_field}: the prompt of {prompt_tokens} tokens leaves no room for an answer "
-                       f"in the context of {model.engine.max_context} tokens", prompt_field,
-                       "context_length_exceeded")
+        raise APIError(400, f"{label}: the prompt of {prompt_tokens} tokens leaves no room for an answer "
+                       f"in the context of {model.engine.max_context} tokens", field, "context_length_exceeded")
     max_tokens = body.length
     if max_tokens is None:
         max_tokens = min(room, COMPLETION_DEFAULT_TOKENS) if isinstance(body, CompletionRequest) else room
     elif max_tokens > room:
         raise APIError(400, f"{body.length_field}: the prompt of {prompt_tokens} tokens plus {max_tokens} new tokens "
-                       f"does not fit the context of {model.engine.max_context} tokens (at most {room} here)",
+                       f"does not fit the context of {model.engine.max_context} tokens (at most {room} here)"
+                       + (f" ({label})" if label != "prompt" else ""),
                        body.length_field, "context_length_exceeded")
     return Job(tuple(ids), max_tokens, sampling, tuple(body.stop or ()), body.ignore_eos, grammar, logprobs_of(body),
                body.n or 1, splitter)

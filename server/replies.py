@@ -30,9 +30,11 @@ class Answer:
     logprobs: Sequence[TokenLogprob] = ()
 
 
-def usage_of(dones: Sequence[Finished]) -> Usage:
-    """The token counts of a finished request: its prompt once, every choice's answer."""
-    prompt, completion = dones[0].prompt_tokens, sum(d.completion_tokens for d in dones)
+def usage_of(dones: Sequence[Finished], per_prompt: int = 1) -> Usage:
+    """The token counts of a finished request: each prompt once (choices p * per_prompt ..
+    (p + 1) * per_prompt - 1 answer prompt p), every choice's answer."""
+    prompt = sum(d.prompt_tokens for d in dones if d.index % per_prompt == 0)
+    completion = sum(d.completion_tokens for d in dones)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
@@ -40,10 +42,14 @@ class Reply(ABC):
     """What the replies of one request have in common."""
     id_prefix = ""
 
-    def __init__(self, model_name: str, with_logprobs: bool = False):
+    def __init__(self, model_name: str, with_logprobs: bool = False, per_prompt: int = 1):
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model, self.with_logprobs = model_name, with_logprobs
+        self.per_prompt = per_prompt      # choices a prompt (usage counts each prompt once)
+
+    def usage(self, dones: Sequence[Finished]) -> Usage:
+        return usage_of(dones, self.per_prompt)
 
     def _head(self) -> dict:
         return {"id": self.id, "created": self.created, "model": self.model}
@@ -75,8 +81,8 @@ class ChatReply(Reply):
     reasoning_content, its calls to tool_calls (finish reason "tool_calls")."""
     id_prefix = "chatcmpl"
 
-    def __init__(self, model_name: str, with_logprobs: bool = False, splitter=None):
-        super().__init__(model_name, with_logprobs)
+    def __init__(self, model_name: str, with_logprobs: bool = False, splitter=None, per_prompt: int = 1):
+        super().__init__(model_name, with_logprobs, per_prompt)
         self.splitter, self._splitters = splitter, {}
         self._calls: dict[int, int] = {}        # choice -> tool calls sent so far
 
@@ -108,7 +114,7 @@ class ChatReply(Reply):
             choices.append(ChatChoice(index=a.done.index, message=message,
                                       finish_reason=self._finish_reason(a.done, bool(message.tool_calls)),
                                       logprobs=self._logprobs(a.logprobs)))
-        return ChatCompletion(**self._head(), choices=choices, usage=usage_of([a.done for a in answers]))
+        return ChatCompletion(**self._head(), choices=choices, usage=self.usage([a.done for a in answers]))
 
     def _chunk(self, delta: Delta, index: int, finish_reason: str | None = None, logprobs=None) -> ChatCompletionChunk:
         return ChatCompletionChunk(**self._head(), choices=[ChatChunkChoice(index=index, delta=delta,
@@ -140,7 +146,7 @@ class ChatReply(Reply):
         return self._chunk(delta, done.index, self._finish_reason(done, self._calls.pop(done.index, 0) > 0))
 
     def usage_chunk(self, dones: Sequence[Finished]) -> ChatCompletionChunk:
-        return ChatCompletionChunk(**self._head(), choices=[], usage=usage_of(dones))
+        return ChatCompletionChunk(**self._head(), choices=[], usage=self.usage(dones))
 
 
 def _call(part: str) -> ToolCall:
@@ -154,8 +160,8 @@ class CompletionReply(Reply):
     """`text_completion` objects, whole or as chunks."""
     id_prefix = "cmpl"
 
-    def __init__(self, model_name: str, with_logprobs: bool = False, splitter=None):
-        super().__init__(model_name, with_logprobs)     # (a completion is text as it is: no splitting)
+    def __init__(self, model_name: str, with_logprobs: bool = False, splitter=None, per_prompt: int = 1):
+        super().__init__(model_name, with_logprobs, per_prompt)   # (a completion is text as it is: no splitting)
         self.offsets: dict[int, int] = {}   # choice -> characters of its answer so far (text_offset)
 
     def _logprobs(self, logprobs: Sequence[TokenLogprob], index: int) -> CompletionLogprobs | None:
@@ -171,7 +177,7 @@ class CompletionReply(Reply):
     def whole(self, answers: Sequence[Answer]) -> Completion:
         choices = [CompletionChoice(index=a.done.index, text=a.text, finish_reason=a.done.finish_reason,
                                     logprobs=self._logprobs(a.logprobs, a.done.index)) for a in answers]
-        return Completion(**self._head(), choices=choices, usage=usage_of([a.done for a in answers]))
+        return Completion(**self._head(), choices=choices, usage=self.usage([a.done for a in answers]))
 
     def chunk(self, text: str, logprobs: Sequence[TokenLogprob] = (), index: int = 0) -> Completion:
         return Completion(**self._head(), choices=[CompletionChoice(index=index, text=text,
@@ -182,4 +188,4 @@ class CompletionReply(Reply):
                                                                     finish_reason=done.finish_reason)])
 
     def usage_chunk(self, dones: Sequence[Finished]) -> Completion:
-        return Completion(**self._head(), choices=[], usage=usage_of(dones))
+        return Completion(**self._head(), choices=[], usage=self.usage(dones))

@@ -1,8 +1,8 @@
 """The scheduler: a bounded FIFO of generation jobs and one worker thread that owns the model.
 
 `Scheduler` is for an engine that holds one sequence (one KV cache): the worker runs jobs one
-after another and switches only at request boundaries. Handlers only `submit`, `cancel` and read
-a ticket's events; `BatchScheduler` (batcher.py) runs many jobs at once behind the same calls.
+after another and switches only at request boundaries. Handlers only `submit_all` a request's
+jobs, read its events and `cancel` it; `BatchScheduler` (batcher.py) runs many jobs at once behind the same calls.
 
 Events cross from the worker thread to the event loop through `loop.call_soon_threadsafe`. A
 cancelled job stops at the next token: the worker checks its flag between tokens. Every ticket
@@ -11,6 +11,7 @@ gets exactly one last event (Finished or Failed), cancelled ones too, so no read
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -29,7 +30,7 @@ log = logging.getLogger("fuselm.server")
 
 @dataclass(frozen=True)
 class Job:
-    """What to generate: the prompt's token ids (build_job encodes text, chat messages and the
+    """What to generate: the prompt's token ids (build_jobs encodes text, chat messages and the
     tools they may call once), a token limit, sampling, stop strings;
     `ignore_eos` generates past the model's stop tokens up to the limit (benchmarks); `grammar`
     (structured.py) constrains the answer; `logprobs`: report each token's log probability and
@@ -108,6 +109,46 @@ class Ticket:
                 return
 
 
+class Request:
+    """The tickets of one request's prompts (a completion may have several), read as one: prompt
+    p's choice j is choice p * n + j, as OpenAI numbers them, n choices a prompt."""
+
+    def __init__(self, scheduler: "Scheduler", tickets: list[Ticket]):
+        self.scheduler, self.tickets = scheduler, tickets
+        self.per_prompt = tickets[0].job.n
+        self.n = self.per_prompt * len(tickets)
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Every ticket's events, re-indexed, as they come; a Failed of any, last."""
+        if len(self.tickets) == 1:
+            async for event in self.tickets[0].events():
+                yield event
+            return
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(ticket: Ticket, offset: int) -> None:
+            async for event in ticket.events():
+                merged.put_nowait(event if isinstance(event, Failed) else
+                                  dataclasses.replace(event, index=event.index + offset))
+        pumps = [asyncio.create_task(pump(t, p * self.per_prompt)) for p, t in enumerate(self.tickets)]
+        remaining = self.n
+        try:
+            while remaining:
+                event = await merged.get()
+                yield event
+                if isinstance(event, Failed):
+                    return
+                remaining -= isinstance(event, Finished)
+        finally:
+            for task in pumps:
+                task.cancel()
+
+    def cancel(self) -> None:
+        """Cancel every prompt's job (nothing for those that ended)."""
+        for ticket in self.tickets:
+            self.scheduler.cancel(ticket)
+
+
 class Scheduler:
     """Runs jobs on `model` (a fuselm Model) one at a time, first come first served, with at most
     `max_waiting` jobs queued behind the running one."""
@@ -163,6 +204,18 @@ class Scheduler:
             self.metrics.waiting.set(len(self._waiting))
             self._wake.notify()
         return ticket
+
+    def submit_all(self, jobs: list[Job]) -> Request:
+        """Queue the jobs of one request, all or none (QueueFull cancels those queued)."""
+        tickets = []
+        try:
+            for job in jobs:
+                tickets.append(self.submit(job))
+        except QueueFull:
+            for ticket in tickets:
+                self.cancel(ticket)
+            raise
+        return Request(self, tickets)
 
     def cancel(self, ticket: Ticket) -> None:
         """Stop `ticket`'s job: dropped from the queue if it waits, stopped at the next token if it

@@ -33,11 +33,18 @@ def _text_parts(value):
     return value
 
 
+def _one_prompt(value) -> bool:
+    return isinstance(value, str) or isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+
+
 def _prompt(value):
-    """A completion's prompt as served here: a string or a non-empty list of token ids."""
-    if isinstance(value, str) or isinstance(value, list) and value and all(type(t) is int for t in value):
+    """A completion's prompt as OpenAI allows it: a string or a non-empty list of token ids, or a
+    non-empty list of such prompts (a batch, each answered apart); always as a list of prompts."""
+    if _one_prompt(value):
+        return [value]
+    if isinstance(value, list) and value and all(_one_prompt(p) for p in value):
         return value
-    raise ValueError("must be a string or a non-empty list of token ids (one prompt: batches of prompts are not served)")
+    raise ValueError("must be a string, a non-empty list of token ids, or a non-empty list of those")
 
 
 class _Strict(BaseModel):
@@ -200,8 +207,8 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 class CompletionRequest(GenerationRequest):
-    """`POST /v1/completions`: a prompt continued, as a string or as token ids."""
-    prompt: Annotated[str | list[int], BeforeValidator(_prompt)]
+    """`POST /v1/completions`: prompts continued, each a string or token ids (one, or a batch)."""
+    prompt: Annotated[list[str | list[int]], BeforeValidator(_prompt)]
     logprobs: int | None = None
 
 

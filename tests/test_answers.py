@@ -163,7 +163,7 @@ TOOLS_TEMPLATE = ("{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %
 
 
 class _Model:
-    """What build_job reads of a model: tokenizer, context, sampling defaults."""
+    """What build_jobs reads of a model: tokenizer, context, sampling defaults."""
     def __init__(self, template):
         from fuselm.runtime.engine import SamplingParams
         specials = ["<tool_call>", "</tool_call>"]
@@ -187,17 +187,17 @@ def _request(**kw):
 
 
 def test_requests_with_tools_render_them_and_parse_the_calls():
-    from fuselm.server.jobs import build_job
+    from fuselm.server.jobs import build_jobs
     model = _Model(TOOLS_TEMPLATE)
     history = [{"role": "user", "content": "weather?"},
                {"role": "assistant", "content": None, "tool_calls": [
                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
                {"role": "tool", "tool_call_id": "call_1", "content": "cold"}]
-    job = build_job(model, _request(tools=[WEATHER], messages=history), batching=True)
+    (job,) = build_jobs(model, _request(tools=[WEATHER], messages=history), batching=True)
     text = model.tokenizer.decode(list(job.prompt))   # the ids the engine is fed: tools rendered in
     assert '"get_weather"' in text and '{"name": "get_weather", "arguments": {"city": "Oslo"}}' in text
     assert isinstance(job.splitter(), TagSplitter) and job.splitter().markers == ("<tool_call>", "</tool_call>")
-    assert build_job(model, _request(tools=[WEATHER], tool_choice="none"), batching=True).splitter is None
+    assert build_jobs(model, _request(tools=[WEATHER], tool_choice="none"), batching=True)[0].splitter is None
 
 
 def test_tool_requests_the_server_cannot_serve_name_their_field():
@@ -205,7 +205,7 @@ def test_tool_requests_the_server_cannot_serve_name_their_field():
     from pydantic import ValidationError
 
     from fuselm.server.errors import APIError
-    from fuselm.server.jobs import build_job
+    from fuselm.server.jobs import build_jobs
     model = _Model(TOOLS_TEMPLATE)
     cases = [(dict(tools=[WEATHER], tool_choice="required"), "tool_choice"),
              (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}), "tool_choice"),
@@ -213,10 +213,10 @@ def test_tool_requests_the_server_cannot_serve_name_their_field():
              (dict(tools=[WEATHER], parallel_tool_calls=False), "parallel_tool_calls")]
     for kw, field in cases:
         with pytest.raises(APIError) as e:
-            build_job(model, _request(**kw), batching=True)
+            build_jobs(model, _request(**kw), batching=True)
         assert e.value.param == field, kw
     with pytest.raises(APIError, match="does not render tools") as e:
-        build_job(_Model("{% for m in messages %}{{ m.content }}{% endfor %}"), _request(tools=[WEATHER]), batching=True)
+        build_jobs(_Model("{% for m in messages %}{{ m.content }}{% endfor %}"), _request(tools=[WEATHER]), batching=True)
     assert e.value.param == "tools"
     bad_history = [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
                                                          "function": {"name": "f", "arguments": "{oops"}}]}]

@@ -102,6 +102,36 @@ def test_a_prompt_of_token_ids_is_the_same_prompt(client, expected):
     assert reply.choices[0].text == text and reply.usage.prompt_tokens == len(expected["prompt_ids"])
 
 
+def test_a_batch_of_prompts_answers_each_as_alone(client, expected):
+    """A list of prompts (text and token ids) gets a choice per prompt, in order, each the answer
+    it gets alone; the usage counts every prompt and answer."""
+    text, stats = expected["completion"]
+    reply = client.completions.create(model=NAME, prompt=[PROMPT, expected["prompt_ids"]], max_tokens=TOKENS)
+    assert sorted(c.index for c in reply.choices) == [0, 1]
+    assert [c.text for c in sorted(reply.choices, key=lambda c: c.index)] == [text, text]
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (2 * stats.prompt_tokens, 2 * TOKENS)
+
+
+def test_a_batch_of_prompts_with_n_choices_numbers_them_prompt_by_prompt(client, expected):
+    """Prompt p's choice j is choice p * n + j, and each prompt's choices take seeds s, s + 1."""
+    reply = client.completions.create(model=NAME, prompt=[PROMPT, PROMPT], max_tokens=6, temperature=1.0, seed=7,
+                                      n=2, extra_body={"top_k": 40})
+    texts = [c.text for c in sorted(reply.choices, key=lambda c: c.index)]
+    assert texts == [expected["sampled"][0], expected["sampled_seed_8"][0]] * 2
+    assert reply.usage.prompt_tokens == 2 * expected["sampled"][1].prompt_tokens
+
+
+def test_a_streamed_batch_of_prompts_joins_to_each_answer(client, expected):
+    text, stats = expected["completion"]
+    chunks = list(client.completions.create(model=NAME, prompt=[PROMPT, PROMPT, PROMPT], max_tokens=TOKENS, stream=True,
+                                            stream_options={"include_usage": True}))
+    *pieces, usage = chunks
+    joined = {i: "".join(c.choices[0].text for c in pieces if c.choices[0].index == i) for i in range(3)}
+    assert joined == {0: text, 1: text, 2: text}
+    assert sorted(c.choices[0].index for c in pieces if c.choices[0].finish_reason == "length") == [0, 1, 2]
+    assert (usage.usage.prompt_tokens, usage.usage.completion_tokens) == (3 * stats.prompt_tokens, 3 * TOKENS)
+
+
 def test_concurrent_requests_each_get_their_own_answer(client, expected):
     def chat():
         return client.chat.completions.create(model=NAME, messages=CHAT, max_completion_tokens=TOKENS)
@@ -291,8 +321,10 @@ BAD_REQUESTS = [   # (endpoint, body, status, the field the error names)
     ("completions", {**COMPLETION_OK, "prompt": [49152]}, 400, "prompt"),     # SmolLM2's vocabulary: 49,152
     ("completions", {**COMPLETION_OK, "prompt": [1] * 600}, 400, "prompt"),
     ("completions", {**COMPLETION_OK, "prompt": [True, 2]}, 400, "prompt"),
-    ("completions", {**COMPLETION_OK, "prompt": [[1, 2]]}, 400, "prompt"),    # batches of prompts: not served
-    ("completions", {**COMPLETION_OK, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {**COMPLETION_OK, "prompt": [[1, 2], []]}, 400, "prompt"),   # a batch with an empty prompt
+    ("completions", {**COMPLETION_OK, "prompt": ["a", 5]}, 400, "prompt"),
+    ("completions", {**COMPLETION_OK, "prompt": ["a", "word " * 600]}, 400, "prompt"),   # prompt[1] too long
+    ("completions", {**COMPLETION_OK, "prompt": ["a"] * 65, "n": 2}, 400, "prompt"),    # 130 answers
     ("completions", {**COMPLETION_OK, "top_p": 0}, 400, "top_p"),
     ("completions", {**COMPLETION_OK, "seed": -1}, 400, "seed"),
     ("completions", {**COMPLETION_OK, "stop": 3}, 400, "stop"),
