@@ -139,12 +139,17 @@ def block_counts(G: nx.DiGraph) -> int:
     return max([counters(G, k) for k in G.graph["schedule"] if k.family == "gemv"] + [1])
 
 
+def staged_bytes(K: int) -> int:
+    """Shared memory of a vector of K values staged as int16 groups (StagedX: 2 bytes a value, a
+    scale and two sums a group)."""
+    return 2 * K + 12 * (K // 32)
+
+
 def staged_fits(K: int, ksplit: int, max_tile: int) -> bool:
-    """Whether a quantized GEMV's vector, staged as int16 groups (StagedX: 2 bytes a value, a scale
-    and two sums a group), fits the static shared memory beside its tile of dot products (and
-    1 KiB for an epilogue's exchanges). Rows longer than ~19k weights take the float path."""
-    staged = 2 * K + 12 * (K // 32)
-    return staged + 4 * ksplit * (max_tile + 1) + 1024 <= SMEM_STATIC
+    """Whether a quantized GEMV's staged vector fits the static shared memory beside its tile of
+    dot products (and 1 KiB for an epilogue's exchanges). Rows longer than ~19k weights take the
+    float path."""
+    return staged_bytes(K) + 4 * ksplit * (max_tile + 1) + 1024 <= SMEM_STATIC
 
 
 def shape_name(vec: dict, zips: list[ZipTile], tokens: int | None = None) -> str:

@@ -5,7 +5,9 @@ A norm prologue (compiler/fuse_prologue.py) is applied by the gate/up kernel to 
 reads, as the gemv family's is; an elementwise epilogue (the residual add) runs where each output
 row is finished: in _down for one token, in _sum for a step.
 The experts' stacks may be quantized (one format for gate and up, one for down): a token's GEMVs
-then take the float path of templates/quant.cuh, the step's GEMMs the quantized tiles."""
+then read the vector staged once per block in int16 groups (integer formats, where every chosen
+expert's vector fits shared memory) or take the float path of templates/quant.cuh, the step's
+GEMMs the quantized tiles."""
 from __future__ import annotations
 
 import networkx as nx
@@ -14,7 +16,7 @@ from ..compiler.kernels import ScheduledKernel, moe_parts
 from ..dsl import get
 from ..errors import FuselmError
 from . import cexpr, gemm
-from .gemv import row_operand, weight_format
+from .gemv import row_operand, staged_bytes, weight_format
 from .kernel import KernelSource, KernelSpec, Launch
 from .params import Params
 from .render import render
@@ -128,7 +130,10 @@ def generate(spec: KernelSpec) -> KernelSource:
            "glu": _glu(d["attrs"]), "biases": [params.ref(b) for b in biases]}
     if tokens == 1:
         rows = THREADS // 32
-        ctx |= {"threads": THREADS, "unroll": UNROLL, "grid_up": top_k * -(-I // rows), "grid_down": -(-D // rows)}
+        integer = [weight_format(G, w).integer_codes for w in (w_gate, w_down)]
+        ctx |= {"threads": THREADS, "unroll": UNROLL, "grid_up": top_k * -(-I // rows), "grid_down": -(-D // rows),
+                "up_staged": integer[0] and staged_bytes(D) + 1024 <= SMEM_STATIC,
+                "down_staged": integer[1] and top_k * staged_bytes(I) + 1024 <= SMEM_STATIC}
         workspace = top_k * I
     else:   # [E][tokens][I] activations, then [tokens][top_k][D] weighted outputs; every expert's
         # tiles (those no token chose return at once)
