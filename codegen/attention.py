@@ -262,11 +262,13 @@ def generate(spec: KernelSpec) -> KernelSource:
                         workspace_floats=H * nchunk * record, variants=variants, passes=passes, source_order=order)
 
 
-def paged_pass(kv: int, head_dim: int, group: int, target: Target, tuning: Tuning) -> tuple[Pass, int]:
+def paged_pass(kv: int, head_dim: int, group: int, target: Target, tuning: Tuning,
+               cache: str = "KvBf16") -> tuple[Pass, int]:
     """The paged kernel's pass and warps: attn_paged_warps (fewer where their softmax states
-    would not fit), the one-launch pass's rows per lane. A KV page holds whole chunks of it."""
+    would not fit), the one-launch pass's rows per lane, over rows of `cache` (its chunk is the
+    same for every cache). A KV page holds whole chunks of it."""
     warps = warps_fitting(tuning.attn_paged_warps, head_dim, group, target)
-    return pass_of(kv, head_dim, group, warps, tuning.attn_single_rows, target), warps
+    return pass_of(kv, head_dim, group, warps, tuning.attn_single_rows, target, cache=cache), warps
 
 
 def _paged_split(spec: KernelSpec, params: Params, layout: Layout, walk: Pass, warps: int) -> KernelSource:
@@ -281,7 +283,8 @@ def _paged_split(spec: KernelSpec, params: Params, layout: Layout, walk: Pass, w
     nchunk, record = -(-ctx // walk.chunk), (hd + 3) // 4 * 4 + 4            # Record<HD>::FLOATS
     combine_threads = tuning.attn_combine_warps * 32
     name, source = render(
-        "attention.cu.j2", "attention", f"h{H}_kv{KV}_d{hd}_paged{a['page']}_t1", params=params.decls, H=H, KV=KV,
+        "attention.cu.j2", "attention", f"h{H}_kv{KV}_d{hd}_paged{a['page']}_t1{_fp8_suffix(layout)}",
+        params=params.decls, H=H, KV=KV,
         HD=hd, chunk=walk.chunk, split_pass=walk.type, nchunk=nchunk, window=int(a.get("window") or 0),
         scale=cexpr.float_literal(a["scale"]), softcap=cexpr.float_literal(a.get("softcap") or 0.0),
         threads=warps * 32, combine_warps=tuning.attn_combine_warps, combine_threads=combine_threads,
@@ -294,6 +297,11 @@ def _paged_split(spec: KernelSpec, params: Params, layout: Layout, walk: Pass, w
                         workspace_floats=H * nchunk * record, passes={"split": walk})
 
 
+def _fp8_suffix(layout: Layout) -> str:
+    """"_fp8" in the names of kernels that read fp8 cache rows."""
+    return "" if layout.cache == "KvBf16" else "_fp8"
+
+
 def _paged(spec: KernelSpec, params: Params, layout: Layout) -> KernelSource:
     """The kernel of a PAGED_ATTENTION node: a block per KV head and token, each token walking its
     own sequence's rows through its page table (templates/attention.cuh: attention_paged)."""
@@ -302,16 +310,15 @@ def _paged(spec: KernelSpec, params: Params, layout: Layout) -> KernelSource:
     q, kc, vc, pos, pages = G.nodes[n]["inputs"][:5]
     a = G.nodes[n]["attrs"]
     H, KV, hd, page = a["n_heads"], a["n_kv_heads"], a["head_dim"], a["page"]
-    if layout.cache != "KvBf16":
-        raise FuselmError(f"{n}: paged fp8 KV caches have no kernels yet (page a bf16 cache)")
-    walk, warps = paged_pass(KV, hd, layout.group, spec.target, spec.tuning)
+    walk, warps = paged_pass(KV, hd, layout.group, spec.target, spec.tuning, layout.cache)
     if page % walk.chunk:
         raise FuselmError(f"{n}: pages of {page} rows are no multiple of the attention pass's {walk.chunk}-row "
                           f"chunks (fewer attn_paged_warps make them shorter)")
     if tokens == 1:
         return _paged_split(spec, params, layout, walk, warps)
     name, source = render(
-        "attention.cu.j2", "attention", f"h{H}_kv{KV}_d{hd}_paged{page}", params=params.decls, H=H, KV=KV, HD=hd,
+        "attention.cu.j2", "attention", f"h{H}_kv{KV}_d{hd}_paged{page}{_fp8_suffix(layout)}", params=params.decls,
+        H=H, KV=KV, HD=hd,
         scale=cexpr.float_literal(a["scale"]), softcap=cexpr.float_literal(a.get("softcap") or 0.0),
         window=int(a.get("window") or 0), single_threads=warps * 32, single_pass=walk.type,
         q=params.ref(q), kc=params.ref(kc), vc=params.ref(vc), pos=params.ref(pos), out=params.ref(n, written=True),

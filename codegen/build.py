@@ -168,18 +168,20 @@ def batch_page(graph: Graph, target: Target, tuning: Tuning) -> int:
 
 
 def build_batch(graph: Graph, ctx: int, target: Target | None = None, tuning: Tuning | None = None,
-                formats=None, sizes: tuple[int, ...] | None = None, compile: bool = True) -> list[BatchStep]:
+                formats=None, sizes: tuple[int, ...] | None = None, compile: bool = True,
+                kv: str = "bf16") -> list[BatchStep]:
     """`graph`'s batch steps (continuous batching), one per size of `sizes` tokens (default one
     token, for a sequence decoding alone, and tuning.prefill_tokens) that it has kernels for: its
     paged graph (dsl/paging.py; pages of batch_page rows, a table
     for sequences of at most `ctx` tokens) compiled with logits for every token, and (unless
-    compile=False) built with NVRTC. The caches are the pool's, bf16; `formats` as build_program's."""
+    compile=False) built with NVRTC. The caches are the pool's, in `kv` ("bf16" or "fp8");
+    `formats` as build_program's."""
     if ctx <= 0:
         raise FuselmError(f"context must be a positive number of tokens, got {ctx}")
     target = target or Target()
     tuning = tuning or Tuning.from_env()
     page = batch_page(graph, target, tuning)
-    g = paged(graph, page, table=table_width(ctx, page))
+    g = paged(with_kv_dtype(graph, kv), page, table=table_width(ctx, page))
     steps, why = [], None
     for tokens, G in compile_graphs(g, list(sizes or (1, *tuning.prefill_tokens)), formats=formats).items():
         logits = G.graph["outputs"].get("logits")

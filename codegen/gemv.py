@@ -12,7 +12,7 @@ from ..errors import FuselmError
 from ..quant.formats import Format, format_of
 from . import cexpr, rowwise
 from .kernel import KernelSource, KernelSpec, Launch
-from .kv_cache import cache_row, layout_of, staging
+from .kv_cache import cache_row, fixed_table, layout_of, staging
 from .params import Params
 from .render import render
 from .tuning import SMEM_STATIC, Target, Tuning
@@ -297,8 +297,11 @@ def _fp8_write(G, launch, node, value: str, R: int, params, batched: bool, paire
     """The fp8 cache write of kv_write `node` (kv_cache.cuh: kv_fp8_epilogue): the block's values
     staged, the last block of each head writing it. A gemm round takes THREADS / R tokens."""
     cache, _, pos = G.nodes[node]["inputs"][:3]
+    rows = params.ref(pos)            # the rows of the step's tokens: their positions, or through page tables
     if G.nodes[node]["op"] == "paged_kv_write":
-        raise FuselmError(f"{node}: paged fp8 KV caches have no kernels yet (page a bf16 cache)")
+        pages = G.nodes[node]["inputs"][3]
+        rows = (f"PagedPositions<{G.nodes[node]['attrs']['page']}, {fixed_table(G, pages)}>"
+                f"{{{params.ref(pages)}, {params.ref(pos)}}}")
     lay = layout_of(G, node)
     st = staging(G, launch.nodes, G.graph.get("tokens", 1))[0][node]
     unit = 2 if paired else 1
@@ -309,7 +312,7 @@ def _fp8_write(G, launch, node, value: str, R: int, params, batched: bool, paire
     lines = ['static_assert(THREADS % R == 0, "a round of the epilogue takes whole tokens");'] if batched else []
     return lines + [f"kv_fp8_epilogue<{lay.head_dim}, {unit}, {R // unit}, {lay.width}, {ntok}, {lay.stride}, "
                     f"{lay.scale_at}>({params.ref(cache, written=True)}, {stage} + {st.stage}, {counts} + {st.counts}, "
-                    f"{params.ref(pos)}, {t0}, tile, active, row, {token}, active ? {value} : 0.0f, {live});"]
+                    f"{rows}, {t0}, tile, active, row, {token}, active ? {value} : 0.0f, {live});"]
 
 
 def runtime_buffer(params, decl: str, key: str) -> str:

@@ -127,10 +127,8 @@ def _kv_write(G, n, params, at, row):
     cache, x, pos = G.nodes[n]["inputs"][:3]
     width = G.nodes[n]["shape"][-1]
     lay = layout_of(G, n)
-    if lay.fp8 and G.nodes[n]["op"] == "paged_kv_write":
-        raise FuselmError(f"{n}: paged fp8 KV caches have no kernels yet (page a bf16 cache)")
     if lay.fp8:   # the block holds the whole row: a warp per KV head writes it (kv_fp8_head)
-        dst = f"{params.ref(cache, written=True)} + (size_t){params.ref(pos)}[t] * {lay.stride}"
+        dst = f"{params.ref(cache, written=True)} + (size_t){cache_row(G, n, params, 't')} * {lay.stride}"
         return (f"for (int h = threadIdx.x >> 5; h < {lay.kv_heads}; h += blockDim.x >> 5) {{\n"
                 f"    unsigned char* dst = {dst};\n"
                 f"    kv_fp8_head<{lay.head_dim}>(dst + h * {lay.head_dim}, reinterpret_cast<float*>(dst + {lay.scale_at}) + h,\n"

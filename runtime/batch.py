@@ -104,8 +104,8 @@ class CpuBatchEngine:
         return cls(engine.graph, engine.weights, pages, cls.page_rows(engine), engine.max_context)
 
     @staticmethod
-    def row_bytes(graph) -> int:
-        """Bytes of one KV row over every layer (float32 caches)."""
+    def row_bytes(graph, kv: str = "bf16") -> int:
+        """Bytes of one KV row over every layer (float32 caches, whatever `kv` the values round to)."""
         return sum(4 * math.prod(n.shape[1:]) for n in graph.sources("state"))
 
     def step(self, chunks: Sequence[Chunk]) -> np.ndarray:

@@ -8,8 +8,8 @@ own sequence's pages, and logits for every token. A step takes the smallest size
 tokens; the rest is padding, whose tokens write and read one page kept for them alone (the
 pool's last), so the real sequences never see them.
 
-The batch engine shares a CudaEngine's weights and constants; its KV pool is its own, bf16. One
-CUDA graph per step size, captured on first use or by warm_up. launch() queues a step and
+The batch engine shares a CudaEngine's weights and constants; its KV pool is its own, in the
+engine's KV dtype (bf16, or fp8 rows with a scale per token and KV head). One CUDA graph per step size, captured on first use or by warm_up. launch() queues a step and
 returns at once, so the host can stream the previous step's text while the GPU runs it.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 
 from ..codegen.build import batch_page, build_batch
-from ..codegen.kv_cache import graph_kv_bytes
+from ..codegen.kv_cache import graph_kv_bytes, layout_of
 from ..codegen.params import storage_of
 from ..dsl.paging import table_width
 from ..errors import FuselmError
@@ -41,12 +41,10 @@ class CudaBatchEngine:
 
     def __init__(self, engine, pages: int, sizes: tuple[int, ...] | None = None):
         cp = engine.cp
-        if engine.kv_dtype != "bf16":
-            raise FuselmError(f"continuous batching on the GPU pages a bf16 KV cache, not {engine.kv_dtype}")
         self.engine, self.cp, self.max_context = engine, cp, engine.max_context
         program = engine.program
         self.steps = build_batch(engine.graph, self.max_context, program.target, program.tuning,
-                                 formats=engine.formats, sizes=sizes)
+                                 formats=engine.formats, sizes=sizes, kv=engine.kv_dtype)
         self.page = self.steps[0].page
         if pages * self.page < self.max_context:
             raise FuselmError(f"a KV pool of {pages} pages of {self.page} rows cannot hold one sequence of "
@@ -54,9 +52,13 @@ class CudaBatchEngine:
         self.pages, self.table_width = pages, table_width(self.max_context, self.page)
         self.sizes = tuple(sorted(s.tokens for s in self.steps))
         G = self.steps[0].G
-        # each cache: [(pages + 1) * page, KV * hd] bf16; the last page takes the padding's rows
-        self.states = {n: cp.zeros(((pages + 1) * self.page, G.nodes[n]["shape"][-1]), cp.uint16)
-                       for n in G if G.nodes[n]["op"] == "state"}
+        # each cache: (pages + 1) * page rows, bf16 values or fp8 rows (codegen/kv_cache.py); the
+        # last page takes the padding's rows
+        rows = (pages + 1) * self.page
+        self.states = {}
+        for n in (n for n in G if G.nodes[n]["op"] == "state"):
+            lay = layout_of(G, n)
+            self.states[n] = cp.zeros((rows, lay.stride), cp.uint8) if lay.fp8 else cp.zeros((rows, lay.width), cp.uint16)
         self.arena = cp.empty(max(s.G.graph["arena_bytes"] for s in self.steps), cp.uint8)
         self.buffers = step_buffers(cp, self.steps)
         self._steps = {s.tokens: _Step(self, s) for s in self.steps}
@@ -83,9 +85,9 @@ class CudaBatchEngine:
             logits.finite(), logits.argmax(), logits.row(0)
 
     @staticmethod
-    def row_bytes(graph) -> int:
-        """Bytes of one KV row over every layer (bf16 caches)."""
-        return graph_kv_bytes(graph, 1, "bf16")
+    def row_bytes(graph, kv: str = "bf16") -> int:
+        """Bytes of one KV row over every layer, in caches of `kv`."""
+        return graph_kv_bytes(graph, 1, kv)
 
     @property
     def step_tokens(self) -> int:

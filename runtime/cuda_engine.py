@@ -437,14 +437,7 @@ class CudaEngine:
         """The first `rows` rows of KV cache `name` as float32 [rows, width]: bf16 values, or
         fp8 codes times their scales."""
         self.stream.synchronize()
-        lay = self.cache_layouts[name]
-        if not lay.fp8:
-            return (self.states[name][:rows].get().astype(np.uint32) << 16).view(np.float32)
-        raw = self.states[name][:rows].get()
-        codes = raw[:, : lay.width]
-        scales = raw[:, lay.scale_at: lay.scale_at + 4 * lay.kv_heads].copy().view(np.float32)
-        values = e4m3_values(codes).reshape(rows, lay.kv_heads, lay.head_dim) * scales[..., None]
-        return values.reshape(rows, lay.width).astype(np.float32)
+        return rows_as_float(self.cache_layouts[name], self.states[name][:rows].get())
 
     def output(self, name: str) -> np.ndarray:
         """The last step's value of graph output `name`."""
@@ -452,6 +445,17 @@ class CudaEngine:
         value = self.G.graph["outputs"][name]
         shape = [1 if d == "T" else d for d in self.G.nodes[value]["shape"]]     # one token
         return self.cp.asnumpy(self.buffer(value)).reshape(shape)
+
+
+def rows_as_float(lay, raw: np.ndarray) -> np.ndarray:
+    """Cache rows of layout `lay` as they are on the device (bf16 bits [n, width] or fp8 rows
+    [n, stride]) as float32 [n, width]: the values, or the codes times their scales."""
+    if not lay.fp8:
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    n = raw.shape[0]
+    scales = raw[:, lay.scale_at: lay.scale_at + 4 * lay.kv_heads].copy().view(np.float32)
+    values = e4m3_values(raw[:, : lay.width]).reshape(n, lay.kv_heads, lay.head_dim) * scales[..., None]
+    return values.reshape(n, lay.width).astype(np.float32)
 
 
 def fp8_rows(lay, rows: np.ndarray) -> np.ndarray:

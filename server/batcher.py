@@ -76,13 +76,13 @@ class Sequence_:
 
 def batches(model) -> bool:
     """Whether `model`'s engine can run many requests in one batch (continuous batching): the
-    CPU engine, and the CUDA engine with a bf16 KV cache on a GPU with bf16 tensor cores (the
-    batch steps' gemms: sm_80 on)."""
+    CPU engine, and the CUDA engine on a GPU with bf16 tensor cores (the batch steps' gemms:
+    sm_80 on; an fp8 KV cache needs sm_89's conversions, which the engine checked)."""
     from ..runtime.cuda_engine import CudaEngine
     engine = model.engine
     if _on_cpu(model):
         return True
-    return isinstance(engine, CudaEngine) and engine.kv_dtype == "bf16" and engine.program.target.capability >= 80
+    return isinstance(engine, CudaEngine) and engine.program.target.capability >= 80
 
 
 def _on_cpu(model) -> bool:
@@ -98,6 +98,11 @@ def _engine_class(model):
     return CudaBatchEngine
 
 
+def row_bytes(model) -> int:
+    """Bytes of one KV row of `model`'s batch pool over every layer."""
+    return _engine_class(model).row_bytes(model.engine.graph, getattr(model.engine, "kv_dtype", "bf16"))
+
+
 def page_rows(model) -> int:
     """KV rows per page of `model`'s batch engine (its engine class says: fixed on the CPU, what
     the paged attention kernel's passes need on the GPU)."""
@@ -108,7 +113,7 @@ def pages_in(model, gib: float, page: int | None = None) -> int:
     """KV pages of `model` (of `page` rows, default page_rows) that `gib` GiB hold; a FuselmError
     when they cannot hold one sequence of the model's context."""
     page = page or page_rows(model)
-    pages = int(gib * 2**30) // (_engine_class(model).row_bytes(model.engine.graph) * page)
+    pages = int(gib * 2**30) // (row_bytes(model) * page)
     need = -(-model.engine.max_context // page)
     if pages < need:
         raise FuselmError(f"--kv-memory {gib:g} GiB holds {pages} KV pages of {page} rows; one sequence of the "
@@ -132,8 +137,7 @@ def default_pages(model, max_seqs: int, page: int) -> int:
     pages = max_seqs * per_seq
     if not _on_cpu(model):
         from ..runtime.cuda_engine import free_device_memory
-        row_bytes = _engine_class(model).row_bytes(model.engine.graph)
-        fits = int(free_device_memory(model.engine.cp) * GPU_POOL_SHARE) // (row_bytes * page)
+        fits = int(free_device_memory(model.engine.cp) * GPU_POOL_SHARE) // (row_bytes(model) * page)
         pages = max(per_seq, min(pages, fits))
     return pages
 

@@ -387,6 +387,25 @@ def check_prefill_arguments(P, kernels) -> None:
                                               or store in P.graph["buffers"]), f"{launch.function}: argument {a} has no memory"
 
 
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "qwen3-8b", "gpt-oss-20b", "tiny-mqa"])
+def test_fp8_batch_module_compiles_and_does_not_spill(name):
+    """The batch module over an fp8 KV pool (its gemms' and GEMVs' fp8 writes through the page
+    tables, the paged attention reading fp8 rows) compiles for sm_90 without spills in its gemm,
+    GEMV and attention kernels."""
+    from fuselm.codegen.build import build_batch
+    cfg = CONFIGS[name]()
+    steps = build_batch(build_graph(cfg), min(cfg.max_position_embeddings, 4096), Target(), Tuning(), sizes=(1, 32),
+                        compile=False, kv="fp8")
+    for step in steps:
+        assert any(k.name.startswith("attention") and "_paged" in k.name and "_fp8" in k.name for k in step.kernels)
+        assert any("kvfp8" in k.name for k in step.kernels if k.family in ("gemm", "gemv"))
+        cubin, log, _ = compile_cubin(step.source, headers(), options("sm_90", verbose=True), use_cache=False)
+        functions = {launch.function for k in step.kernels for launch in k.all_launches()}
+        assert all(f.encode() in cubin for f in functions)
+        spilling = {f: b for f, b in spills(log).items() if b and f in functions and not f.startswith(("rowwise", "sample"))}
+        assert not spilling, f"{name}: fp8 batch kernels spill (bytes stored + loaded): {spilling}"
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_batch_module_compiles_and_does_not_spill(name):
     """The continuous-batching module of every config (its paged graph in steps of 32 tokens:

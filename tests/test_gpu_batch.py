@@ -1,7 +1,7 @@
 """GPU checks of continuous batching (runtime/cuda_batch.py, codegen's paged kernels): steps that
 mix prompt chunks and decode tokens of several sequences, whose rows lie on shuffled pool pages,
 give each sequence the cache rows and logits the numpy reference gives it alone (bf16 KV cache
-on both sides; the gemms take bf16 vectors, as the prefill's: PREFILL_TOL over a sequence's
+on both sides, or fp8 pools against the reference's exact fp8 cache; the gemms take bf16 vectors, as the prefill's: PREFILL_TOL over a sequence's
 rows, twice that for a single row's spike). Fresh random weights each run; the batch engine's
 arena and its pool poisoned with NaN first, so a row read before it is written, or a logits row
 left unwritten, shows."""
@@ -42,12 +42,23 @@ PLAN = [[40, 9, 15], [20, 1, 30], [10, 1, 40], [1, 1, 1], [1, 0, 33], [30, 1, 1]
         [0, 0, 1], [1, 0, 0], [0, 1, 0]]
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_mixed_batch_steps_on_shuffled_pages_match_each_sequence_alone(name):
+# fp8 pools: the paged pass on CUDA cores and on tensor cores, and gpt-oss (windows, sinks, experts);
+# test_gpu_kv's bounds for the prefill's fp8 caches (code flips compound through the layers)
+FP8_CONFIGS = ["llama head 32", "llama head 128", "gpt-oss"]
+E4M3_NAN, BF16_NAN = 0x7F, 0x7FC0
+
+
+@pytest.mark.parametrize("name,kv", [(n, "bf16") for n in CONFIGS] + [(n, "fp8") for n in FP8_CONFIGS],
+                         ids=[n for n in CONFIGS] + [f"{n} fp8" for n in FP8_CONFIGS])
+def test_mixed_batch_steps_on_shuffled_pages_match_each_sequence_alone(name, kv):
     import cupy as cp
 
     from fuselm.codegen.build import batch_page
+    from fuselm.dsl.kv_dtype import with_kv_dtype
     from fuselm.runtime.cuda_batch import CudaBatchEngine
+    from fuselm.runtime.cuda_engine import rows_as_float
+    from fuselm.codegen.kv_cache import layout_of
+    from test_gpu_kv import FP8_PREFILL_CACHE_TOL, FP8_PREFILL_LOGIT_TOL
     rng = np.random.default_rng()
     cfg = DecoderConfig.from_hf({**TINY, "max_position_embeddings": 256, **CONFIGS[name]})
     graph = build_graph(cfg)
@@ -55,7 +66,7 @@ def test_mixed_batch_steps_on_shuffled_pages_match_each_sequence_alone(name):
     for w in weights:   # routers' logits spread out (more than the prefill tests': 19 rows of 3 sequences
         if w.endswith(ROUTERS):   # are compared, where a flipped expert moved a row by 0.4)
             weights[w] = weights[w] * 32
-    engine = engine_for(graph, weights, ctx=CTX, batched_prefill=False)
+    engine = engine_for(graph, weights, ctx=CTX, batched_prefill=False, kv=kv)
     program = engine.program
     per_seq = -(-CTX // batch_page(graph, program.target, program.tuning))
     batch = CudaBatchEngine(engine, pages=3 * per_seq + 2, sizes=(64, 32, 1))
@@ -63,27 +74,35 @@ def test_mixed_batch_steps_on_shuffled_pages_match_each_sequence_alone(name):
     with engine.stream:
         batch.arena.view(cp.float32).fill(cp.nan)
         for c in batch.states.values():
-            c.fill(0x7FC0)                                                        # bf16 NaN
+            c.fill(E4M3_NAN if kv == "fp8" else BF16_NAN)
     seqs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (104, 16, 123)]   # the last steps feed each
     got, fed = feed_in_steps(batch, seqs, order, PLAN)
     tol = MOE_PREFILL_TOL if is_moe(cfg) else PREFILL_TOL
+    cache_tol = tol
+    if kv == "fp8":
+        tol, cache_tol = FP8_PREFILL_LOGIT_TOL, FP8_PREFILL_CACHE_TOL
     worst, worst_row, worst_cache = 0.0, 0.0, 0.0
-    pool = {n: (cp.asnumpy(c).astype(np.uint32) << 16).view(np.float32) for n, c in batch.states.items()}
+    G = batch.steps[0].G
+    pool = {n: rows_as_float(layout_of(G, n), cp.asnumpy(c)) for n, c in batch.states.items()}
+    ref_graph = with_kv_dtype(graph, kv)
     for i, ids in enumerate(seqs):
         state = new_state(graph, CTX)
-        with bf16_kv_cache():
-            want = run_graph(graph, weights, {"ids": np.array(ids[:fed[i]], np.int32),
-                                              "pos": np.arange(fed[i], dtype=np.int32)}, state)["logits"]
+        feeds = {"ids": np.array(ids[:fed[i]], np.int32), "pos": np.arange(fed[i], dtype=np.int32)}
+        if kv == "fp8":     # the reference models the fp8 cache exactly
+            want = run_graph(ref_graph, weights, feeds, state)["logits"]
+        else:
+            with bf16_kv_cache():
+                want = run_graph(graph, weights, feeds, state)["logits"]
         rows = page_rows(order[i], np.arange(fed[i]), batch.page)
         cache_err = max(rel(pool[c][rows], np.asarray(state[c][:fed[i]], np.float32)) for c in pool)
-        assert cache_err < tol, f"{name}: sequence {i}: its pool rows {cache_err:.2e} from the reference's cache"
+        assert cache_err < cache_tol, f"{name} {kv}: sequence {i}: its pool rows {cache_err:.2e} from the reference's cache"
         rows_got = np.stack([row for _, row in got[i]])
         assert np.isfinite(rows_got).all(), f"{name}: sequence {i}: non-finite logits"
         errs = [rel(row, want[position]) for position, row in got[i]]
         err = rel(rows_got, want[[position for position, _ in got[i]]])
         assert err < tol and max(errs) < 2 * tol, f"{name}: sequence {i}: rel error {err:.2e}, rows {errs}"
         worst, worst_row, worst_cache = max(worst, err), max(worst_row, *errs), max(worst_cache, cache_err)
-    print(f"batch steps {name} (pages of {batch.page} rows): caches {worst_cache:.2e} from the reference; "
+    print(f"batch steps {name} {kv} (pages of {batch.page} rows): caches {worst_cache:.2e} from the reference; "
           f"logits {worst:.2e} over a sequence's rows, {worst_row:.2e} at worst in one of {sum(map(len, got))} rows")
 
 

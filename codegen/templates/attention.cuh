@@ -22,18 +22,19 @@ struct Record {
 // Where a pass finds the cache rows of positions base .. base + CHUNK - 1: in one cache of rows
 // by position ...
 struct ContiguousRows {
-    template <int W, class E>
-    __device__ __forceinline__ const E* moved(const E* cache, int) const { return cache; }
+    template <class P>
+    __device__ __forceinline__ const typename P::Elem* moved(const typename P::Elem* cache, int) const { return cache; }
 };
 
 // ... or on pages of PAGE rows (a multiple of the pass's chunk) through a sequence's page table:
-// the pointer that puts those positions on their page's rows.
+// the pointer that puts those positions on their page's rows (pass P's cache rows: bf16 or fp8).
 template <int PAGE>
 struct PagedRows {
     const int* table;
-    template <int W, class E>
-    __device__ __forceinline__ const E* moved(const E* cache, int base) const {
-        return cache + ((long long)table[base / PAGE] * PAGE + base % PAGE - base) * W;
+    template <class P>
+    __device__ __forceinline__ const typename P::Elem* moved(const typename P::Elem* cache, int base) const {
+        constexpr int STEP = P::Cache::template STEP<P::W>;
+        return cache + ((long long)table[base / PAGE] * PAGE + base % PAGE - base) * STEP;
     }
 };
 
@@ -50,8 +51,8 @@ __device__ __forceinline__ void attention_chunk(const float* q, const typename P
     const int lo = window > 0 ? max(0, pos - window + 1) : 0;
     const int start = max(c * P::CHUNK, lo), end = min(c * P::CHUNK + P::CHUNK, pos + 1);
     if (start >= end) return;                   // the combine reads only chunks with positions
-    kc = rows.template moved<P::W>(kc, c * P::CHUNK);
-    vc = rows.template moved<P::W>(vc, c * P::CHUNK);
+    kc = rows.template moved<P>(kc, c * P::CHUNK);
+    vc = rows.template moved<P>(vc, c * P::CHUNK);
     P pass;
     pass.before_wait(kc, vc, c * P::CHUNK, start, end, pos);
     grid_wait_then_release();
@@ -133,7 +134,7 @@ __device__ __forceinline__ void attention_prefill_rows(const float* q, const typ
 // by the page's offset: position p then lands on its pool row. The step's own rows were written
 // by the kernel before: it waits first.
 template <int H, int KV, int HD, class P, int PAGE, int TABLE, class Sinks = NoSinks>
-__device__ __forceinline__ void attention_paged(const float* q, const bf16_t* kc, const bf16_t* vc, const int* pos_p,
+__device__ __forceinline__ void attention_paged(const float* q, const typename P::Elem* kc, const typename P::Elem* vc, const int* pos_p,
                                                 const int* pages_p, int window, float scale, float softcap, float* o,
                                                 Sinks sinks = {}) {
     static_assert(PAGE % P::CHUNK == 0, "a pass's chunk must lie inside one page");
@@ -142,7 +143,7 @@ __device__ __forceinline__ void attention_paged(const float* q, const bf16_t* kc
     const int t = blockIdx.y, pos = pos_p[t];
     const PagedRows<PAGE> rows{pages_p + (size_t)t * TABLE};
     const int lo = window > 0 ? max(0, pos - window + 1) : 0;
-    const auto moved = [&](const bf16_t* cache, int base) { return rows.template moved<P::W>(cache, base); };
+    const auto moved = [&](const typename P::Elem* cache, int base) { return rows.template moved<P>(cache, base); };
     int base = lo / P::CHUNK * P::CHUNK;
     P pass;
     pass.load(moved(kc, base), moved(vc, base), base, lo, min(base + P::CHUNK, pos + 1), -1);

@@ -49,6 +49,7 @@ struct MmaPass {
     static constexpr int NT = NP / 8, NU = NP / 16, KSTEPS = HD / 16, VDIMS = HD / 8;
     // Head lane / 4; acc[2 w + e]: dim (2 (lane % 4) + e) HD/8 + w (output tile w, column e).
     using State = Softmax<2 * VDIMS>;
+    using Cache = C;                             // the KV rows' policy (kv_cache.cuh)
     using Elem = typename C::Elem;
     static constexpr int KW = C::FP8 ? HD / 64 : HD / 32, VW = C::FP8 ? 1 : HD / 64;   // 16-byte pieces
     uint4 k[NT][KW];                             // K slice of position 8t + r: HD/4 dims

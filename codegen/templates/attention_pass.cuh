@@ -135,6 +135,7 @@ struct LanePass {
             for (int g = 0; g < G; g++) h[g].merge(o.h[g]);
         }
     };
+    using Cache = C;                             // the KV rows' policy (kv_cache.cuh)
     using Elem = typename C::Elem;
     typename Cells<C::FP8>::T k[J], v[J];        // 8 dims of a row: bf16 (uint4) or fp8 codes (uint2)
     bool valid[J];

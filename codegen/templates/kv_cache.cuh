@@ -14,6 +14,8 @@ struct KvBf16 {
     using Elem = bf16_t;
     static constexpr bool FP8 = false;
     template <int W>
+    static constexpr int STEP = W;              // elements from one row to the next
+    template <int W>
     __device__ __forceinline__ static const Elem* row(const Elem* cache, int p) { return cache + (size_t)p * W; }
     template <int W>
     __device__ __forceinline__ static float scale(const Elem*, int, int) { return 1.0f; }
@@ -24,6 +26,8 @@ struct KvFp8 {
     using Elem = unsigned char;
     static constexpr bool FP8 = true;
     static_assert(STRIDE % 32 == 0 && SCALE_AT % 4 == 0, "fp8 KV rows: whole sectors, aligned scales");
+    template <int W>
+    static constexpr int STEP = STRIDE;
     template <int W>
     __device__ __forceinline__ static const Elem* row(const Elem* cache, int p) { return cache + (size_t)p * STRIDE; }
     // The scale of KV head h in row p.
@@ -46,15 +50,26 @@ __device__ __forceinline__ void kv_fp8_head(unsigned char* codes, float* scale, 
     if (lane == 0) *scale = amax / 448.0f;
 }
 
+// The pool rows of a step's tokens over paged caches, as kv_fp8_epilogue indexes its rows (else
+// by position: `pos` itself): token t's position through its sequence's page table (TABLE
+// entries a token, pages of PAGE rows).
+template <int PAGE, int TABLE>
+struct PagedPositions {
+    const int* pages;
+    const int* pos;
+    __device__ __forceinline__ int operator[](int t) const { return paged_row(pages + (size_t)t * TABLE, PAGE, pos[t]); }
+};
+
 // The fp8 cache write of a GEMV / gemm epilogue, called by every thread of the block: thread
 // slot `row` (where `active`) holds value v of token t. A tile holds TU units (RoPE pairs, UNIT
 // 2, or rows, UNIT 1) of N / UNIT, a head HD / UNIT of them, so a head's values come from
 // several blocks: each block stages its values (stage [T][N] floats) and counts itself in per
 // (token, head) (counts [T][KV], zero between steps); the last block of a head reads the head
 // back and writes it (kv_fp8_head), leaving the count at 0. This round's tokens: t0 .. t0 +
-// NTOK - 1, whose positions are pos[t]; threads 0 .. live - 1 run it (a gemm's producer warps have left).
-template <int HD, int UNIT, int TU, int N, int NTOK, int STRIDE, int SCALE_AT>
-__device__ __forceinline__ void kv_fp8_epilogue(unsigned char* cache, float* stage, unsigned* counts, const int* pos,
+// NTOK - 1, whose cache rows are rows[t] (their positions, or PagedPositions); threads 0 .. live - 1
+// run it (a gemm's producer warps have left).
+template <int HD, int UNIT, int TU, int N, int NTOK, int STRIDE, int SCALE_AT, class Rows>
+__device__ __forceinline__ void kv_fp8_epilogue(unsigned char* cache, float* stage, unsigned* counts, const Rows& rows,
                                                 int t0, int tile, bool active, int row, int t, float v,
                                                 int live) {
     constexpr int KV = N / HD, UH = HD / UNIT, UNITS = N / UNIT, NJ = NTOK * (TU / UH + 2);
@@ -73,7 +88,7 @@ __device__ __forceinline__ void kv_fp8_epilogue(unsigned char* cache, float* sta
         const int h = h0 + j % nh, tt = t0 + j / nh;
         __threadfence();                         // the other blocks' values, counted in, are visible
         const float* src = stage + (size_t)tt * N + h * HD;
-        unsigned char* dst = cache + (size_t)pos[tt] * STRIDE;
+        unsigned char* dst = cache + (size_t)rows[tt] * STRIDE;
         kv_fp8_head<HD>(dst + h * HD, reinterpret_cast<float*>(dst + SCALE_AT) + h,
                         [src](int d) { return __ldcg(src + d); });   // through L2: other SMs wrote them
         if ((threadIdx.x & 31) == 0) counts[tt * KV + h] = 0u;
