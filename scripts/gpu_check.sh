@@ -10,7 +10,9 @@
 # that tree too, in the same run (A/B of a branch against this checkout): $OUT/alt_tests.log,
 # alt_bench.log and alt_bench.json (ALT_TESTS=0: the bench only).
 # SKIP_TESTS=1 / SKIP_BENCH=1 leave a part out; PEERS= (empty) skips the transformers comparison;
-# BENCH_ARGS adds options to the bench (e.g. --decode-only); TESTS picks the GPU test files.
+# BENCH_ARGS adds options to the bench (e.g. --decode-only); TESTS picks the GPU test files and
+# TEST_FILTER (pytest -k) the tests among them. LOAD_TIME=1 times loading a random Q4_K_M GGUF of
+# Llama-3.1-8B's shapes (scripts/load_time.py, the carried fixture's tokenizer) into $OUT/load.log.
 # AB="FUSELM_TUNE=gemv_unroll=8;FUSELM_TUNE=attn_wide_warps=0" adds decode-only runs of $AB_MODELS, one
 # per setting (A/B), printed to $OUT/ab.log and recorded as abN.json in $OUT/ab.tgz (whose "tuning"
 # lists the values each ran under; one archive because the device tool brings back only a few files).
@@ -24,7 +26,8 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 tests_rc=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python3 -m pytest ${TESTS:-tests/test_gpu.py tests/test_gpu_quant.py} -m gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+  python3 -m pytest ${TESTS:-tests/test_gpu.py tests/test_gpu_quant.py} -m gpu -q -s -p no:cacheprovider \
+    ${TEST_FILTER:+-k "$TEST_FILTER"} 2>&1 | tee "$OUT/gpu_tests.log"
   tests_rc=${PIPESTATUS[0]}
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
@@ -65,5 +68,8 @@ if [ -n "${AB:-}" ]; then
       --json "$records/ab$i.json" 2>&1 | tee -a "$OUT/ab.log"
   done
   tar czf "$OUT/ab.tgz" -C "$records" .
+fi
+if [ "${LOAD_TIME:-0}" = 1 ]; then
+  python3 scripts/load_time.py --like .gpu_fixtures/smollm2-q4_1-6layers.gguf --json "$OUT/load.json" 2>&1 | tee "$OUT/load.log"
 fi
 exit $tests_rc
