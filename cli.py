@@ -86,10 +86,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    "model's maximum positions; default min(model's maximum, 4096)")
     p.add_argument("--no-fuse", action="store_true", help="CUDA: run the graph without fusion")
     add_kv_argument(p)
-    p.add_argument("--quant", choices=["bf16", "fp8", "q8", "q5", "q4"], default=None,
+    p.add_argument("--quant", choices=["bf16", "fp8", "q8", "q5", "q4", "mxfp4"], default=None,
                    help="weights: a GGUF's (or fp8 checkpoint's) quantized matrices stay quantized unless bf16; "
                         "fp8 (e4m3, a scale per row), q8 (Q8_0), q5 (Q5_1) or q4 (Q4_1) quantize the other "
-                        "matrices on load (the CPU holds the same values)")
+                        "matrices on load, mxfp4 a MoE's expert stacks (the CPU holds the same values)")
 
 
 # the option of each SamplingParams field, for the messages of its range checks

@@ -99,23 +99,19 @@ class CpuEngine:
 
 def as_the_gpu_holds(graph: Graph, weights: Mapping[str, np.ndarray], quant: str) -> dict[str, np.ndarray]:
     """The quantizable matrices of `weights` as float32 holding what the GPU would hold under
-    `quant` ("bf16", "q8" or "q4"; those whose rows hold no whole blocks stay as they are)."""
+    `quant` ("bf16", or an option of quant/quantize.py: on_load_formats says which weights it
+    quantizes; the others stay as they are)."""
     import ml_dtypes
 
-    from ..quant.formats import format_of
     from ..quant.layout import dequantize
-    from ..quant.quantize import QUANT_OPTIONS, quantize
+    from ..quant.quantize import QUANT_OPTIONS, on_load_formats, quantize
     from ..compiler.assign_formats import quantizable_shapes
     if quant != "bf16" and quant not in QUANT_OPTIONS:
         raise FuselmError(f"--quant must be bf16 or one of {', '.join(QUANT_OPTIONS)}, got '{quant}'")
-    out = {}
-    for name, shape in quantizable_shapes(graph).items():
-        w = weights[name]
-        if quant == "bf16":
-            out[name] = w.astype(ml_dtypes.bfloat16).astype(np.float32)
-        elif format_of(QUANT_OPTIONS[quant]).fits(shape):
-            out[name] = dequantize(quantize(w, QUANT_OPTIONS[quant]))
-    return out
+    shapes = quantizable_shapes(graph)
+    if quant == "bf16":
+        return {name: weights[name].astype(ml_dtypes.bfloat16).astype(np.float32) for name in shapes}
+    return {name: dequantize(quantize(weights[name], fmt)) for name, fmt in on_load_formats(quant, shapes).items()}
 
 
 def memory_needed(graph: Graph, ctx: int) -> int:

@@ -171,7 +171,7 @@ class CudaEngine:
         """Load `ckpt`'s weights and compile `graph` for this GPU. Quantized matrices of a GGUF or
         an fp8 checkpoint stay in their format where the kernels read it, the rest goes to bf16;
         `quant` "bf16" takes everything to bf16, "fp8" / "q8" / "q5" / "q4" quantize the rest on
-        load (quant/quantize.py). Tensors go to the GPU one at a time (host memory holds one).
+        load, "mxfp4" a MoE's expert stacks (quant/quantize.py). Tensors go to the GPU one at a time (host memory holds one).
         Refused before any weight is read when weights and KV cache would not fit the GPU's
         free memory (a KV cache of `kv`: bf16 or fp8)."""
         import cupy
@@ -180,15 +180,13 @@ class CudaEngine:
         from tqdm import tqdm
 
         from ..loading.checkpoint import gpu_formats, iter_weights
-        from ..quant.quantize import QUANT_OPTIONS, quantize
+        from ..quant.quantize import QUANT_OPTIONS, on_load_formats, quantize
         if quant not in (None, "bf16", *QUANT_OPTIONS):
             raise FuselmError(f"--quant must be bf16 or one of {', '.join(QUANT_OPTIONS)}, got '{quant}'")
         keep = quant != "bf16"
         formats = gpu_formats(ckpt, graph) if keep else {}
-        target = QUANT_OPTIONS.get(quant)
-        if target:
-            formats = {**{n: target for n, shape in quantizable_shapes(graph).items()
-                          if format_of(target).fits(shape)}, **formats}
+        if quant in QUANT_OPTIONS:     # the file's own quantized formats stay as they are
+            formats = {**on_load_formats(quant, quantizable_shapes(graph)), **formats}
         check_device_memory(cupy, graph, ctx, formats=formats, kv=check_kv(kv))
         # one tensor at a time from the (mapped) file to the GPU: host memory holds one, not all
         weights = {}

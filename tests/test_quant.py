@@ -309,3 +309,28 @@ def test_inspect_names_the_formats_a_gguf_keeps(capsys):
     assert "weights q4_1 x210, q8_0 x1, the rest bf16" in out and "gemv_norm_k576_2x1536q4_1_" in out
     assert cli.main(["inspect", "llama-3.1-8b@q4_k_m"]) == 0
     assert "weights q4_k x193, q6_k x33, the rest bf16" in capsys.readouterr().out
+
+
+def test_quantize_on_load_mxfp4_takes_the_expert_stacks_only():
+    """--quant mxfp4: a MoE's expert stacks in MXFP4 (gguf's quantizer, its values exactly), the
+    other weights untouched; a model without experts: every matrix whose rows hold whole blocks."""
+    from fuselm.runtime.cpu_engine import as_the_gpu_holds
+    from fuselm.quant.quantize import on_load_formats
+    cfg = {**TINY, "architectures": ["GptOssForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2,
+           "head_dim": 64, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}
+    graph = build_graph(DecoderConfig.from_hf(cfg))
+    G = to_networkx(graph)
+    shapes = {n: G.nodes[n]["shape"] for n in quantizable_weights(G)}
+    chosen = on_load_formats("mxfp4", shapes)
+    assert chosen and set(chosen.values()) == {"mxfp4"} and all(len(shapes[n]) == 3 for n in chosen)
+    assert len(chosen) == 3 * cfg["num_hidden_layers"]
+    rng = np.random.default_rng(4)
+    weights = {n.name: rng.standard_normal(n.shape).astype(np.float32) * 0.05 for n in graph.sources("weight")}
+    held = as_the_gpu_holds(graph, weights, "mxfp4")
+    assert set(held) == set(chosen)
+    for name, w in held.items():
+        want = gguf.quants.dequantize(gguf.quants.quantize(weights[name], Q.MXFP4), Q.MXFP4).reshape(w.shape)
+        np.testing.assert_array_equal(w, want)
+    dense = build_graph(DecoderConfig.from_hf(TINY))
+    Gd = to_networkx(dense)
+    assert set(on_load_formats("mxfp4", {n: Gd.nodes[n]["shape"] for n in quantizable_weights(Gd)}).values()) == {"mxfp4"}

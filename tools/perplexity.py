@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("text", help="a UTF-8 text file to score")
     p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default 512)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--quant", choices=["bf16", "fp8", "q8", "q5", "q4"], default=None,
+    p.add_argument("--quant", choices=["bf16", "fp8", "q8", "q5", "q4", "mxfp4"], default=None,
                    help="CUDA weights, as for `fuselm run`")
 
 
