@@ -141,8 +141,8 @@ def block_counts(G: nx.DiGraph) -> int:
 
 def staged_bytes(K: int) -> int:
     """Shared memory of a vector of K values staged as int16 groups (StagedX: 2 bytes a value, a
-    scale and two sums a group)."""
-    return 2 * K + 12 * (K // 32)
+    scale and two sums a group), rounded up to StagedX's 16-byte alignment."""
+    return -(-(2 * K + 12 * (K // 32)) // 16) * 16
 
 
 def staged_fits(K: int, ksplit: int, max_tile: int) -> bool:

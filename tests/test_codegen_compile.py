@@ -179,6 +179,18 @@ def test_random_graphs_compile_for_sm90():
     check()
 
 
+@pytest.mark.parametrize("K", [768, 800, 2880, 4096])
+def test_staged_vectors_stay_16_byte_aligned_in_arrays(K):
+    """StagedX (quant.cuh) is read and written as int4: in the moe kernel's array of them (one per
+    chosen expert) every element must start on 16 bytes, also where K/32 is no multiple of 4
+    (gpt-oss: 2880), and codegen's shared-memory budget (staged_bytes) must count its padding."""
+    from fuselm.codegen.gemv import staged_bytes
+    source = ('#include "quant.cuh"\n'
+              f"static_assert(sizeof(StagedX<{K}>) == {staged_bytes(K)}, \"staged_bytes\");\n"
+              f"static_assert(alignof(StagedX<{K}>) == 16 && sizeof(StagedX<{K}>) % 16 == 0, \"alignment\");\n")
+    compile_cubin(source, headers(), options("sm_90"), use_cache=False)   # raises on a failed assert
+
+
 def test_float_literals_are_valid_c_for_any_float():
     from fuselm.codegen.cexpr import float_literal
     assert float_literal(30) == "30.0f" and float_literal(1e-5) == "1e-05f"

@@ -218,6 +218,7 @@ def test_quantized_batched_prefill_matches_the_reference(mix, split_k):
 MIXTRAL_QCFG = {**QCFG, "architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2}
 # gpt-oss's features (test_gpu.ARCH_TINY) at QCFG's sizes
 GPT_OSS_QCFG = {**QCFG, "architectures": ["GptOssForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2,
+                "intermediate_size": 800,   # 25 groups a row: staged experts 16-byte aligned apart
                 "sliding_window": 8, "attention_bias": True, "layer_types": ["sliding_attention", "full_attention"],
                 "swiglu_limit": 7.0}
 # mix -> (config, the format of each quantizable weight)

@@ -659,8 +659,10 @@ struct FloatGroups {
 // The input vector staged in shared memory for the integer formats: each group of 32 values as
 // int16, scaled so that its largest magnitude is 32767 (an error of at most 2^-16 of it per
 // value), with its scale and the sums of its halves.
+// note: 16-byte aligned, so its size rounds up to 16 and every element of an array of them (the
+// moe kernel's one per chosen expert) keeps v on the boundary its int4 accesses need.
 template <int K>
-struct StagedX {
+struct __align__(16) StagedX {
     int v[K / 2];          // [K/32][16] int16 pairs
     float d[K / 32];       // [K/32] scales (NaN where the group held a NaN or an infinity)
     int2 sum[K / 32];      // [K/32] sums of the int16 of values 0-15 and 16-31
