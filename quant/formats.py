@@ -65,8 +65,11 @@ class Format:
 
     def fits(self, shape: tuple[int, ...]) -> bool:
         """Whether a weight of `shape` can be held in this format: a matrix, or a stack of experts'
-        matrices, whose rows are a multiple of the block."""
-        return len(shape) in (2, 3) and shape[-1] % self.block == 0
+        matrices, whose rows are a multiple of the block; in a stack each expert's bytes must also
+        be a multiple of 16, since the kernels' 16-byte loads start at every expert."""
+        if len(shape) not in (2, 3) or shape[-1] % self.block:
+            return False
+        return len(shape) == 2 or self.nbytes(shape[1:]) % 16 == 0
 
 
 BF16 = Format("bf16", "Bf16", None, 1, 2)

@@ -119,6 +119,20 @@ def test_formats_that_no_kernel_reads_are_refused():
         compile_graph(graph, formats={"nope": "q8_0"})
 
 
+def test_an_expert_stack_whose_experts_break_16_byte_alignment_is_not_held_quantized():
+    """Each expert of a stack starts where the kernels load 16 bytes: a stack whose experts'
+    bytes are no multiple of 16 (MXFP4's 17-byte groups: 40 rows of 3 groups) is refused by
+    name (Format.fits, which the GGUF loader asks too before keeping a tensor's blocks)."""
+    cfg = {**TINY, "architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2,
+           "hidden_size": 96, "intermediate_size": 40}
+    graph = build_graph(DecoderConfig.from_hf(cfg))
+    gate = next(n for n in quantizable_weights(to_networkx(graph)) if "*" in n and n.endswith("w1.weight"))
+    assert not FORMATS["mxfp4"].fits((4, 40, 96)) and FORMATS["mxfp4"].fits((4, 48, 96))
+    assert FORMATS["mxfp4"].fits((40, 96))        # a matrix's rows need no more than whole groups
+    with pytest.raises(FuselmError, match=r"cannot be held as mxfp4 \(each expert's 2040 bytes a multiple of 16\)"):
+        build_program(graph, 256, compile=False, formats={gate: "mxfp4"})
+
+
 def test_quantized_kernels_are_named_by_format_and_count_their_bytes():
     """Kernel names carry the formats, the prefill gemms' too; the bytes a step reads are the
     quantized bytes."""
