@@ -23,10 +23,14 @@ SMEM_STATIC = 48 * 1024   # static shared memory a kernel may declare (CUDA's li
 class Target:
     """The GPU kernels are generated for: its architecture (NVRTC's --gpu-architecture), its SM
     count, which sizes split-K and the attention split's wave, and the shared memory a block may
-    opt into, which sets the wgmma gemm's pipeline depth."""
+    opt into, which sets the wgmma gemm's pipeline depth; and what one SM holds at once (registers,
+    shared memory, threads), which says how many blocks of a kernel run side by side."""
     arch: str = "sm_90"
     sms: int = 132          # the H200's: the default when inspecting without a GPU
     smem_per_block: int = 232448
+    regs_per_sm: int = 65536
+    smem_per_sm: int = 233472
+    threads_per_sm: int = 2048
 
     def __post_init__(self):
         if not (self.arch.startswith("sm_") and self.arch[3:].rstrip("a").isdigit()):
@@ -39,14 +43,25 @@ class Target:
         """Compute capability as an integer (90 for sm_90)."""
         return int(self.arch[3:].rstrip("a"))
 
+    def blocks_per_sm(self, threads: int, registers: int, smem: int) -> int:
+        """Blocks of `threads` threads using `registers` registers a thread and `smem` bytes of
+        shared memory (static and dynamic) that one SM holds at once, by CUDA's occupancy rules:
+        registers are given to warps in units of 256, each block reserves 1 KiB of shared memory
+        more, and an SM holds at most 32 blocks."""
+        warps = -(-threads // 32)
+        warp_regs = -(-max(registers, 1) * 32 // 256) * 256
+        return max(0, min(32, self.threads_per_sm // (32 * warps), self.regs_per_sm // warp_regs // warps,
+                          self.smem_per_sm // (smem + 1024)))
+
     @classmethod
     def of_device(cls) -> "Target":
-        """The current CUDA device's architecture and SM count."""
+        """The current CUDA device's architecture, SM count and per-SM limits."""
         import cupy
         device = cupy.cuda.Device()
         props = cupy.cuda.runtime.getDeviceProperties(device.id)
         return cls(f"sm_{device.compute_capability}", int(props["multiProcessorCount"]),
-                   int(props["sharedMemPerBlockOptin"]))
+                   int(props["sharedMemPerBlockOptin"]), int(props["regsPerMultiprocessor"]),
+                   int(props["sharedMemPerMultiprocessor"]), int(props["maxThreadsPerMultiProcessor"]))
 
 
 # name -> (low, high, what it is); a power of two where the name is in POWERS_OF_TWO

@@ -316,11 +316,24 @@ def test_compile_reports_time_and_spills_per_function(capsys, tiny_folder):
     m = re.search(r"NVRTC sm_80: (\d+) functions compiled in ([\d.]+) s", out)
     assert m and int(m.group(1)) == len(functions)
     for f in functions:
-        assert re.search(rf"^\s+{f}\s+\d+ regs\s+\d+ B stack\s+\d+ B spilled$", out, re.M), f
+        assert re.search(rf"^\s+{f}\s+\d+ regs\s+\d+ B stack\s+\d+ B spilled\s+\d+ blocks/SM\s+[\d.]+ waves$",
+                         out, re.M), f
     rc, out, _ = run_main(capsys, "inspect", str(tiny_folder), "--compile", "--json")
     rep = json.loads(out)["compile"]
     assert rep["arch"] == "sm_90" and set(rep["functions"]) == functions
     assert all(v["spill_bytes"] >= 0 and v["registers"] > 0 for v in rep["functions"].values())
+    launch = next(l for k in kernels for l in k.all_launches() if isinstance(l.grid[0], int) and l.grid[0] > 1)
+    v = rep["functions"][launch.function]
+    assert v["blocks_per_sm"] == Target().blocks_per_sm(launch.block, v["registers"], v["static_smem"] + launch.smem)
+    assert v["waves"] == round(launch.grid[0] * launch.grid[1] / (v["blocks_per_sm"] * Target().sms), 2)
+
+
+@pytest.mark.parametrize("threads,registers,smem,blocks", [
+    (256, 128, 0, 2), (256, 64, 0, 4), (256, 255, 0, 1), (256, 72, 0, 3),   # registers: 256 a warp at a time
+    (1024, 26, 0, 2), (32, 16, 0, 32),                                      # threads; at most 32 blocks
+    (128, 32, 100 * 1024, 2), (128, 32, 120 * 1024, 1), (128, 32, 227 * 1024, 1)])   # shared memory, 1 KiB more a block
+def test_blocks_an_sm_holds_follow_cudas_occupancy_rules(threads, registers, smem, blocks):
+    assert Target().blocks_per_sm(threads, registers, smem) == blocks
 
 
 # ---- bad input ------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@
     fuselm inspect MODEL --out DIR                 every distinct kernel as DIR/<name>.cu, the headers
                                                    they include, schedule.txt and compile.sh
     fuselm inspect MODEL --json                    one JSON object: {"launches": [...], ...}
-    fuselm inspect MODEL --compile --arch sm_80    also NVRTC: compile time, registers, spills
+    fuselm inspect MODEL --compile --arch sm_80    also NVRTC: compile time, registers, spills, blocks
+                                                   an SM holds and waves per launch
     fuselm inspect MODEL --tuning --tune gemv_warps=4   the tuning values the kernels were made with
 
 MODEL is a preset name (models/presets.py), a Hugging Face folder or .gguf file (only its config
@@ -30,7 +31,7 @@ from pathlib import Path
 from ..codegen import Target, Tuning, build_program, headers, module_source
 from ..codegen.attention import Pass
 from ..codegen.build import prefill_steps
-from ..codegen.nvrtc import compile_cubin, options, spills
+from ..codegen.nvrtc import compile_cubin, options, spills, static_smem
 from ..codegen.tuning import PREFILL_STEP_RANGE
 from ..errors import FuselmError
 
@@ -265,9 +266,12 @@ _REGS = re.compile(r"Used (\d+) registers")
 _STACK = re.compile(r"(\d+) bytes stack frame")
 
 
-def compile_report(kernels, arch: str) -> dict:
+def compile_report(kernels, target: Target, tokens: int = 1) -> dict:
     """Compile the whole module with NVRTC (no cache): seconds, and per function registers, stack
-    frame and spill bytes from ptxas' resource report."""
+    frame, spill and static shared-memory bytes from ptxas' resource report, and for its first
+    launch the blocks an SM of `target` holds at once and the waves its grid takes (a step of
+    `tokens` tokens)."""
+    arch = target.arch
     t0 = time.perf_counter()
     cubin, log, _ = compile_cubin(module_source(kernels), headers(), options(arch, verbose=True),
                                   use_cache=False)
@@ -285,6 +289,17 @@ def compile_report(kernels, arch: str) -> dict:
                     functions[fn][key] = int(r.group(1))
     for f, b in spills(log).items():
         functions.setdefault(f, {})["spill_bytes"] = b
+    for f, b in static_smem(log).items():
+        functions.setdefault(f, {})["static_smem"] = b
+    launches = {}
+    for launch in (l for k in kernels for l in k.all_launches()):
+        launches.setdefault(launch.function, launch)
+    for f, v in functions.items():
+        launch = launches.get(f)
+        if launch and "registers" in v:
+            blocks = math.prod(tokens if g == "T" else g for g in launch.grid)
+            v["blocks_per_sm"] = target.blocks_per_sm(launch.block, v["registers"], v.get("static_smem", 0) + launch.smem)
+            v["waves"] = round(blocks / max(1, v["blocks_per_sm"] * target.sms), 2)
     return {"arch": arch, "seconds": round(seconds, 3), "cubin_bytes": len(cubin), "functions": functions}
 
 
@@ -297,7 +312,9 @@ def compile_lines(rep: dict) -> list[str]:
               if spilling else "no spills")]
     w = max((len(f) for f in fns), default=0)
     out += [f"  {f.ljust(w)}  {v.get('registers', '?'):>3} regs  {v.get('stack_bytes', '?'):>4} B stack  "
-            f"{v.get('spill_bytes', '?'):>4} B spilled" for f, v in sorted(fns.items())]
+            f"{v.get('spill_bytes', '?'):>4} B spilled"
+            + (f"  {v['blocks_per_sm']:>2} blocks/SM  {v['waves']:>5.2f} waves" if "waves" in v else "")
+            for f, v in sorted(fns.items())]
     return out
 
 
@@ -316,7 +333,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_tune_argument(p)
     p.add_argument("--tuning", action="store_true", help="list the tuning values the kernels were made with")
     p.add_argument("--compile", action="store_true",
-                   help="compile the module with NVRTC: time, registers and spills per function")
+                   help="compile the module with NVRTC: time, and per function registers, spills, "
+                        "the blocks an SM holds and the waves of its grid")
     p.add_argument("--no-fuse", action="store_true", help="the schedule without fusion")
     p.add_argument("--dump", metavar="DIR", help="write the graph after each compiler pass (.txt, .dot)")
     p.add_argument("--ctx", type=int, metavar="N", help="KV cache rows the attention kernels are built "
@@ -437,7 +455,7 @@ def main(args: argparse.Namespace) -> int:
     lines = summary(G, kernels, rows, ctx, args.position, prefill)
     if args.tuning:
         lines += ["tuning:"] + ["  " + line for line in tuning.lines()]
-    rep = compile_report(kernels, args.arch) if args.compile else None
+    rep = compile_report(kernels, target, tokens) if args.compile else None
     if out:
         files = kernel_files(kernels)
         for name, text in {**files, **headers()}.items():
