@@ -28,7 +28,7 @@ class Target:
     arch: str = "sm_90"
     sms: int = 132          # the H200's: the default when inspecting without a GPU
     smem_per_block: int = 232448
-    regs_per_sm: int = 65536
+    regs_per_sm: int = 65536       # per SM, the H200's too (of_device reads the GPU's own)
     smem_per_sm: int = 233472
     threads_per_sm: int = 2048
 
