@@ -73,14 +73,14 @@ ZIPPED_WITH = {"q8_0": "q4_0", "q4_0": "q8_0", "q4_1": "q8_0", "q5_0": "q4_1", "
                "q4_k": "q6_k", "q5_k": "q4_k", "q6_k": "q5_k", "fp8": "q8_0", "mxfp4": "q4_0"}   # same block size
 
 
-@pytest.mark.parametrize("stream_rows", [0, 4], ids=["staged", "pipelined"])
+@pytest.mark.parametrize("stream_rows", [0, 2, 4], ids=["staged", "pipelined2", "pipelined4"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("size", [0, 1], ids=["odd", "real"])
 def test_quantized_gemv_against_float64(fmt, size, stream_rows):
     """The GEMV kernels of one format against float64 on the dequantized weights, fresh inputs,
     outputs poisoned: SiLU(gate) * up behind a norm prologue (gate in `fmt`, up in another format:
     one zip set of mixed formats, fused) and a plain vector into a third matrix; on the staged
-    vector as is and pipelined (warp_stream_rows_q)."""
+    vector as is and pipelined (warp_stream_rows_q) at 2 and 4 rows a warp, the A/B's candidates."""
     import cupy as cp
 
     from fuselm.codegen import Tuning
