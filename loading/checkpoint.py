@@ -1,6 +1,8 @@
 """Opening a checkpoint (Hugging Face folder or GGUF file) and loading the weights a graph asks for."""
 from __future__ import annotations
 
+import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,12 @@ class Checkpoint:
     tensors: TensorStore
     tokenizer: TextTokenizer
     generation: dict  # generation_config.json ({} if absent); for GGUF, the special ids it gives
+
+
+# Reading weights (iter_weights): threads that read and convert tensors ahead of the one taken
+# (numpy releases the GIL in its conversions), and the weights they may hold in flight.
+READ_WORKERS = min(8, os.cpu_count() or 1)
+READ_AHEAD = 1 << 28
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
@@ -133,15 +141,19 @@ def load_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, progress: boo
                      leave=False))
 
 
-def iter_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, keep_quantized: bool = False):
-    """(name, weight) for every weight node of `graph`, one at a time, as load_weights reads them:
-    a caller that moves each to the GPU before the next holds one tensor in host memory."""
+def iter_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, keep_quantized: bool = False,
+                 workers: int = READ_WORKERS):
+    """(name, weight) for every weight node of `graph`, in graph order, as load_weights reads them.
+    `workers` threads read and convert (dequantize, repack) the next tensors while the caller takes
+    this one, within READ_AHEAD weights in flight: a caller that moves each to the GPU before the
+    next holds about that much in host memory, plus the largest tensor."""
     available = set(ckpt.tensors.names())
     quantizable = set()
     if keep_quantized:
         from ..compiler.assign_formats import quantizable_shapes
         quantizable = set(quantizable_shapes(graph))
-    for node in graph.sources("weight"):
+
+    def read(node):
         stack = "*" in node.name   # a stack over experts (see _experts)
         if node.name in quantizable:
             names = _experts(node.name, node.shape) if stack else [node.name]
@@ -149,13 +161,40 @@ def iter_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, keep_quantize
                 _load_one(ckpt, n, node.shape[1:] if stack else node.shape, available, None)   # present, right shape
             if _gpu_format(ckpt, node.name, node.shape):
                 parts = [ckpt.tensors.quantized(n) for n in names]
-                yield node.name, stack_experts(parts) if stack else parts[0]
-                continue
+                return stack_experts(parts) if stack else parts[0]
         if stack:
-            yield node.name, np.stack([_load_one(ckpt, n, node.shape[1:], available, dtype)
-                                       for n in _experts(node.name, node.shape)])
-            continue
-        yield node.name, _load_one(ckpt, node.name, node.shape, available, dtype)
+            return np.stack([_load_one(ckpt, n, node.shape[1:], available, dtype)
+                             for n in _experts(node.name, node.shape)])
+        return _load_one(ckpt, node.name, node.shape, available, dtype)
+
+    nodes = graph.sources("weight")
+    results = read_ahead(read, nodes, lambda node: math.prod(node.shape), workers, READ_AHEAD)
+    for node, weight in zip(nodes, results):
+        yield node.name, weight
+
+
+def read_ahead(read, items, size, workers: int, budget: int):
+    """read(item) for each of `items`, in their order, by `workers` threads: a read starts while
+    the sizes of those started and not yet taken stay within `budget` (the next one always starts
+    when none is in flight). An error is raised where its item's result is taken; reads not
+    started then never start."""
+    from concurrent.futures import ThreadPoolExecutor
+    if workers <= 1:
+        yield from map(read, items)
+        return
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="fuselm-read")
+    pending, queued, i = [], 0, 0     # (future, size) in item order; their total size; next item
+    try:
+        while i < len(items) or pending:
+            while i < len(items) and (not pending or queued + size(items[i]) <= budget):
+                pending.append((pool.submit(read, items[i]), size(items[i])))
+                queued += pending[-1][1]
+                i += 1
+            future, n = pending.pop(0)
+            queued -= n
+            yield future.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _load_one(ckpt: Checkpoint, name: str, expected: tuple, available: set, dtype) -> np.ndarray:

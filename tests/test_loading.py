@@ -299,3 +299,55 @@ def test_not_a_checkpoint(tmp_path):
     one_line_error(lambda: open_checkpoint(tmp_path / "notes.txt"), "notes.txt", "not a checkpoint")
     shutil.copy(tmp_path / "notes.txt", tmp_path / "fake.gguf")
     one_line_error(lambda: open_checkpoint(tmp_path / "fake.gguf"), "fake.gguf", "not a valid GGUF")
+
+
+# ---- reading ahead -------------------------------------------------------------------------------
+
+def test_read_ahead_keeps_order_and_its_budget():
+    """Reads run on threads but come back in item order, and never hold more than the budget in
+    flight (beyond the one that must run when none does)."""
+    import threading
+    import time
+    from fuselm.loading.checkpoint import read_ahead
+    sizes = [5, 1, 1, 7, 2, 2, 2, 9, 1, 3]
+    lock, state = threading.Lock(), {"now": 0, "most": 0}
+
+    def read(i):
+        with lock:
+            state["now"] += sizes[i]
+            state["most"] = max(state["most"], state["now"])
+        time.sleep(0.01 * (len(sizes) - i))      # later items finish first
+        with lock:
+            state["now"] -= sizes[i]
+        return i * 10
+
+    assert list(read_ahead(read, list(range(len(sizes))), lambda i: sizes[i], 4, 8)) == [10 * i for i in range(len(sizes))]
+    assert 7 <= state["most"] <= 9      # 5 + 1 + 1 overlapped; the 9 ran alone, nothing beside it
+
+
+def test_read_ahead_raises_at_the_failing_item_and_starts_no_later_read():
+    from fuselm.loading.checkpoint import read_ahead
+    started = []
+
+    def read(i):
+        started.append(i)
+        if i == 2:
+            raise FuselmError("tensor 2 is broken")
+        return i
+
+    got = read_ahead(read, list(range(50)), lambda i: 1, 2, 3)
+    assert next(got) == 0 and next(got) == 1
+    with pytest.raises(FuselmError, match="tensor 2 is broken"):
+        next(got)
+    assert max(started) <= 2 + 3              # at most the budget's worth read beyond it
+
+
+def test_iter_weights_read_ahead_equal_one_at_a_time(h, tmp_path):
+    """Threads reading ahead give the same weights, in the same order, as one reader."""
+    from fuselm.loading.checkpoint import iter_weights
+    ckpt = open_checkpoint(save_folder(h, tmp_path, torch.bfloat16))
+    graph = build_graph(ckpt.config)
+    alone = list(iter_weights(ckpt, graph, workers=1))
+    ahead = list(iter_weights(ckpt, graph, workers=4))
+    assert [n for n, _ in ahead] == [n for n, _ in alone] == [n.name for n in graph.sources("weight")]
+    assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(alone, ahead))
