@@ -39,9 +39,7 @@ def assign_formats(G: nx.DiGraph, formats: Mapping[str, str]) -> nx.DiGraph:
         if f.name == "bf16":
             continue
         shape = H.nodes[name]["shape"]
-        if not f.fits(shape):
-            need = (f"each expert's {f.nbytes(shape[1:])} bytes a multiple of 16"
-                    if len(shape) == 3 and shape[-1] % f.block == 0 else f"rows of a multiple of {f.block} weights")
+        if need := f.misfit(shape):
             raise FuselmError(f"weight '{name}' of shape {shape} cannot be held as {f.name} ({need})")
         for reader in H.successors(name):
             if not _reads_quantized(H, reader, name):

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,19 +180,18 @@ def read_ahead(read, items, size, workers: int, budget: int):
     the sizes of those started and not yet taken stay within `budget` (the next one always starts
     when none is in flight). An error is raised where its item's result is taken; reads not
     started then never start."""
-    from concurrent.futures import ThreadPoolExecutor
     if workers <= 1:
         yield from map(read, items)
         return
     pool = ThreadPoolExecutor(workers, thread_name_prefix="fuselm-read")
-    pending, queued, i = [], 0, 0     # (future, size) in item order; their total size; next item
+    pending, queued, i = deque(), 0, 0     # (future, size) in item order; their total size; next item
     try:
         while i < len(items) or pending:
             while i < len(items) and (not pending or queued + size(items[i]) <= budget):
                 pending.append((pool.submit(read, items[i]), size(items[i])))
                 queued += pending[-1][1]
                 i += 1
-            future, n = pending.pop(0)
+            future, n = pending.popleft()
             queued -= n
             yield future.result()
     finally:

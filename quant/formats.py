@@ -63,13 +63,19 @@ class Format:
     def bits_per_weight(self) -> float:
         return 8 * self.bytes_per_block / self.block
 
-    def fits(self, shape: tuple[int, ...]) -> bool:
-        """Whether a weight of `shape` can be held in this format: a matrix, or a stack of experts'
-        matrices, whose rows are a multiple of the block; in a stack each expert's bytes must also
-        be a multiple of 16, since the kernels' 16-byte loads start at every expert."""
+    def misfit(self, shape: tuple[int, ...]) -> str | None:
+        """Why a weight of `shape` cannot be held in this format, or None where it can: a matrix, or
+        a stack of experts' matrices, needs rows of whole blocks; a stack also needs each expert's
+        bytes a multiple of 16, since the kernels' 16-byte loads start at every expert."""
         if len(shape) not in (2, 3) or shape[-1] % self.block:
-            return False
-        return len(shape) == 2 or self.nbytes(shape[1:]) % 16 == 0
+            return f"rows of a multiple of {self.block} weights"
+        if len(shape) == 3 and self.nbytes(shape[1:]) % 16:
+            return f"each expert's {self.nbytes(shape[1:])} bytes a multiple of 16"
+        return None
+
+    def fits(self, shape: tuple[int, ...]) -> bool:
+        """Whether a weight of `shape` can be held in this format (see misfit)."""
+        return self.misfit(shape) is None
 
 
 BF16 = Format("bf16", "Bf16", None, 1, 2)
