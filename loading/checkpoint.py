@@ -144,8 +144,9 @@ def load_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, progress: boo
 
 
 def iter_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, keep_quantized: bool = False,
-                 workers: int = READ_WORKERS):
-    """(name, weight) for every weight node of `graph`, in graph order, as load_weights reads them.
+                 workers: int = READ_WORKERS, xp=np):
+    """(name, weight) for every weight node of `graph`, in graph order, as load_weights reads them;
+    with `xp` cupy, the quantized ones that a store can convert on the GPU come as cupy bytes.
     `workers` threads read and convert (dequantize, repack) the next tensors while the caller takes
     this one, within READ_AHEAD weights in flight: a caller that moves each to the GPU before the
     next holds about that much in host memory, plus the largest tensor."""
@@ -162,7 +163,7 @@ def iter_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, keep_quantize
             for n in names:
                 _load_one(ckpt, n, node.shape[1:] if stack else node.shape, available, None)   # present, right shape
             if _gpu_format(ckpt, node.name, node.shape):
-                parts = [ckpt.tensors.quantized(n) for n in names]
+                parts = [ckpt.tensors.quantized(n, xp) for n in names]
                 return stack_experts(parts) if stack else parts[0]
         if stack:
             return np.stack([_load_one(ckpt, n, node.shape[1:], available, dtype)

@@ -203,21 +203,22 @@ class GGUFStore(TensorStore):
         ok = fmt is not None and fmt.fits(self.shape(name))
         return fmt.name if ok else None
 
-    def quantized(self, name: str):
-        """Tensor `name` kept in its GGUF blocks, repacked for the GPU (quant/layout.py), or None
-        when its type has no GPU format (it is then read dequantized, by get)."""
+    def quantized(self, name: str, xp=np):
+        """Tensor `name` kept in its GGUF blocks, repacked for the GPU (quant/layout.py) by `xp`
+        (cupy: the blocks are uploaded as they are and repacked there), or None when its type has
+        no GPU format (it is then read dequantized, by get)."""
         from ..quant.layout import from_gguf
         fmt = self.gpu_format(name)
         if fmt is None:
             return None
         t, expert = self._tensor(name)
         shape = self.shape(name)
-        raw = np.asarray(t.data if expert is None else t.data[expert]).reshape(shape[0], -1)
+        raw = xp.asarray(t.data if expert is None else t.data[expert]).reshape(shape[0], -1)
         proj = name.split(".")[-2]
         if proj in self._heads and name.startswith("model.layers."):
             raw = unpermute_rope_rows(raw, self._heads[proj])     # whole rows of blocks move
         try:
-            return from_gguf(fmt, raw, shape)
+            return from_gguf(fmt, raw, shape, xp)
         except ValueError as e:
             raise FuselmError(f"{self._path}: tensor '{t.name}': {e}") from None
 

@@ -34,5 +34,5 @@ class RenamedStore(TensorStore):
     def gpu_format(self, name: str) -> str | None:
         return self._store.gpu_format(self._theirs(name))
 
-    def quantized(self, name: str):
-        return self._store.quantized(self._theirs(name))
+    def quantized(self, name: str, xp=np):
+        return self._store.quantized(self._theirs(name), xp)

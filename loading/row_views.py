@@ -43,12 +43,12 @@ class RowViews(TensorStore):
     def gpu_format(self, name: str) -> str | None:
         return self._store.gpu_format(self._views[name][0] if name in self._views else name)
 
-    def quantized(self, name: str):
+    def quantized(self, name: str, xp=np):
         if name not in self._views:
-            return self._store.quantized(name)
+            return self._store.quantized(name, xp)
         src, rows = self._views[name]
         self.shape(name)
-        if self._last[0] != src:
-            self._last = (src, self._store.quantized(src))
+        if self._last[0] != (src, xp):
+            self._last = ((src, xp), self._store.quantized(src, xp))
         whole = self._last[1]
         return None if whole is None else take_rows(whole, rows)

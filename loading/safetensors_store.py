@@ -152,7 +152,7 @@ class SafetensorsStore(TensorStore):
         fp8 = self._entry(name)[1]["dtype"] == "F8_E4M3" and len(shape) == 2 and shape[1] % 32 == 0
         return "fp8" if fp8 else None
 
-    def quantized(self, name: str):
+    def quantized(self, name: str, xp=np):
         """An fp8 matrix kept in its bytes with its scale per row (quant/layout.from_fp8)."""
         from ..quant.layout import from_fp8
         if self.gpu_format(name) is None:

@@ -25,9 +25,10 @@ class TensorStore:
         """The quantized GPU format `quantized(name)` would give, from the header, or None."""
         return None
 
-    def quantized(self, name: str):
+    def quantized(self, name: str, xp=np):
         """Tensor `name` as a quant.QuantizedWeight in its file's own quantized format, or None
-        where the file holds it otherwise (then `get` reads it)."""
+        where the file holds it otherwise (then `get` reads it). With `xp` cupy, a store that can
+        converts on the GPU and gives its bytes there; the others give numpy bytes."""
         return None
 
     def __contains__(self, name: str) -> bool:

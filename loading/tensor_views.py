@@ -62,9 +62,9 @@ class TensorViews(TensorStore):
             return self._store.gpu_format(name)
         return self._views[name].format
 
-    def quantized(self, name: str):
+    def quantized(self, name: str, xp=np):
         if name not in self._views:
-            return self._store.quantized(name)
+            return self._store.quantized(name, xp)
         view = self._views[name]
         if view.keep is None:
             return None

@@ -1,5 +1,5 @@
-"""GGUF blocks to the GPU layout of formats.py and back (numpy): `from_gguf` repacks a tensor's
-blocks once at load, `dequantize` reads our layout back to float32 (the CPU reference, and the
+"""GGUF blocks to the GPU layout of formats.py and back: `from_gguf` repacks a tensor's blocks
+once at load (numpy, or cupy on the GPU), `dequantize` reads our layout back to float32 (the CPU reference, and the
 check that repacking loses nothing: it must equal the `gguf` library's own dequantization)."""
 from __future__ import annotations
 
@@ -14,23 +14,41 @@ _E4M3 = np.arange(256, dtype=np.uint8)
 E4M3_STD = float(_E4M3[(_E4M3 & 0x7F) != 0x7F].view(ml_dtypes.float8_e4m3fn).astype(np.float64).std())
 
 
-def from_gguf(fmt: str, raw: np.ndarray, shape: tuple[int, ...]) -> QuantizedWeight:
+# Rows repacked at a time: bounds the temporaries of from_gguf to a few times this many bytes.
+REPACK_WEIGHTS = 1 << 24
+
+
+def array_module(a):
+    """numpy, or cupy for a cupy array (so that the repacking runs where its input lives)."""
+    if isinstance(a, np.ndarray):
+        return np
+    import cupy
+    return cupy.get_array_module(a)
+
+
+def from_gguf(fmt: str, raw, shape: tuple[int, ...], xp=np) -> QuantizedWeight:
     """Tensor `shape` = [N, K] (or a stack of experts' [E, N, K]) whose GGUF blocks of type `fmt`
-    are `raw` (uint8, N rows of K / block blocks, per expert), in our layout. ValueError when the
-    bytes do not make N * K / block blocks."""
+    are `raw` (uint8, N rows of K / block blocks, per expert), in our layout, repacked by `xp`
+    (numpy, or cupy: the blocks go to the GPU as they are and are repacked there), a band of
+    rows at a time. ValueError when the bytes do not make N * K / block blocks."""
     if len(shape) == 3:
-        raw = np.ascontiguousarray(raw, np.uint8).reshape(shape[0], -1)
-        return stack_experts([from_gguf(fmt, r, shape[1:]) for r in raw])
+        raw = raw.reshape(shape[0], -1)
+        return stack_experts([from_gguf(fmt, r, shape[1:], xp) for r in raw])
     f = FORMATS[fmt]
     N, K = shape
     per_block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[f.gguf_type]][1]   # bytes of a GGUF block
-    raw = np.ascontiguousarray(raw, np.uint8).reshape(-1)
     if K % f.block or raw.size != N * K // f.block * per_block:
         raise ValueError(f"{raw.size} bytes are not {N} x {K} weights in {fmt} blocks of {f.block}")
-    blocks = raw.reshape(N, K // f.block, per_block)
-    sections = _REPACK[fmt](blocks, N, K)
-    data = np.concatenate([np.ascontiguousarray(s).reshape(-1).view(np.uint8) for s in sections])
-    assert data.size == f.nbytes(shape)
+    blocks = xp.asarray(raw, dtype=xp.uint8).reshape(N, K // f.block, per_block)
+    data = xp.empty(f.nbytes(shape), xp.uint8)
+    widths = [per_row(K) for _, per_row in SECTIONS[fmt]]
+    starts = np.cumsum([0] + [N * w for w in widths])
+    band = max(1, REPACK_WEIGHTS // K)
+    for r in range(0, N, band):
+        rows = min(band, N - r)
+        for at, w, s in zip(starts, widths, _REPACK[fmt](blocks[r: r + rows], rows, K)):
+            data[at + r * w: at + (r + rows) * w] = s.reshape(-1)
+    assert starts[-1] == data.size
     return QuantizedWeight(fmt, (N, K), data)
 
 
@@ -48,7 +66,7 @@ def _q4_1(b, N, K):
 
 def _q4_k(b, N, K):
     qs = b[..., 16:].reshape(N, K // 256, 4, 32)          # 4 runs of 64 weights: low nibbles, then high
-    codes = np.stack([qs & 0xF, qs >> 4], axis=3)         # [N, S, 4, 2, 32]: groups 2g and 2g + 1
+    codes = array_module(b).stack([qs & 0xF, qs >> 4], axis=3)   # [N, S, 4, 2, 32]: groups 2g and 2g + 1
     return [pack_nibbles(codes.reshape(N, K)), b[..., :16]]
 
 
@@ -63,16 +81,18 @@ def _q5_1(b, N, K):
 
 
 def _q5_k(b, N, K):
+    xp = array_module(b)
     qs = b[..., 48:].reshape(N, K // 256, 4, 32)          # nibbles as Q4_K's
-    codes = np.stack([qs & 0xF, qs >> 4], axis=3).reshape(N, K)
+    codes = xp.stack([qs & 0xF, qs >> 4], axis=3).reshape(N, K)
     qh = b[..., 16:48]                                    # byte l, bit s: weight l of group s
-    high = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+    high = (qh[..., None, :] >> xp.arange(8, dtype=xp.uint8)[:, None]) & 1
     return [pack_nibbles(codes), pack_bits(high.reshape(N, K)), b[..., :16]]
 
 
 def _bits_le(words: np.ndarray) -> np.ndarray:
     """The 32 bits of little-endian 4-byte words [..., 4], bit j at index j [..., 32]."""
-    return np.unpackbits(words, axis=-1, bitorder="little")
+    xp = array_module(words)
+    return ((words[..., None] >> xp.arange(8, dtype=xp.uint8)) & 1).reshape(*words.shape[:-1], 32)
 
 
 def _q6_k(b, N, K):
@@ -99,7 +119,7 @@ def q6_k_codes(b: np.ndarray) -> np.ndarray:
         qh = b[..., 128 + 32 * half: 128 + 32 * half + 32]
         lo = [ql[..., :32] & 0xF, ql[..., 32:] & 0xF, ql[..., :32] >> 4, ql[..., 32:] >> 4]
         out += [lo[i] | (((qh >> (2 * i)) & 3) << 4) for i in range(4)]
-    return np.concatenate(out, axis=-1)
+    return array_module(b).concatenate(out, axis=-1)
 
 
 def pack_nibbles(codes: np.ndarray) -> np.ndarray:
@@ -113,7 +133,7 @@ def pack_pairs(hi: np.ndarray) -> np.ndarray:
     holds, from bit 0, the pairs of weights 8h+b, 8h+b+16, 8h+b+4, 8h+b+20, so that the word
     lines up with nibble words 2h and 2h+1 of the group (templates/quant.cuh, Q6_K)."""
     g = hi.reshape(*hi.shape[:-1], -1, 32).astype(np.uint8)
-    out = np.zeros((*g.shape[:-1], 8), np.uint8)
+    out = array_module(hi).zeros((*g.shape[:-1], 8), np.uint8)
     for w in range(4):
         shift = 4 * (w % 2)
         out[..., 4 * (w // 2): 4 * (w // 2) + 4] |= (g[..., 4 * w: 4 * w + 4] << shift) | \
@@ -126,7 +146,7 @@ def pack_bits(hi: np.ndarray) -> np.ndarray:
     bit 0, the bits of weights b, b+16, b+4, b+20, b+8, b+24, b+12, b+28 (nibble word w's low
     and high halves at bits 2w and 2w+1, lining up with its bytes: templates/quant.cuh, Q5)."""
     g = hi.reshape(*hi.shape[:-1], -1, 32).astype(np.uint8)
-    out = np.zeros((*g.shape[:-1], 4), np.uint8)
+    out = array_module(hi).zeros((*g.shape[:-1], 4), np.uint8)
     for w in range(4):
         out |= (g[..., 4 * w: 4 * w + 4] << (2 * w)) | (g[..., 16 + 4 * w: 20 + 4 * w] << (2 * w + 1))
     return out.reshape(*hi.shape[:-1], -1)
@@ -143,7 +163,7 @@ def unpack_bits(packed: np.ndarray) -> np.ndarray:
 
 def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
     g = packed.reshape(*packed.shape[:-1], -1, 16)
-    return np.concatenate([g & 0xF, g >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+    return array_module(packed).concatenate([g & 0xF, g >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
 
 
 def unpack_pairs(packed: np.ndarray) -> np.ndarray:
@@ -204,12 +224,7 @@ def stack_experts(experts: list[QuantizedWeight]) -> QuantizedWeight:
     first = experts[0]
     if any(e.format != first.format or e.shape != first.shape for e in experts):
         raise ValueError("experts of a stack must share one format and shape")
-    parts = [e.data for e in experts]
-    if isinstance(first.data, np.ndarray):
-        data = np.concatenate(parts)
-    else:                                   # made on the GPU (random_weight with cupy)
-        import cupy
-        data = cupy.concatenate(parts)
+    data = array_module(first.data).concatenate([e.data for e in experts])   # numpy or cupy alike
     return QuantizedWeight(first.format, (len(experts), *first.shape), data)
 
 
@@ -222,7 +237,9 @@ def expert(w: QuantizedWeight, e: int) -> QuantizedWeight:
 def take_rows(w: QuantizedWeight, rows: np.ndarray) -> QuantizedWeight:
     """Rows `rows` of matrix `w` [N, K], in that order, in its format: every section of the layout
     is row-major over the N rows, so the rows of each are taken alike and no block is re-encoded."""
-    data = np.concatenate([s[rows].reshape(-1) for s in sections(w)])
+    xp = array_module(w.data)
+    rows = xp.asarray(rows)
+    data = xp.concatenate([s[rows].reshape(-1) for s in sections(w)])
     return QuantizedWeight(w.format, (len(rows), w.shape[1]), data)
 
 

@@ -193,12 +193,14 @@ class CudaEngine:
         total = weight_bytes(graph, formats)
         with tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, disable=not progress,
                   leave=False) as bar:
-            for name, w in iter_weights(ckpt, graph, dtype=ml_dtypes.bfloat16, keep_quantized=keep):
+            # GGUF blocks go up as they are and are repacked on the GPU (quant/layout.from_gguf)
+            for name, w in iter_weights(ckpt, graph, dtype=ml_dtypes.bfloat16, keep_quantized=keep, xp=cupy):
                 if name in formats and not isinstance(w, QuantizedWeight):
                     w = quantize(np.asarray(w, np.float32), formats[name])
                 weights[name] = (QuantizedWeight(w.format, w.shape, cupy.asarray(w.data))
                                  if isinstance(w, QuantizedWeight) else as_device(cupy, w))
                 bar.update(weights[name].nbytes)
+        cupy.get_default_memory_pool().free_all_blocks()   # the repacking's temporaries
         return cls(graph, weights, ctx=ctx, fuse=fuse, kv=kv)
 
     # ---- memory ----

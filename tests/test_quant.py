@@ -54,6 +54,19 @@ def test_our_layout_dequantizes_exactly_as_gguf(fmt, n, blocks, seed):
     np.testing.assert_array_equal(dequantize(w), want)
 
 
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_repacking_a_band_of_rows_at_a_time_gives_the_same_bytes(fmt, monkeypatch):
+    """from_gguf repacks REPACK_WEIGHTS at a time; bands of 1, 2 and 3 rows (the last one
+    short) give the bytes of one band over all 7 rows."""
+    from fuselm.quant import layout
+    k = 2 * FORMATS[fmt].block
+    raw = random_blocks(fmt, 7, k, np.random.default_rng(5))
+    whole = from_gguf(fmt, raw, (7, k)).data
+    for rows in (1, 2, 3):
+        monkeypatch.setattr(layout, "REPACK_WEIGHTS", rows * k)
+        np.testing.assert_array_equal(from_gguf(fmt, raw, (7, k)).data, whole)
+
+
 def test_every_gguf_format_has_its_block_size():
     for name, f in GGUF_FORMATS.items():
         block, size = gguf.GGML_QUANT_SIZES[Q[name]]
