@@ -5,8 +5,12 @@ sequence's page table; prompt chunks and single decode tokens mix freely in one 
 runs as its paged graph (dsl/paging.py) over one pool of KV pages, which runtime/kv_pages.py
 hands out. The step returns the logits of each chunk's last token.
 
-`CpuBatchEngine` runs it on the numpy reference executor, sharing a CpuEngine's weights. There
-is no CUDA batch engine yet: the compiler has no kernels for the paged ops.
+`CpuBatchEngine` runs it on the numpy reference executor, sharing a CpuEngine's weights;
+runtime/cuda_batch.py's CudaBatchEngine runs it on the compiler's kernels.
+
+A step may take some of its chunks' tokens from the step queued before it (`picks`): a chunk of
+one placeholder token is fed that step's greedy pick of one of its rows, on the engine, so the
+host can queue the next step before the picks of the running one are back (server/batcher.py).
 """
 from __future__ import annotations
 
@@ -46,12 +50,24 @@ def step_feeds(chunks: Sequence[Chunk], table_width: int) -> dict[str, np.ndarra
             "pages": np.asarray(pages, np.int32).reshape(len(ids), table_width)}
 
 
+def fed_picks(chunks: Sequence[Chunk], picks) -> tuple[list[int], list[int]]:
+    """The step tokens that `picks` = (step before, [(chunk, row of that step)]) feed, and the
+    rows of the step before that they take; each such chunk is one placeholder token."""
+    if not picks:
+        return [], []
+    starts = np.cumsum([0] + [len(c.ids) for c in chunks])
+    if any(len(chunks[c].ids) != 1 for c, _ in picks[1]):
+        raise FuselmError("a chunk fed a pick of the step before must be one token")
+    return [int(starts[c]) for c, _ in picks[1]], [row for _, row in picks[1]]
+
+
 class StepLogits:
     """The logits rows [chunks, vocab] of one batch step where the engine left them (a numpy or a
-    CuPy array): every row's finiteness and argmax at once, a whole row copied only on demand."""
+    CuPy array): every row's finiteness and argmax at once, a whole row copied only on demand.
+    `best`: the rows' argmax where the engine computed it already (the picks it feeds on)."""
 
-    def __init__(self, rows):
-        self.rows = rows
+    def __init__(self, rows, best=None):
+        self.rows, self.best = rows, best
         if isinstance(rows, np.ndarray):
             self._xp = np
         else:
@@ -64,7 +80,7 @@ class StepLogits:
 
     def argmax(self) -> np.ndarray:
         """[chunks] int: each row's greedy pick."""
-        return self._host(self._xp.argmax(self.rows, axis=1))
+        return self._host(self._xp.argmax(self.rows, axis=1) if self.best is None else self.best)
 
     def row(self, i: int) -> np.ndarray:
         """Row i on the host, float32."""
@@ -122,9 +138,17 @@ class CpuBatchEngine:
     def warm_up(self) -> None:
         """Nothing to prepare on the CPU (the CUDA engine's captures its graphs)."""
 
-    def launch(self, chunks: Sequence[Chunk]) -> "Done":
-        """step() as the batch scheduler calls it (the CUDA engine's runs while it waits): here
-        at once, its rows as StepLogits."""
+    def launch(self, chunks: Sequence[Chunk], picks=None) -> "Done":
+        """step() as the batch scheduler calls it (the CUDA engine's runs while it waits), with
+        `picks` fed from the step before (module docstring): here at once, its rows as
+        StepLogits."""
+        slots, rows = fed_picks(chunks, picks)
+        if slots:
+            best = picks[0].result().argmax()
+            ids = np.concatenate([np.asarray(c.ids, np.int64) for c in chunks])
+            ids[slots] = best[rows]
+            starts = np.cumsum([0] + [len(c.ids) for c in chunks])
+            chunks = [Chunk(ids[a:b].tolist(), c.start, c.table) for c, a, b in zip(chunks, starts, starts[1:])]
         return Done(StepLogits(self.step(chunks)))
 
 

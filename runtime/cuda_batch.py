@@ -24,7 +24,7 @@ from ..codegen.kv_cache import graph_kv_bytes, layout_of
 from ..codegen.params import storage_of
 from ..dsl.paging import table_width
 from ..errors import FuselmError
-from .batch import Chunk, StepLogits, step_feeds
+from .batch import Chunk, StepLogits, fed_picks, step_feeds
 from .launch import arena_view
 from .prefill import BoundStep, step_buffers
 
@@ -61,6 +61,11 @@ class CudaBatchEngine:
             self.states[n] = cp.zeros((rows, lay.stride), cp.uint8) if lay.fp8 else cp.zeros((rows, lay.width), cp.uint16)
         self.arena = cp.empty(max(s.G.graph["arena_bytes"] for s in self.steps), cp.uint8)
         self.buffers = step_buffers(cp, self.steps)
+        T = self.sizes[-1]
+        self.last = cp.zeros(T, cp.int32)       # [chunks] the logits rows a step returns
+        self.slots = cp.zeros(T, cp.int32)      # [picks] the tokens fed a pick of the step before
+        self.rows = cp.zeros(T, cp.int32)       # [picks] ... and that step's rows they take
+        self._staging, self._turn = [_Staging(cp, T, self.table_width) for _ in range(2)], 0
         self._steps = {s.tokens: _Step(self, s) for s in self.steps}
         cp.cuda.Device().synchronize()      # the zero-filled counters before any launch
 
@@ -89,6 +94,13 @@ class CudaBatchEngine:
         """Bytes of one KV row over every layer, in caches of `kv`."""
         return graph_kv_bytes(graph, 1, kv)
 
+    def staging(self) -> _Staging:
+        """The pinned inputs for the next launch, once the copies of their last use have run."""
+        host = self._staging[self._turn]
+        self._turn ^= 1
+        host.copied.synchronize()
+        return host
+
     @property
     def step_tokens(self) -> int:
         """The most tokens one step takes."""
@@ -98,9 +110,11 @@ class CudaBatchEngine:
         """Feed `chunks` in one step; the logits [len(chunks), vocab] of each one's last token."""
         return self.launch(chunks).result().rows.get()
 
-    def launch(self, chunks: Sequence[Chunk]) -> "Queued":
+    def launch(self, chunks: Sequence[Chunk], picks=None) -> "Queued":
         """Queue step(chunks) on the engine's stream and return at once; its result() waits and
-        gives the rows as StepLogits, left on the GPU (greedy picks without copying them)."""
+        gives the rows as StepLogits, left on the GPU (greedy picks without copying them).
+        `picks` = (a Queued step before it, [(chunk, row of that step)]): those one-token chunks
+        are fed that step's greedy picks on the GPU (runtime/batch.py)."""
         tokens = sum(len(c.ids) for c in chunks)
         if not chunks or any(not c.ids for c in chunks):
             raise FuselmError("a batch step needs at least one chunk, each of at least one token")
@@ -113,19 +127,39 @@ class CudaBatchEngine:
         if feeds["pages"].min() < 0 or feeds["pages"].max() >= self.pages:   # one look at every table
             raise FuselmError(f"a page table names a page outside the pool of {self.pages}")
         step = self._steps[min(s for s in self.sizes if s >= tokens)]
-        return step.run(feeds, np.cumsum([len(c.ids) for c in chunks]) - 1)
+        slots, rows = fed_picks(chunks, picks)
+        fed = (picks[0].best, slots, rows) if slots else None
+        return step.run(feeds, np.cumsum([len(c.ids) for c in chunks]) - 1, fed)
+
+
+class _Staging:
+    """Pinned host arrays for one step's inputs, so that their copies queue behind the running
+    step instead of waiting for it (a copy from pageable memory may wait for the stream), and
+    the event after those copies: two take turns, each written again once its last copies ran."""
+
+    def __init__(self, cp, tokens: int, table_width: int):
+        import cupyx
+        self.ids = cupyx.empty_pinned(tokens, np.int32)
+        self.pos = cupyx.empty_pinned(tokens, np.int32)
+        self.pages = cupyx.empty_pinned((tokens, table_width), np.int32)
+        self.last = cupyx.empty_pinned(tokens, np.int32)
+        self.slots = cupyx.empty_pinned(tokens, np.int32)
+        self.rows = cupyx.empty_pinned(tokens, np.int32)
+        self.copied = cp.cuda.Event(disable_timing=True)
+        self.copied.record()
 
 
 class Queued:
-    """A batch step queued on the stream: result() waits for it."""
+    """A batch step queued on the stream: result() waits for it. `best`: its rows' argmax [chunks]
+    on the GPU, which a later step's picks read."""
 
-    def __init__(self, rows, done):
-        self._rows, self._done = rows, done    # the logits rows [chunks, vocab], the event after them
+    def __init__(self, rows, best, done):
+        self._rows, self.best, self._done = rows, best, done   # logits rows [chunks, vocab]; the event after
 
     def result(self) -> StepLogits:
         while not self._done.done:   # polled, sleeping between: the server's HTTP thread may take the GIL
             time.sleep(POLL_S)
-        return StepLogits(self._rows)
+        return StepLogits(self._rows, self.best)
 
 
 class _Step(BoundStep):
@@ -149,19 +183,33 @@ class _Step(BoundStep):
                 return self.batch.states[store]
         return super().buffer(value)
 
-    def run(self, feeds: dict[str, np.ndarray], last: np.ndarray) -> Queued:
+    def run(self, feeds: dict[str, np.ndarray], last: np.ndarray, fed=None) -> Queued:
         """Queue one step on `feeds` (fewer tokens than the step takes: padded onto the pad page),
-        then a copy of its logits rows `last` [len(last), vocab]."""
-        stream, n = self.engine.stream, len(feeds["ids"])
-        ids, pos = np.zeros(self.tokens, np.int32), np.zeros(self.tokens, np.int32)
-        pages = np.full((self.tokens, self.batch.table_width), self.batch.pages, np.int32)
+        then a copy of its logits rows `last` [len(last), vocab] and their argmax. `fed` =
+        (best, slots, rows): token slots whose ids are best[rows], the argmax of a step before
+        on the same stream. Nothing here waits for the GPU."""
+        batch, cp, stream = self.batch, self.batch.cp, self.engine.stream
+        T, n, m = self.tokens, len(feeds["ids"]), len(last)
+        host = batch.staging()
+        ids, pos, pages = host.ids[:T], host.pos[:T], host.pages[:T]
+        ids[n:], pos[n:], pages[n:] = 0, 0, batch.pages            # padding: the pad page
         ids[:n], pos[:n], pages[:n] = feeds["ids"], feeds["pos"], feeds["pages"]
+        host.last[:m] = last
         with stream:
-            for device, host in ((self.ids, ids), (self.pos, pos), (self.pages, pages)):
-                device.set(host, stream=stream)
+            for device, values in ((self.ids, ids), (self.pos, pos), (self.pages, pages), (batch.last[:m], host.last[:m])):
+                device.set(values, stream=stream)
+            if fed:
+                best, slots, rows = fed
+                k = len(slots)
+                host.slots[:k], host.rows[:k] = slots, rows
+                batch.slots[:k].set(host.slots[:k], stream=stream)
+                batch.rows[:k].set(host.rows[:k], stream=stream)
+                self.ids[batch.slots[:k]] = best[batch.rows[:k]]
+            host.copied.record(stream)
             self.capture()            # where the engine uses graphs and this step has none yet
             self.replay()
-            rows = self.logits[self.batch.cp.asarray(last)]    # a copy: the next step reuses the arena
-            done = self.batch.cp.cuda.Event(disable_timing=True)
+            rows = self.logits[batch.last[:m]]    # a copy: the next step reuses the arena
+            best = cp.argmax(rows, axis=1)
+            done = cp.cuda.Event(disable_timing=True)
             done.record(stream)
-        return Queued(rows, done)
+        return Queued(rows, best, done)

@@ -13,6 +13,12 @@ Each step:
    (appended to its ids at once, so the next step can be planned and queued before their text
    is streamed) and end a sequence at a stop token; a stop string or the token limit ends it
    when its text is streamed, and the step queued for it meanwhile is wasted.
+4. plan ahead: while a step runs, the step after it is planned and queued before its picks are
+   known, wherever every sequence it picks for is greedy (argmax, no grammar, no logprobs):
+   those picks go from the running step's logits straight into the next step's ids on the
+   engine, so the engine never waits for the host between steps. A sequence that needs its
+   pick on the host (sampling, a grammar, logprobs) or a page that is not free makes the
+   worker wait for the step instead, as in 3.
 
 A sequence that needs a page when none is left preempts the sequence admitted last: its pages go
 back and it waits at the head of the queue to be prefilled again (its published pages usually
@@ -56,7 +62,9 @@ class Sequence_:
     index: int = 0                           # which of its job's choices
     lead: "Sequence_ | None" = None          # a later choice: its job's first, whose prompt pages it takes
     table: list[int] = field(default_factory=list)
-    fed: int = 0
+    fed: int = 0                             # tokens whose rows are in the cache (steps collected)
+    queued: int = 0                          # tokens in steps queued and not yet collected
+    awaiting: tuple | None = None            # (step, row): the queued step that picks its next token
     reused: int | None = None                # prompt tokens found in the pool when first placed
     ended: bool = False                      # its last event is sent (a step may still hold it)
     logprobs: list = field(default_factory=list)   # TokenLogprobs of tokens whose text is not sent yet
@@ -72,6 +80,12 @@ class Sequence_:
     @property
     def decoding(self) -> bool:
         return self.fed >= self.prompt_tokens
+
+    @property
+    def picks_on_device(self) -> bool:
+        """Whether its next token is its logits row's argmax as the engine computes it (greedy,
+        no grammar, no logprobs), so a step may be fed that pick without the host seeing it."""
+        return self.sampler.argmax_only and self.constraint is None and self.ticket.job.logprobs is None
 
 
 def batches(model) -> bool:
@@ -176,26 +190,31 @@ class BatchScheduler(Scheduler):
 
     # ---- the worker ----
     def _work(self) -> None:
-        launched = None    # the step on the engine: (its handle, its planned sequences, launch time)
+        queued = deque()    # steps on the engine, oldest first: (handle, planned sequences, launch time)
         while True:
             with self._wake:
-                while not (launched or self._waiting or self._sequences() or self._closing):
+                while not (queued or self._waiting or self._sequences() or self._closing):
                     self._wake.wait()
                 if self._closing:
                     break
             self._leave_cancelled()
-            picked = self._collect(*launched) if launched else []
-            self._admit()
-            chunks, planned = self._plan()
-            launched = self._launch(chunks, planned) if chunks else None
+            if len(queued) == 1:      # the next step before this one's picks are known (docstring, 4)
+                self._admit()
+                if (plan := self._plan(ahead=queued[0][0])) and (step := self._launch(*plan)):
+                    queued.append(step)
+            picked = self._collect(*queued.popleft()) if queued else []
+            if not queued:
+                self._admit()
+                if (plan := self._plan()) and (step := self._launch(*plan)):
+                    queued.append(step)
             self._stream(picked)      # the text of the tokens just picked, while the next step runs
-            if not (launched or picked):   # nothing can run now (no pages): wait for a job to come or leave
+            if not (queued or picked):   # nothing can run now (no pages): wait for a job to come or leave
                 with self._wake:
                     self._wake.wait(timeout=0.05)
             self.metrics.running.set(len(self._active))
             self.metrics.kv_pages.set(self.pool.held)
-        if launched:
-            launched[0].result()      # let it finish before its sequences' pages go
+        for handle, _, _ in queued:
+            handle.result()           # let them finish before their sequences' pages go
         for seq in self._sequences():
             self._end(seq, "cancelled", CANCELLED)
 
@@ -262,32 +281,56 @@ class BatchScheduler(Scheduler):
             seq.reused = seq.fed
         return True
 
-    def _plan(self) -> tuple[list[Chunk], list[tuple[Sequence_, int]]]:
-        """This step's chunks and, for each, its sequence and token count (docstring, 2)."""
-        budget, planned = self.step_tokens, []
+    def _plan(self, ahead=None):
+        """This step's (chunks, [(sequence, tokens)] for each, device picks) (docstring, 2), or
+        None when there is nothing to feed. With `ahead`, the handle of the step on the engine,
+        the step after it (docstring, 4): a sequence whose next token that step picks is fed a
+        placeholder that the engine replaces by the pick (device picks: (ahead, [(chunk, row of
+        that step)])); None when such a sequence needs its pick on the host or a sequence a page
+        that is not free (nothing is preempted while a step runs)."""
+        budget, planned, picks = self.step_tokens, [], []
         for seq in [s for s in self._active if s.decoding] + [s for s in self._active if not s.decoding]:
             if budget == 0:
                 break
             if seq not in self._active:             # preempted while planning this step
                 continue
-            n = min(seq.pending, budget)
-            if n == 0:                              # its last token is picked: nothing more to feed
+            start = seq.fed + seq.queued
+            if seq.awaiting:                        # (only ahead) the running step picks its next token
+                if not seq.picks_on_device:
+                    return None
+                if seq.stats.generated_tokens + 1 >= seq.ticket.job.max_tokens:
+                    continue                        # that pick is its last
+                n = 1
+            else:
+                n = min(len(seq.ids) - start, budget)
+                if n == 0:                          # its last token is picked: nothing more to feed
+                    continue
+            if not self._room_for(seq, start + n, preempt=ahead is None):
+                if ahead is not None:
+                    return None
                 continue
-            if not self._room_for(seq, seq.fed + n):
-                continue
+            if seq.awaiting:
+                picks.append((len(planned), seq.awaiting[1]))
             planned.append((seq, n))
             budget -= n
-        planned = [(s, n) for s, n in planned if s in self._active]
-        return [Chunk(s.ids[s.fed:s.fed + n], s.fed, s.table) for s, n in planned], planned
+        planned = [(s, n) for s, n in planned if s in self._active]    # (picks: none is preempted ahead)
+        if not planned:
+            return None
+        chunks = [Chunk([0] if s.awaiting else s.ids[s.fed + s.queued: s.fed + s.queued + n], s.fed + s.queued, s.table)
+                  for s, n in planned]
+        return chunks, planned, (ahead, picks) if picks else None
 
-    def _room_for(self, seq: Sequence_, rows: int) -> bool:
+    def _room_for(self, seq: Sequence_, rows: int, preempt: bool = True) -> bool:
         """Pages for `rows` rows of `seq`, preempting the sequences admitted after it (last
-        first) while none is free; False when `seq` itself had to go."""
+        first) while none is free (unless not `preempt`); False when `seq` itself had to go or
+        no page was free to take."""
         while len(seq.table) < self.pool.pages_for(rows):
             page = self.pool.allocate(1)
             if page is not None:
                 seq.table += page
                 continue
+            if not preempt:
+                return False
             victim = self._active[-1]
             self._preempt(victim)
             if victim is seq:
@@ -297,19 +340,24 @@ class BatchScheduler(Scheduler):
     def _preempt(self, seq: Sequence_) -> None:
         self._active.remove(seq)
         self.pool.release(seq.table)
-        seq.table, seq.fed = [], 0
+        seq.table, seq.fed, seq.queued, seq.awaiting = [], 0, 0, None
         self._preempted.appendleft(seq)
         self.metrics.preemptions.inc()
         log.info("preempted a sequence of %d tokens: the KV pool is full", len(seq.ids))
 
-    def _launch(self, chunks: list[Chunk], planned: list[tuple[Sequence_, int]]):
-        """Queue one step on the engine (docstring, 3): (its handle, `planned`, the time), or None
-        when it failed (its jobs fail)."""
+    def _launch(self, chunks: list[Chunk], planned: list[tuple[Sequence_, int]], picks=None):
+        """Queue one step on the engine (docstring, 3), `picks` fed from the step before it on the
+        engine: (its handle, `planned`, the time), or None when it failed (its jobs fail)."""
         try:
-            return self.engine.launch(chunks), planned, time.perf_counter()
+            handle = self.engine.launch(chunks, picks)
         except Exception:   # a bug: keep the worker alive, tell the clients little
             self._fail_step(planned)
             return None
+        for k, (seq, n) in enumerate(planned):
+            seq.queued += n
+            if seq.fed + seq.queued >= len(seq.ids):   # its known tokens all fed: this step picks the next
+                seq.awaiting = (handle, k)
+        return handle, planned, time.perf_counter()
 
     def _fail_step(self, planned) -> None:
         log.exception("batch step failed")
@@ -331,7 +379,9 @@ class BatchScheduler(Scheduler):
         for k, (seq, n) in enumerate(planned):
             if seq.ended:
                 continue
-            seq.fed += n
+            seq.fed, seq.queued = seq.fed + n, seq.queued - n
+            if seq.awaiting and seq.awaiting[0] is handle:
+                seq.awaiting = None
             if seq.decoding and seq.first_token_at is not None:
                 seq.stats.decode_steps += 1
                 seq.stats.decode_s += elapsed

@@ -91,6 +91,21 @@ def test_a_batch_step_refuses_what_does_not_fit():
         engine.step([Chunk([], 0, [0])])
 
 
+def test_a_step_fed_the_picks_of_the_step_before_equals_one_fed_them_by_hand():
+    """launch(chunks, picks): one-token chunks take the argmax rows of the step before (what the
+    server's planning ahead relies on); a chunk of more tokens cannot take a pick."""
+    graph, weights = tiny_llama()
+    by_hand, ahead = (CpuBatchEngine(graph, weights, pages=8, page=4, max_context=24) for _ in range(2))
+    first = [Chunk([5, 6, 7], 0, [0, 1]), Chunk([9, 3], 0, [2])]
+    picks = by_hand.launch(first).result().argmax()
+    want = by_hand.launch([Chunk([int(picks[1])], 2, [2]), Chunk([int(picks[0])], 3, [0, 1])]).result().rows
+    before = ahead.launch(first)
+    got = ahead.launch([Chunk([0], 2, [2]), Chunk([0], 3, [0, 1])], (before, [(0, 1), (1, 0)])).result().rows
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(FuselmError, match="must be one token"):
+        ahead.launch([Chunk([0, 0], 4, [0, 1, 2])], (before, [(0, 0)]))
+
+
 def test_the_pool_shares_published_prefixes_and_returns_every_page():
     pool = PagePool(pages=6, page=4)
     a = list(range(10))                       # two full pages and a part

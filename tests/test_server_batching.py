@@ -56,6 +56,29 @@ def test_concurrent_requests_each_get_their_own_answer(small_model):
         assert metric(url, "fuselm_kv_pages_used") == 0 and metric(url, "fuselm_requests_running") == 0
 
 
+def test_greedy_steps_are_queued_ahead_on_the_engines_own_picks(small_model):
+    """With greedy requests only, steps are planned before the running step's picks are back
+    (their tokens fed from its argmax on the engine) and every answer is still the alone one;
+    a sampled request among them is never fed that way."""
+    requests = [(p, 10, {}) for p in PROMPTS[:4]]
+    app = create_app(small_model, max_seqs=4)
+    engine = app.state.scheduler.engine
+    launches, real = [], engine.launch
+
+    def launch(chunks, picks=None):
+        launches.append(len(picks[1]) if picks else 0)
+        return real(chunks, picks)
+    engine.launch = launch
+    with serving(app) as url:
+        alone, together = answers_alone_then_together(url, requests)
+        assert together == alone
+        ahead = sum(launches)
+        assert ahead >= 4 * 5, launches          # most decode tokens of the concurrent answers
+        launches.clear()
+        sampled = complete(url, PROMPTS[0], 8, temperature=0.8, seed=1)["choices"][0]["text"]
+        assert sum(launches) == 0 and sampled == complete(url, PROMPTS[0], 8, temperature=0.8, seed=1)["choices"][0]["text"]
+
+
 def test_a_full_pool_preempts_and_every_answer_is_still_its_own(small_model):
     """6 pages of 16 rows: three sequences of up to 46 tokens cannot all stay in the pool."""
     requests = [(p, 40, {}) for p in PROMPTS[:3]]

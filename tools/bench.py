@@ -107,8 +107,8 @@ def batch_rates(engine, batches: tuple[int, ...], tokens: int, vocab: int, promp
                 profile: bool = False) -> dict:
     """Decode throughput of continuous batching (runtime/cuda_batch.py) beside `engine`: for each
     B of `batches`, B sequences of `prompt` random tokens prefilled together, then `tokens` steps
-    of one token of each (ids given), timed as the server runs a step of greedy picks: each row's
-    argmax on the GPU and copied back. {"B": {"tok_s", "step_ms"}}, and the page rows, under "pages";
+    of one token of each, timed as the server runs greedy steps: each queued before the step
+    before it is done, fed that step's argmax on the GPU, whose ids come back meanwhile. {"B": {"tok_s", "step_ms"}}, and the page rows, under "pages";
     with `profile`, each B's step timed per kernel function too ("profile", as prefill_profile)."""
     from ..runtime.batch import Chunk
     from ..runtime.cuda_batch import CudaBatchEngine
@@ -130,13 +130,19 @@ def batch_rates(engine, batches: tuple[int, ...], tokens: int, vocab: int, promp
         per_step = max(1, batch.step_tokens // prompt)
         for i in range(0, b, per_step):
             batch.step(chunks[i:i + per_step])
-        ids = rng.integers(0, vocab, (tokens + 2, b))
-        def step(k):   # as the server runs a step of greedy picks: the argmax on the GPU, ids copied back
-            return batch.launch([Chunk([int(ids[k, i])], prompt + k, tables[i]) for i in range(b)]).result().argmax()
-        step(0)                                                     # warm-up (and the step's graph capture)
+        first = rng.integers(0, vocab, b)
+
+        def steps(start, count, before=None):   # each fed the picks of the one before (server/batcher.py, 4)
+            for k in range(start, start + count):
+                picks = (before, [(i, i) for i in range(b)]) if before else None
+                queued = batch.launch([Chunk([int(first[i])], prompt + k, tables[i]) for i in range(b)], picks)
+                if before:
+                    before.result().argmax()    # the host takes the picks while the next step runs
+                before = queued
+            return before
+        steps(0, 1).result().argmax()           # warm-up (and the step's graph capture)
         t0 = time.perf_counter()
-        for k in range(1, tokens + 1):
-            step(k)
+        steps(1, tokens).result().argmax()
         elapsed = time.perf_counter() - t0
         out[str(b)] = {"tok_s": round(b * tokens / elapsed, 1), "step_ms": round(elapsed / tokens * 1e3, 3)}
         if profile:   # the last step's inputs are in place
