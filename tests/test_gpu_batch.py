@@ -119,3 +119,32 @@ def test_a_batch_step_refuses_a_page_outside_the_pool_and_too_many_tokens():
         batch.step([Chunk(list(range(33)), 0, [0, 1, 2, 3])])
     with pytest.raises(FuselmError, match="cannot hold one sequence"):
         CudaBatchEngine(engine, pages=1, sizes=(32,))
+
+
+def test_steps_fed_the_picks_of_the_step_before_on_the_gpu_equal_steps_fed_them_by_hand():
+    """launch(chunks, picks), as the server queues greedy steps ahead: one-token chunks take the
+    step before's argmax rows on the GPU, queued before that step is done, twice in a row (so the
+    two pinned input buffers take turns), and give the logits of the same steps fed by hand."""
+    from fuselm.runtime.cuda_batch import CudaBatchEngine
+    rng = np.random.default_rng()
+    graph = build_graph(DecoderConfig.from_hf(TINY))
+    engine = engine_for(graph, random_weights(graph, rng), ctx=CTX, batched_prefill=False)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (7, 12, 3)]
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    first = [Chunk(p, 0, t) for p, t in zip(prompts, tables)]
+    by_hand, ahead = CudaBatchEngine(engine, pages=10, sizes=(32,)), CudaBatchEngine(engine, pages=10, sizes=(32,))
+    want, ids = [], np.array(by_hand.launch(first).result().argmax())
+    for k in range(3):   # each step: the three sequences' next tokens
+        rows = by_hand.launch([Chunk([int(ids[i])], len(p) + k, t) for i, (p, t) in enumerate(zip(prompts, tables))])
+        logits = rows.result()
+        want.append(logits.rows.get())
+        ids = logits.argmax()
+    before = ahead.launch(first)
+    queued = []
+    for k in range(3):
+        before = ahead.launch([Chunk([0], len(p) + k, t) for p, t in zip(prompts, tables)],
+                              (before, [(0, 0), (1, 1), (2, 2)]))
+        queued.append(before)
+    got = [q.result().rows.get() for q in queued]
+    for k in range(3):
+        np.testing.assert_array_equal(got[k], want[k], err_msg=f"step {k}")
