@@ -8,9 +8,11 @@ hands out. The step returns the logits of each chunk's last token.
 `CpuBatchEngine` runs it on the numpy reference executor, sharing a CpuEngine's weights;
 runtime/cuda_batch.py's CudaBatchEngine runs it on the compiler's kernels.
 
+Each chunk's row is picked where the logits are: its argmax, or where `draws` gives the chunk
+a runtime/sampling.Draw, what its Sampler would draw (sample_rows); only the ids come back.
 A step may take some of its chunks' tokens from the step queued before it (`picks`): a chunk of
-one placeholder token is fed that step's greedy pick of one of its rows, on the engine, so the
-host can queue the next step before the picks of the running one are back (server/batcher.py).
+one placeholder token is fed that step's pick of one of its rows, on the engine, so the host
+can queue the next step before the picks of the running one are back (server/batcher.py).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import numpy as np
 from ..dsl.paging import paged, table_width
 from ..errors import FuselmError
 from .reference import new_state, run_graph
+from .sampling import Draw, sample_rows
 
 
 @dataclass(frozen=True)
@@ -61,10 +64,29 @@ def fed_picks(chunks: Sequence[Chunk], picks) -> tuple[list[int], list[int]]:
     return [int(starts[c]) for c, _ in picks[1]], [row for _, row in picks[1]]
 
 
+def sampled_rows(draws: Sequence[Draw | None] | None) -> tuple[list[int], list[Draw]]:
+    """The rows that `draws` samples, and their draws."""
+    rows = [i for i, d in enumerate(draws or ()) if d is not None]
+    return rows, [draws[i] for i in rows]
+
+
+def row_picks(rows, draws: Sequence[Draw | None] | None, params=None, index=None):
+    """Each row's pick [chunks] (where `rows` [chunks, vocab] is): its argmax, or its draw's pick
+    (runtime/sampling.sample_rows) where `draws` has one; `params` and `index` (the sampled rows)
+    where the rows are already, else copied there."""
+    xp = np if isinstance(rows, np.ndarray) else __import__("cupy")
+    best = xp.argmax(rows, axis=1)
+    sampled, chosen = sampled_rows(draws)
+    if sampled:
+        index = xp.asarray(np.asarray(sampled)) if index is None else index
+        best[index] = sample_rows(rows[index], chosen, params)
+    return best
+
+
 class StepLogits:
     """The logits rows [chunks, vocab] of one batch step where the engine left them (a numpy or a
-    CuPy array): every row's finiteness and argmax at once, a whole row copied only on demand.
-    `best`: the rows' argmax where the engine computed it already (the picks it feeds on)."""
+    CuPy array): every row's finiteness and pick at once, a whole row copied only on demand.
+    `best`: the rows' picks where the engine made them already (the picks it feeds on)."""
 
     def __init__(self, rows, best=None):
         self.rows, self.best = rows, best
@@ -78,8 +100,8 @@ class StepLogits:
         """[chunks] bool: whether each row holds no NaN or inf."""
         return self._host(self._xp.isfinite(self.rows).all(axis=1))
 
-    def argmax(self) -> np.ndarray:
-        """[chunks] int: each row's greedy pick."""
+    def picks(self) -> np.ndarray:
+        """[chunks] int: each row's pick (its argmax where the step was given no draw for it)."""
         return self._host(self._xp.argmax(self.rows, axis=1) if self.best is None else self.best)
 
     def row(self, i: int) -> np.ndarray:
@@ -138,18 +160,19 @@ class CpuBatchEngine:
     def warm_up(self) -> None:
         """Nothing to prepare on the CPU (the CUDA engine's captures its graphs)."""
 
-    def launch(self, chunks: Sequence[Chunk], picks=None) -> "Done":
+    def launch(self, chunks: Sequence[Chunk], picks=None, draws=None) -> "Done":
         """step() as the batch scheduler calls it (the CUDA engine's runs while it waits), with
-        `picks` fed from the step before (module docstring): here at once, its rows as
-        StepLogits."""
+        `picks` fed from the step before and rows picked by `draws` (module docstring): here at
+        once, its rows as StepLogits."""
         slots, rows = fed_picks(chunks, picks)
         if slots:
-            best = picks[0].result().argmax()
+            best = picks[0].result().picks()
             ids = np.concatenate([np.asarray(c.ids, np.int64) for c in chunks])
             ids[slots] = best[rows]
             starts = np.cumsum([0] + [len(c.ids) for c in chunks])
             chunks = [Chunk(ids[a:b].tolist(), c.start, c.table) for c, a, b in zip(chunks, starts, starts[1:])]
-        return Done(StepLogits(self.step(chunks)))
+        logits = self.step(chunks)
+        return Done(StepLogits(logits, row_picks(logits, draws)))
 
 
 class Done:

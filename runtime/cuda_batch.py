@@ -24,7 +24,8 @@ from ..codegen.kv_cache import graph_kv_bytes, layout_of
 from ..codegen.params import storage_of
 from ..dsl.paging import table_width
 from ..errors import FuselmError
-from .batch import Chunk, StepLogits, fed_picks, step_feeds
+from .batch import Chunk, StepLogits, fed_picks, row_picks, sampled_rows, step_feeds
+from .sampling import ROW_PARAMS, row_params
 from .launch import arena_view
 from .prefill import BoundStep, step_buffers
 
@@ -65,6 +66,8 @@ class CudaBatchEngine:
         self.last = cp.zeros(T, cp.int32)       # [chunks] the logits rows a step returns
         self.slots = cp.zeros(T, cp.int32)      # [picks] the tokens fed a pick of the step before
         self.rows = cp.zeros(T, cp.int32)       # [picks] ... and that step's rows they take
+        self.sampled = cp.zeros(T, cp.int32)    # [draws] the rows picked by a draw
+        self.draw_params = cp.zeros(len(ROW_PARAMS) * T, cp.float64)   # [ROW_PARAMS, draws] their numbers
         self._staging, self._turn = [_Staging(cp, T, self.table_width) for _ in range(2)], 0
         self._steps = {s.tokens: _Step(self, s) for s in self.steps}
         cp.cuda.Device().synchronize()      # the zero-filled counters before any launch
@@ -87,7 +90,7 @@ class CudaBatchEngine:
         written, which any sequence given page 0 writes again before reading it."""
         for size in self.sizes:
             logits = self._steps[size].run(step_feeds([Chunk([0], 0, [0])], self.table_width), np.array([0])).result()
-            logits.finite(), logits.argmax(), logits.row(0)
+            logits.finite(), logits.picks(), logits.row(0)
 
     @staticmethod
     def row_bytes(graph, kv: str = "bf16") -> int:
@@ -110,11 +113,12 @@ class CudaBatchEngine:
         """Feed `chunks` in one step; the logits [len(chunks), vocab] of each one's last token."""
         return self.launch(chunks).result().rows.get()
 
-    def launch(self, chunks: Sequence[Chunk], picks=None) -> "Queued":
+    def launch(self, chunks: Sequence[Chunk], picks=None, draws=None) -> "Queued":
         """Queue step(chunks) on the engine's stream and return at once; its result() waits and
-        gives the rows as StepLogits, left on the GPU (greedy picks without copying them).
+        gives the rows as StepLogits, left on the GPU, each row picked there (its argmax, or by
+        its Draw in `draws`, one per chunk or None) so that only the ids come back.
         `picks` = (a Queued step before it, [(chunk, row of that step)]): those one-token chunks
-        are fed that step's greedy picks on the GPU (runtime/batch.py)."""
+        are fed that step's picks on the GPU (runtime/batch.py)."""
         tokens = sum(len(c.ids) for c in chunks)
         if not chunks or any(not c.ids for c in chunks):
             raise FuselmError("a batch step needs at least one chunk, each of at least one token")
@@ -129,7 +133,7 @@ class CudaBatchEngine:
         step = self._steps[min(s for s in self.sizes if s >= tokens)]
         slots, rows = fed_picks(chunks, picks)
         fed = (picks[0].best, slots, rows) if slots else None
-        return step.run(feeds, np.cumsum([len(c.ids) for c in chunks]) - 1, fed)
+        return step.run(feeds, np.cumsum([len(c.ids) for c in chunks]) - 1, fed, draws)
 
 
 class _Staging:
@@ -145,6 +149,8 @@ class _Staging:
         self.last = cupyx.empty_pinned(tokens, np.int32)
         self.slots = cupyx.empty_pinned(tokens, np.int32)
         self.rows = cupyx.empty_pinned(tokens, np.int32)
+        self.sampled = cupyx.empty_pinned(tokens, np.int32)
+        self.draw_params = cupyx.empty_pinned(len(ROW_PARAMS) * tokens, np.float64)
         self.copied = cp.cuda.Event(disable_timing=True)
         self.copied.record()
 
@@ -183,11 +189,12 @@ class _Step(BoundStep):
                 return self.batch.states[store]
         return super().buffer(value)
 
-    def run(self, feeds: dict[str, np.ndarray], last: np.ndarray, fed=None) -> Queued:
+    def run(self, feeds: dict[str, np.ndarray], last: np.ndarray, fed=None, draws=None) -> Queued:
         """Queue one step on `feeds` (fewer tokens than the step takes: padded onto the pad page),
-        then a copy of its logits rows `last` [len(last), vocab] and their argmax. `fed` =
-        (best, slots, rows): token slots whose ids are best[rows], the argmax of a step before
-        on the same stream. Nothing here waits for the GPU."""
+        then a copy of its logits rows `last` [len(last), vocab] and their picks (by `draws`,
+        runtime/batch.row_picks). `fed` = (best, slots, rows): token slots whose ids are
+        best[rows], the picks of a step before on the same stream. Nothing here waits for the
+        GPU (but the copies of penalties, which the server sends only with no step queued)."""
         batch, cp, stream = self.batch, self.batch.cp, self.engine.stream
         T, n, m = self.tokens, len(feeds["ids"]), len(last)
         host = batch.staging()
@@ -205,11 +212,21 @@ class _Step(BoundStep):
                 batch.slots[:k].set(host.slots[:k], stream=stream)
                 batch.rows[:k].set(host.rows[:k], stream=stream)
                 self.ids[batch.slots[:k]] = best[batch.rows[:k]]
+            sampled, chosen = sampled_rows(draws)
+            params = index = None
+            if sampled:
+                d = len(sampled)
+                host.sampled[:d] = sampled
+                host.draw_params[:len(ROW_PARAMS) * d] = row_params(chosen).reshape(-1)
+                index, params = batch.sampled[:d], batch.draw_params[:len(ROW_PARAMS) * d]
+                index.set(host.sampled[:d], stream=stream)
+                params.set(host.draw_params[:len(ROW_PARAMS) * d], stream=stream)
+                params = params.reshape(len(ROW_PARAMS), d)
             host.copied.record(stream)
             self.capture()            # where the engine uses graphs and this step has none yet
             self.replay()
             rows = self.logits[batch.last[:m]]    # a copy: the next step reuses the arena
-            best = cp.argmax(rows, axis=1)
+            best = row_picks(rows, draws, params, index)
             done = cp.cuda.Event(disable_timing=True)
             done.record(stream)
         return Queued(rows, best, done)

@@ -1,13 +1,19 @@
-"""Choosing the next token from a logits vector on the CPU.
+"""Choosing the next token from logits: one vector on the host (Sampler), or many rows where the
+engine left them (sample_rows, numpy or cupy, for batch steps).
 
 The filters run in Hugging Face's order: repetition penalty, temperature, top-k, top-p, min-p;
 then one draw from the seeded generator. OpenAI's presence and frequency penalties come first and
 count only the ids this sampler has produced (the answer, not the prompt), as vLLM counts them.
 An `allowed` mask (structured output) leaves only its ids. Greedy decoding (temperature 0 or top_k 1) still applies
 the repetition penalty, as `transformers` does.
+
+sample_rows does the same arithmetic row by row, in float64, with the uniform number each row's
+Sampler drew (Sampler.draw), so a batch step's picks are the ones Sampler would make from the
+same logits, without copying the rows to the host.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
@@ -42,6 +48,18 @@ class Sampler:
         token = self._pick(x)
         self.counts[token] = self.counts.get(token, 0) + 1
         return token
+
+    def draw(self, history: Iterable[int] = ()) -> "Draw":
+        """What its next pick needs where the logits are (sample_rows): the uniform number that
+        __call__ would draw now, and the ids its penalties see. record() the pick after."""
+        p = self.params
+        u = 0.0 if p.greedy else float(self.rng.random())
+        seen = np.unique(np.fromiter(history, np.int64)) if p.repetition_penalty != 1.0 else np.zeros(0, np.int64)
+        return Draw(p, u, seen, dict(self.counts) if p.penalizes_answer else {})
+
+    def record(self, token: int) -> None:
+        """A pick made from a draw() (the answer's counts, as __call__ keeps them)."""
+        self.counts[token] = self.counts.get(token, 0) + 1
 
     @property
     def argmax_only(self) -> bool:
@@ -109,3 +127,74 @@ def filtered_probs(logits: np.ndarray, top_k: int = 0, top_p: float = 1.0,
 def _softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - np.max(x))
     return e / e.sum()
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One row's pick for sample_rows: its sampler's params, the uniform number in [0, 1) of its
+    draw, the distinct ids the repetition penalty sees and the answer's counts (presence and
+    frequency penalties)."""
+    params: SamplingParams
+    u: float
+    seen: np.ndarray
+    counts: dict
+
+
+ROW_PARAMS = ("temperature", "top_k", "top_p", "min_p", "u", "greedy")
+
+
+def row_params(draws: list[Draw]) -> np.ndarray:
+    """float64 [len(ROW_PARAMS), rows]: each row's numbers for sample_rows (temperature 1 where
+    greedy), which an engine may move to where the logits are ahead of them."""
+    out = np.zeros((len(ROW_PARAMS), len(draws)))
+    for r, d in enumerate(draws):
+        p = d.params
+        out[:, r] = 1.0 if p.greedy else p.temperature, p.top_k, p.top_p, p.min_p, d.u, p.greedy
+    return out
+
+
+def sample_rows(logits, draws: list[Draw], params=None):
+    """The picks [rows] (int64, where `logits` [rows, vocab] is: numpy or cupy) that Sampler
+    would make from each row with its draw, every filter applied to all rows at once in float64.
+    `params`: row_params(draws) already where the logits are (else they are copied there)."""
+    xp = np if isinstance(logits, np.ndarray) else __import__("cupy")
+    m, V = logits.shape
+    temperature, top_k, top_p, min_p, u, greedy = xp.asarray(row_params(draws) if params is None else params)
+    x = logits.astype(xp.float64)
+    answer = [(r, t, c) for r, d in enumerate(draws) if d.params.penalizes_answer for t, c in d.counts.items()]
+    if answer:   # (penalties come only where nothing is queued behind: these copies may wait for it)
+        r, t, c = (np.asarray(v) for v in zip(*answer))
+        pres = np.array([d.params.presence_penalty for d in draws])[r]
+        freq = np.array([d.params.frequency_penalty for d in draws])[r]
+        x[xp.asarray(r), xp.asarray(t)] -= xp.asarray(pres + freq * c)
+    seen = [(r, t) for r, d in enumerate(draws) if d.params.repetition_penalty != 1.0 for t in d.seen]
+    if seen:
+        r, t = (np.asarray(v) for v in zip(*seen))
+        rp = xp.asarray(np.array([d.params.repetition_penalty for d in draws])[r])
+        r, t = xp.asarray(r), xp.asarray(t)
+        v = x[r, t]
+        x[r, t] = xp.where(v > 0, v / rp, v * rp)
+    best = xp.argmax(x, axis=1)
+    if all(d.params.greedy for d in draws):
+        return best
+    x = x / temperature[:, None]
+    order = xp.argsort(-x, axis=1, kind="stable") if xp is np else xp.argsort(-x, axis=1)   # cupy's sort is stable
+    rank = xp.empty_like(order)
+    rank[xp.arange(m)[:, None], order] = xp.arange(V)[None, :]      # each id's place in its row's order
+    k = xp.where((top_k > 0) & (top_k < V), top_k, V)
+    probs = _row_softmax(xp, xp.where(rank < k[:, None], x, -xp.inf))
+    if any(d.params.top_p < 1.0 for d in draws):   # the smallest prefix of the order reaching top_p, at least one id
+        cum = xp.cumsum(xp.take_along_axis(probs, order, axis=1), axis=1)
+        n = xp.minimum((cum < top_p[:, None]).sum(axis=1) + 1, V)
+        probs = xp.where((rank < n[:, None]) | (top_p[:, None] >= 1.0), probs, 0.0)
+    if any(d.params.min_p > 0.0 for d in draws):
+        probs = xp.where(probs >= min_p[:, None] * probs.max(axis=1, keepdims=True), probs, 0.0)
+    probs = probs / probs.sum(axis=1, keepdims=True)
+    cdf = xp.cumsum(probs, axis=1)
+    picked = xp.minimum((cdf <= u[:, None] * cdf[:, -1:]).sum(axis=1), V - 1)   # searchsorted(cdf, target, "right")
+    return xp.where(greedy > 0, best, picked)
+
+
+def _row_softmax(xp, x):
+    e = xp.exp(x - x.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)

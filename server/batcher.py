@@ -14,10 +14,11 @@ Each step:
    is streamed) and end a sequence at a stop token; a stop string or the token limit ends it
    when its text is streamed, and the step queued for it meanwhile is wasted.
 4. plan ahead: while a step runs, the step after it is planned and queued before its picks are
-   known, wherever every sequence it picks for is greedy (argmax, no grammar, no logprobs):
+   known, wherever the engine makes every pick that step makes (its argmax, or a draw of the
+   sequence's sampler, runtime/sampling.py) and no penalty needs the pick in its history:
    those picks go from the running step's logits straight into the next step's ids on the
    engine, so the engine never waits for the host between steps. A sequence that needs its
-   pick on the host (sampling, a grammar, logprobs) or a page that is not free makes the
+   pick on the host (a grammar, logprobs), a penalty, or a page that is not free makes the
    worker wait for the step instead, as in 3.
 
 A sequence that needs a page when none is left preempts the sequence admitted last: its pages go
@@ -82,10 +83,21 @@ class Sequence_:
         return self.fed >= self.prompt_tokens
 
     @property
-    def picks_on_device(self) -> bool:
-        """Whether its next token is its logits row's argmax as the engine computes it (greedy,
-        no grammar, no logprobs), so a step may be fed that pick without the host seeing it."""
-        return self.sampler.argmax_only and self.constraint is None and self.ticket.job.logprobs is None
+    def picked_by_engine(self) -> bool:
+        """Whether the engine picks its tokens where the logits are (its argmax, or a draw of its
+        sampler: runtime/sampling.sample_rows): all but a grammar's and logprobs' requests."""
+        return self.constraint is None and self.ticket.job.logprobs is None
+
+    @property
+    def picks_ahead(self) -> bool:
+        """Whether a step may be fed its next pick before the host sees it (docstring, 4): picked
+        by the engine, and no penalty, which would need that pick in its history."""
+        p = self.sampler.params
+        return self.picked_by_engine and p.repetition_penalty == 1.0 and not p.penalizes_answer
+
+    def draw(self):
+        """What the engine needs to pick its next token (None: the argmax)."""
+        return None if self.sampler.argmax_only else self.sampler.draw(self.ids)
 
 
 def batches(model) -> bool:
@@ -296,7 +308,7 @@ class BatchScheduler(Scheduler):
                 continue
             start = seq.fed + seq.queued
             if seq.awaiting:                        # (only ahead) the running step picks its next token
-                if not seq.picks_on_device:
+                if not seq.picks_ahead:
                     return None
                 if seq.stats.generated_tokens + 1 >= seq.ticket.job.max_tokens:
                     continue                        # that pick is its last
@@ -318,7 +330,10 @@ class BatchScheduler(Scheduler):
             return None
         chunks = [Chunk([0] if s.awaiting else s.ids[s.fed + s.queued: s.fed + s.queued + n], s.fed + s.queued, s.table)
                   for s, n in planned]
-        return chunks, planned, (ahead, picks) if picks else None
+        # the draws of the rows that pick a token (their chunk ends what the sequence knows)
+        draws = [s.draw() if s.picked_by_engine and (s.awaiting or s.fed + s.queued + n >= len(s.ids)) else None
+                 for s, n in planned]
+        return chunks, planned, (ahead, picks) if picks else None, draws if any(draws) else None
 
     def _room_for(self, seq: Sequence_, rows: int, preempt: bool = True) -> bool:
         """Pages for `rows` rows of `seq`, preempting the sequences admitted after it (last
@@ -345,11 +360,12 @@ class BatchScheduler(Scheduler):
         self.metrics.preemptions.inc()
         log.info("preempted a sequence of %d tokens: the KV pool is full", len(seq.ids))
 
-    def _launch(self, chunks: list[Chunk], planned: list[tuple[Sequence_, int]], picks=None):
+    def _launch(self, chunks: list[Chunk], planned: list[tuple[Sequence_, int]], picks=None, draws=None):
         """Queue one step on the engine (docstring, 3), `picks` fed from the step before it on the
-        engine: (its handle, `planned`, the time), or None when it failed (its jobs fail)."""
+        engine, rows picked by `draws`: (its handle, `planned`, the time), or None when it failed
+        (its jobs fail)."""
         try:
-            handle = self.engine.launch(chunks, picks)
+            handle = self.engine.launch(chunks, picks, draws)
         except Exception:   # a bug: keep the worker alive, tell the clients little
             self._fail_step(planned)
             return None
@@ -370,7 +386,7 @@ class BatchScheduler(Scheduler):
         that ended while it ran are passed over; a failing step fails its jobs."""
         try:
             logits = handle.result()
-            finite, best = logits.finite(), logits.argmax()   # every row's, in two small copies
+            finite, best = logits.finite(), logits.picks()   # every row's, in two small copies
         except Exception:
             self._fail_step([(s, n) for s, n in planned if not s.ended])
             return []
@@ -406,14 +422,16 @@ class BatchScheduler(Scheduler):
         return picked
 
     def _pick(self, seq: Sequence_, row, best: int) -> int | None:
-        """`seq`'s next token: `best`, its row's argmax, where that is the pick (argmax_only, no
-        grammar, no logprobs: the row stays where it is), else sampled from its logits (`row()`
-        copies them); appended to its ids unless it is the last. None (and the sequence ended)
-        at a stop token."""
+        """`seq`'s next token: `best`, the engine's pick, where the engine picks for it (the row
+        stays where it is), else sampled from its logits (`row()` copies them) under its grammar;
+        appended to its ids unless it is the last. None (and the sequence ended) at a stop token."""
         job = seq.ticket.job
-        logits = row() if not seq.sampler.argmax_only or seq.constraint or job.logprobs is not None else None
-        token = best
-        if logits is not None:
+        logits = None
+        if seq.picked_by_engine:
+            token = best
+            seq.sampler.record(token)
+        else:
+            logits = row()
             allowed = seq.constraint.allowed(len(logits)) if seq.constraint else None
             token = seq.sampler(logits, seq.ids, allowed)
         if seq.constraint:

@@ -133,12 +133,12 @@ def test_steps_fed_the_picks_of_the_step_before_on_the_gpu_equal_steps_fed_them_
     tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
     first = [Chunk(p, 0, t) for p, t in zip(prompts, tables)]
     by_hand, ahead = CudaBatchEngine(engine, pages=10, sizes=(32,)), CudaBatchEngine(engine, pages=10, sizes=(32,))
-    want, ids = [], np.array(by_hand.launch(first).result().argmax())
+    want, ids = [], np.array(by_hand.launch(first).result().picks())
     for k in range(3):   # each step: the three sequences' next tokens
         rows = by_hand.launch([Chunk([int(ids[i])], len(p) + k, t) for i, (p, t) in enumerate(zip(prompts, tables))])
         logits = rows.result()
         want.append(logits.rows.get())
-        ids = logits.argmax()
+        ids = logits.picks()
     before = ahead.launch(first)
     queued = []
     for k in range(3):
@@ -148,3 +148,25 @@ def test_steps_fed_the_picks_of_the_step_before_on_the_gpu_equal_steps_fed_them_
     got = [q.result().rows.get() for q in queued]
     for k in range(3):
         np.testing.assert_array_equal(got[k], want[k], err_msg=f"step {k}")
+
+
+def test_rows_sampled_on_the_gpu_pick_what_the_host_picks():
+    """runtime/sampling.sample_rows on CuPy rows (how a batch step picks) against the same on
+    numpy with the same draws: every pick lies in the set the filters keep, and the picks agree
+    but where float64 sums in another order move a draw across a boundary (rare)."""
+    import cupy
+    from fuselm.runtime.engine import SamplingParams
+    from fuselm.runtime.sampling import Sampler, filtered_probs, sample_rows
+    rng = np.random.default_rng()
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=mp, seed=int(rng.integers(1 << 30)))
+              for t in (0.0, 0.7, 1.3) for k in (0, 40) for p in (1.0, 0.9) for mp in (0.0, 0.05)]
+    rows = (rng.standard_normal((len(params), 32000)) * 3).astype(np.float32)
+    draws = [Sampler(p).draw() for p in params]
+    host = sample_rows(rows, draws)
+    gpu = cupy.asnumpy(sample_rows(cupy.asarray(rows), draws))
+    for r, (p, t) in enumerate(zip(params, gpu)):
+        if p.greedy:
+            assert t == rows[r].argmax(), (r, p)
+        else:
+            assert filtered_probs(rows[r] / p.temperature, p.top_k, p.top_p, p.min_p)[t] > 0, (r, p)
+    assert (gpu == host).sum() >= len(params) - 1, (gpu, host)

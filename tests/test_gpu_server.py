@@ -58,6 +58,35 @@ def test_concurrent_greedy_requests_each_get_their_own_answer(gpu_model):
     print(f"GPU serve, 4 concurrent greedy answers equal alone; e.g. {PROMPTS[0]!r} -> {alone[0]!r}")
 
 
+def test_seeded_sampling_on_the_gpu_repeats_and_is_queued_ahead(gpu_model):
+    """A seeded request with temperature and top-p, drawn on the GPU (runtime/sampling.sample_rows)
+    with its steps queued ahead, gives the same text twice and another than greedy's. (Alone
+    against beside others is compared for greedy only: the two run other kernels, whose logits
+    differ in the last bits, which can move a draw across a boundary.)"""
+    from fuselm.server import create_app
+    app = create_app(gpu_model, max_seqs=8)
+    engine = app.state.scheduler.engine
+    launches, real = [], engine.launch
+
+    def launch(chunks, picks=None, draws=None):
+        launches.append((bool(picks), bool(draws)))
+        return real(chunks, picks, draws)
+    engine.launch = launch
+    with serving(app) as url:
+        name = httpx.get(url + "/models").json()["data"][0]["id"]
+
+        def one(**fields):
+            reply = httpx.post(url + "/completions", timeout=300,
+                               json={"model": name, "prompt": PROMPTS[0], "max_tokens": 32, **fields})
+            assert reply.status_code == 200, reply.text
+            return reply.json()["choices"][0]["text"]
+        sampled = [one(temperature=0.9, top_p=0.95, seed=11) for _ in range(2)]
+        greedy = one(temperature=0)
+    assert sampled[0] == sampled[1] != greedy, (sampled, greedy)
+    assert sum(p and d for p, d in launches) >= 16, launches
+    print(f"GPU serve, seeded sampling repeats: {sampled[0]!r} (greedy {greedy!r})")
+
+
 def test_a_json_schema_answer_on_the_gpu_parses(gpu_model):
     from fuselm.server import create_app
     # a bounded string: the grammar ends the answer whatever this trimmed model would ramble

@@ -137,3 +137,33 @@ def test_the_allowed_mask_leaves_only_its_ids():
     assert Sampler(SamplingParams())(logits, allowed=allowed) == 3
     seeded = Sampler(SamplingParams(temperature=1.0, seed=3))
     assert {seeded(logits, allowed=allowed) for _ in range(200)} <= {1, 3}
+
+
+PARAMS = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.3, 0.7, 1.0, 1.6]),
+                   top_k=st.sampled_from([0, 1, 3, 40]), top_p=st.sampled_from([1.0, 0.95, 0.5, 0.05]),
+                   min_p=st.sampled_from([0.0, 0.05, 0.3]), repetition_penalty=st.sampled_from([1.0, 1.3]),
+                   presence_penalty=st.sampled_from([0.0, 0.5]), frequency_penalty=st.sampled_from([0.0, 0.4]),
+                   seed=st.integers(0, 2**31 - 1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(params=st.lists(PARAMS, min_size=1, max_size=5), seed=st.integers(0, 2**31 - 1),
+       vocab=st.sampled_from([7, 50, 300]), ties=st.booleans())
+def test_rows_sampled_at_once_pick_what_each_sampler_picks(params, seed, vocab, ties):
+    """sample_rows (every row's filters at once, where the engine leaves the logits) picks, step
+    after step, the ids each row's Sampler picks from its row: the same draws, the same counts
+    for the answer's penalties, ties and all."""
+    from fuselm.runtime.sampling import sample_rows
+    rng = np.random.default_rng(seed)
+    one, many = [Sampler(p) for p in params], [Sampler(p) for p in params]
+    history = [list(rng.integers(0, vocab, 5)) for _ in params]
+    for _ in range(6):
+        logits = rng.standard_normal((len(params), vocab)).astype(np.float32) * 3
+        if ties:
+            logits = np.round(logits)
+        want = [s(row, h) for s, row, h in zip(one, logits, history)]
+        got = sample_rows(logits, [s.draw(h) for s, h in zip(many, history)])
+        assert got.tolist() == want
+        for s, h, t in zip(many, history, want):
+            s.record(t)
+            h.append(t)

@@ -56,27 +56,29 @@ def test_concurrent_requests_each_get_their_own_answer(small_model):
         assert metric(url, "fuselm_kv_pages_used") == 0 and metric(url, "fuselm_requests_running") == 0
 
 
-def test_greedy_steps_are_queued_ahead_on_the_engines_own_picks(small_model):
-    """With greedy requests only, steps are planned before the running step's picks are back
-    (their tokens fed from its argmax on the engine) and every answer is still the alone one;
-    a sampled request among them is never fed that way."""
-    requests = [(p, 10, {}) for p in PROMPTS[:4]]
+def test_steps_are_queued_ahead_on_the_engines_own_picks(small_model):
+    """Greedy and seeded sampled requests: steps are planned before the running step's picks are
+    back (their tokens fed from its picks on the engine, the draws made where the logits are)
+    and every answer is still the alone one; a request with a penalty or logprobs never is."""
+    requests = [(p, 10, {"temperature": 0.8, "top_p": 0.9, "seed": i} if i % 2 else {}) for i, p in enumerate(PROMPTS[:4])]
     app = create_app(small_model, max_seqs=4)
     engine = app.state.scheduler.engine
     launches, real = [], engine.launch
 
-    def launch(chunks, picks=None):
+    def launch(chunks, picks=None, draws=None):
         launches.append(len(picks[1]) if picks else 0)
-        return real(chunks, picks)
+        return real(chunks, picks, draws)
     engine.launch = launch
     with serving(app) as url:
         alone, together = answers_alone_then_together(url, requests)
         assert together == alone
-        ahead = sum(launches)
-        assert ahead >= 4 * 5, launches          # most decode tokens of the concurrent answers
-        launches.clear()
-        sampled = complete(url, PROMPTS[0], 8, temperature=0.8, seed=1)["choices"][0]["text"]
-        assert sum(launches) == 0 and sampled == complete(url, PROMPTS[0], 8, temperature=0.8, seed=1)["choices"][0]["text"]
+        assert sum(launches) >= 4 * 5, launches          # most decode tokens of the concurrent answers
+        for fields in ({"temperature": 0.8, "seed": 1, "frequency_penalty": 0.5}, {"repetition_penalty": 1.3},
+                       {"logprobs": 2}):
+            launches.clear()
+            once = complete(url, PROMPTS[0], 8, **fields)["choices"][0]["text"]
+            assert sum(launches) == 0, fields
+            assert once == complete(url, PROMPTS[0], 8, **fields)["choices"][0]["text"]
 
 
 def test_a_full_pool_preempts_and_every_answer_is_still_its_own(small_model):
@@ -169,6 +171,16 @@ def test_serve_refuses_bad_batch_options_in_one_line(capsys, argv, message):
     assert one_error(capsys, "serve", *argv) == f"error: {message}"
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--temperature", "-1"], "--temperature must be at least 0, got -1.0"),
+    (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+    (["--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
+])
+def test_bench_serve_refuses_bad_sampling_in_one_line(capsys, argv, message):
+    from test_hostile_cli import one_error
+    assert one_error(capsys, "bench-serve", "http://127.0.0.1:9/v1", "--model", "m", *argv) == f"error: {message}"
+
+
 def test_a_kv_memory_below_one_context_is_refused(small_model):
     from fuselm.errors import FuselmError
     from fuselm.server.batcher import pages_in
@@ -185,7 +197,7 @@ def test_bench_serve_loads_the_server_and_records_its_figures(small_model, tmp_p
     out = tmp_path / "serve.json"
     with serving(create_app(small_model, max_seqs=4)) as url:
         assert cli.main(["bench-serve", url, "--clients", "1,3", "--requests", "3", "--prompt-words", "12",
-                         "--output-tokens", "6", "--json", str(out)]) == 0
+                         "--output-tokens", "6", "--temperature", "0.8", "--top-p", "0.95", "--json", str(out)]) == 0
         assert metric(url, "fuselm_kv_pages_used") == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and "output tok/s" in lines[0]
@@ -195,6 +207,7 @@ def test_bench_serve_loads_the_server_and_records_its_figures(small_model, tmp_p
         assert {"model", "dtype", "concurrency", "output_tok_s", "ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms",
                 "tpot_p95_ms"} <= set(r)
         assert r["model"] == NAME and r["requests"] == 3 and r["output_tokens"] == 18
+        assert (r["temperature"], r["top_p"]) == (0.8, 0.95)
         assert abs(r["output_tok_s"] - 18 / r["wall_s"]) < 0.2 and 0 < r["ttft_p50_ms"] <= r["ttft_p95_ms"]
         assert 0 < r["tpot_p50_ms"] <= r["tpot_p95_ms"] and r["prompt_tokens_mean"] > 12
 

@@ -137,12 +137,12 @@ def batch_rates(engine, batches: tuple[int, ...], tokens: int, vocab: int, promp
                 picks = (before, [(i, i) for i in range(b)]) if before else None
                 queued = batch.launch([Chunk([int(first[i])], prompt + k, tables[i]) for i in range(b)], picks)
                 if before:
-                    before.result().argmax()    # the host takes the picks while the next step runs
+                    before.result().picks()    # the host takes the picks while the next step runs
                 before = queued
             return before
-        steps(0, 1).result().argmax()           # warm-up (and the step's graph capture)
+        steps(0, 1).result().picks()           # warm-up (and the step's graph capture)
         t0 = time.perf_counter()
-        steps(1, tokens).result().argmax()
+        steps(1, tokens).result().picks()
         elapsed = time.perf_counter() - t0
         out[str(b)] = {"tok_s": round(b * tokens / elapsed, 1), "step_ms": round(elapsed / tokens * 1e3, 3)}
         if profile:   # the last step's inputs are in place

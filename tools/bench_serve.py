@@ -41,9 +41,10 @@ class Timing:
     tpot: float
 
 
-async def one_request(client, url: str, model: str, prompt: str, tokens: int) -> Timing:
-    """Stream one completion; its timing. A 4xx/5xx or a stream without usage is a FuselmError."""
-    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
+async def one_request(client, url: str, model: str, prompt: str, tokens: int, sampling: dict) -> Timing:
+    """Stream one completion (`sampling`: its temperature and top_p); its timing. A 4xx/5xx or a
+    stream without usage is a FuselmError."""
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, **sampling, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True}
     start = time.perf_counter()
     first = None
@@ -69,15 +70,19 @@ async def one_request(client, url: str, model: str, prompt: str, tokens: int) ->
 
 
 async def run_load(url: str, model: str, clients: int, requests: int, prompt_words: int,
-                   output_tokens: int, timeout: float = 600.0) -> tuple[list[Timing], float]:
-    """`clients` workers sending `requests` requests in all; their timings and the wall time."""
+                   output_tokens: int, sampling: dict | None = None,
+                   timeout: float = 600.0) -> tuple[list[Timing], float]:
+    """`clients` workers sending `requests` requests in all (`sampling`: their temperature and
+    top_p, default greedy); their timings and the wall time."""
+    sampling = sampling or {"temperature": 0}
     import httpx
     queue = iter(range(requests))
     timings: list[Timing] = []
 
     async def worker(client):
         for index in queue:
-            timings.append(await one_request(client, url, model, prompt_of(prompt_words, index), output_tokens))
+            timings.append(await one_request(client, url, model, prompt_of(prompt_words, index), output_tokens,
+                                             sampling))
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         start = time.perf_counter()
@@ -122,6 +127,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests per load (default: 4 per client)")
     p.add_argument("--prompt-words", type=int, default=400, metavar="W", help="words per prompt (default 400)")
     p.add_argument("--output-tokens", type=int, default=256, metavar="T", help="tokens per answer (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's top_p (default 1)")
     p.add_argument("--dtype", default="bf16", help="the weight format to record (default bf16)")
     p.add_argument("--json", dest="out", help="write the records here")
 
@@ -138,13 +145,18 @@ def main(args: argparse.Namespace) -> int:
             raise FuselmError(f"{name} must be at least 1, got {value}")
     if args.requests < 0:
         raise FuselmError(f"--requests must be at least 0, got {args.requests}")
+    if not args.temperature >= 0:
+        raise FuselmError(f"--temperature must be at least 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise FuselmError(f"--top-p must be in (0, 1], got {args.top_p}")
+    sampling = {"temperature": args.temperature, "top_p": args.top_p}
     url = args.url.rstrip("/")
     model = args.model or served_model(url)
     results = []
     for clients in loads:
         timings, wall = asyncio.run(run_load(url, model, clients, args.requests or 4 * clients,
-                                             args.prompt_words, args.output_tokens))
-        r = summary(timings, wall, model, args.dtype, clients)
+                                             args.prompt_words, args.output_tokens, sampling))
+        r = {**summary(timings, wall, model, args.dtype, clients), **sampling}
         results.append(r)
         print(f"{clients:>4} clients: {r['output_tok_s']:>9.1f} output tok/s | TTFT p50 {r['ttft_p50_ms']} ms "
               f"p95 {r['ttft_p95_ms']} ms | TPOT p50 {r['tpot_p50_ms']} ms p95 {r['tpot_p95_ms']} ms "
