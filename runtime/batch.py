@@ -83,13 +83,33 @@ def row_picks(rows, draws: Sequence[Draw | None] | None, params=None, index=None
     return best
 
 
+def row_logprobs(rows, best, draws: Sequence[Draw | None] | None):
+    """OpenAI's logprobs of the rows whose draw asks for them, where `rows` [chunks, vocab] are:
+    (their rows, the log-softmax of each one's pick `best` [n], and its row's `top` most likely
+    ids [n, top] with theirs [n, top], top the most any asks for), or None. The raw logits'
+    log-softmax in float64, ties in id order (server/logprobs.py)."""
+    asked = [i for i, d in enumerate(draws or ()) if d is not None and d.logprobs is not None]
+    if not asked:
+        return None
+    xp = np if isinstance(rows, np.ndarray) else __import__("cupy")
+    index = xp.asarray(np.asarray(asked))
+    x = rows[index].astype(xp.float64)
+    peak = x.max(axis=1, keepdims=True)
+    log_total = peak + xp.log(xp.exp(x - peak).sum(axis=1, keepdims=True))
+    top = max(draws[i].logprobs for i in asked)
+    order = (xp.argsort(-x, axis=1, kind="stable") if xp is np else xp.argsort(-x, axis=1))[:, :top]
+    picked = xp.take_along_axis(x, best[index][:, None], axis=1)[:, 0] - log_total[:, 0]
+    return asked, picked, order, xp.take_along_axis(x, order, axis=1) - log_total
+
+
 class StepLogits:
     """The logits rows [chunks, vocab] of one batch step where the engine left them (a numpy or a
     CuPy array): every row's finiteness and pick at once, a whole row copied only on demand.
-    `best`: the rows' picks where the engine made them already (the picks it feeds on)."""
+    `best`: the rows' picks where the engine made them already (the picks it feeds on);
+    `logprobs`: row_logprobs' of the rows that asked."""
 
-    def __init__(self, rows, best=None):
-        self.rows, self.best = rows, best
+    def __init__(self, rows, best=None, logprobs=None):
+        self.rows, self.best, self._logprobs = rows, best, logprobs
         if isinstance(rows, np.ndarray):
             self._xp = np
         else:
@@ -103,6 +123,15 @@ class StepLogits:
     def picks(self) -> np.ndarray:
         """[chunks] int: each row's pick (its argmax where the step was given no draw for it)."""
         return self._host(self._xp.argmax(self.rows, axis=1) if self.best is None else self.best)
+
+    def logprobs(self, i: int) -> tuple[float, np.ndarray, np.ndarray]:
+        """Row i's pick's log probability and its row's most likely ids and theirs (as many as
+        its draw asked for: the caller takes its own), from row_logprobs."""
+        asked, picked, ids, values = self._logprobs
+        if not isinstance(picked, np.ndarray):     # one copy of each, for all rows
+            self._logprobs = asked, picked, ids, values = asked, *(self._host(a) for a in (picked, ids, values))
+        k = asked.index(i)
+        return float(picked[k]), ids[k], values[k]
 
     def row(self, i: int) -> np.ndarray:
         """Row i on the host, float32."""
@@ -172,7 +201,8 @@ class CpuBatchEngine:
             starts = np.cumsum([0] + [len(c.ids) for c in chunks])
             chunks = [Chunk(ids[a:b].tolist(), c.start, c.table) for c, a, b in zip(chunks, starts, starts[1:])]
         logits = self.step(chunks)
-        return Done(StepLogits(logits, row_picks(logits, draws)))
+        best = row_picks(logits, draws)
+        return Done(StepLogits(logits, best, row_logprobs(logits, best, draws)))
 
 
 class Done:

@@ -24,7 +24,7 @@ from ..codegen.kv_cache import graph_kv_bytes, layout_of
 from ..codegen.params import storage_of
 from ..dsl.paging import table_width
 from ..errors import FuselmError
-from .batch import Chunk, StepLogits, fed_picks, row_picks, sampled_rows, step_feeds
+from .batch import Chunk, StepLogits, fed_picks, row_logprobs, row_picks, sampled_rows, step_feeds
 from .sampling import ROW_PARAMS, row_params
 from .launch import arena_view
 from .prefill import BoundStep, step_buffers
@@ -159,13 +159,14 @@ class Queued:
     """A batch step queued on the stream: result() waits for it. `best`: its rows' argmax [chunks]
     on the GPU, which a later step's picks read."""
 
-    def __init__(self, rows, best, done):
+    def __init__(self, rows, best, done, logprobs=None):
         self._rows, self.best, self._done = rows, best, done   # logits rows [chunks, vocab]; the event after
+        self._logprobs = logprobs
 
     def result(self) -> StepLogits:
         while not self._done.done:   # polled, sleeping between: the server's HTTP thread may take the GIL
             time.sleep(POLL_S)
-        return StepLogits(self._rows, self.best)
+        return StepLogits(self._rows, self.best, self._logprobs)
 
 
 class _Step(BoundStep):
@@ -227,6 +228,7 @@ class _Step(BoundStep):
             self.replay()
             rows = self.logits[batch.last[:m]]    # a copy: the next step reuses the arena
             best = row_picks(rows, draws, params, index)
+            logprobs = row_logprobs(rows, best, draws)   # (a copy of the rows' indices: only logprobs' requests)
             done = cp.cuda.Event(disable_timing=True)
             done.record(stream)
-        return Queued(rows, best, done)
+        return Queued(rows, best, done, logprobs)

@@ -49,13 +49,16 @@ class Sampler:
         self.counts[token] = self.counts.get(token, 0) + 1
         return token
 
-    def draw(self, history: Iterable[int] = ()) -> "Draw":
+    def draw(self, history: Iterable[int] = (), allowed: np.ndarray | None = None,
+             logprobs: int | None = None) -> "Draw":
         """What its next pick needs where the logits are (sample_rows): the uniform number that
-        __call__ would draw now, and the ids its penalties see. record() the pick after."""
+        __call__ would draw now, the ids its penalties see, the `allowed` mask __call__ would be
+        given; `logprobs`: report the pick's log probability and that many alternatives. record()
+        the pick after."""
         p = self.params
         u = 0.0 if p.greedy else float(self.rng.random())
         seen = np.unique(np.fromiter(history, np.int64)) if p.repetition_penalty != 1.0 else np.zeros(0, np.int64)
-        return Draw(p, u, seen, dict(self.counts) if p.penalizes_answer else {})
+        return Draw(p, u, seen, dict(self.counts) if p.penalizes_answer else {}, allowed, logprobs)
 
     def record(self, token: int) -> None:
         """A pick made from a draw() (the answer's counts, as __call__ keeps them)."""
@@ -132,12 +135,15 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class Draw:
     """One row's pick for sample_rows: its sampler's params, the uniform number in [0, 1) of its
-    draw, the distinct ids the repetition penalty sees and the answer's counts (presence and
-    frequency penalties)."""
+    draw, the distinct ids the repetition penalty sees, the answer's counts (presence and
+    frequency penalties), the ids a grammar allows ([vocab] bool, or None: all), and how many
+    alternatives to report with the pick's log probability (None: no logprobs)."""
     params: SamplingParams
     u: float
     seen: np.ndarray
     counts: dict
+    allowed: np.ndarray | None = None
+    logprobs: int | None = None
 
 
 ROW_PARAMS = ("temperature", "top_k", "top_p", "min_p", "u", "greedy")
@@ -174,6 +180,11 @@ def sample_rows(logits, draws: list[Draw], params=None):
         r, t = xp.asarray(r), xp.asarray(t)
         v = x[r, t]
         x[r, t] = xp.where(v > 0, v / rp, v * rp)
+    masked = [r for r, d in enumerate(draws) if d.allowed is not None]
+    if masked:   # a grammar's mask (a copy that may wait for the stream: sent with nothing queued)
+        allowed = xp.ones((m, V), bool)
+        allowed[xp.asarray(np.asarray(masked))] = xp.asarray(np.stack([draws[r].allowed[:V] for r in masked]))
+        x = xp.where(allowed, x, -xp.inf)
     best = xp.argmax(x, axis=1)
     if all(d.params.greedy for d in draws):
         return best

@@ -14,12 +14,12 @@ Each step:
    is streamed) and end a sequence at a stop token; a stop string or the token limit ends it
    when its text is streamed, and the step queued for it meanwhile is wasted.
 4. plan ahead: while a step runs, the step after it is planned and queued before its picks are
-   known, wherever the engine makes every pick that step makes (its argmax, or a draw of the
-   sequence's sampler, runtime/sampling.py) and no penalty needs the pick in its history:
-   those picks go from the running step's logits straight into the next step's ids on the
-   engine, so the engine never waits for the host between steps. A sequence that needs its
-   pick on the host (a grammar, logprobs), a penalty, or a page that is not free makes the
-   worker wait for the step instead, as in 3.
+   known, wherever neither a penalty nor a grammar needs a pick of that step first: those picks
+   (every row is picked where the logits are: its argmax, or a draw of the sequence's sampler,
+   runtime/sampling.py, logprobs beside it) go from the running step's logits straight into the
+   next step's ids on the engine, so the engine never waits for the host between steps. A
+   sequence with a penalty or a grammar, or a page that is not free, makes the worker wait for
+   the step instead, as in 3.
 
 A sequence that needs a page when none is left preempts the sequence admitted last: its pages go
 back and it waits at the head of the queue to be prefilled again (its published pages usually
@@ -40,7 +40,7 @@ from ..runtime.generate import GenerationStats
 from ..runtime.kv_pages import PagePool
 from ..runtime.sampling import Sampler
 from .errors import APIError
-from .logprobs import token_logprob
+from .logprobs import from_engine
 from .metrics import ServerMetrics
 from .scheduler import CANCELLED, Failed, Finished, Piece, Scheduler, Ticket
 from .stops import StopStrings
@@ -83,21 +83,19 @@ class Sequence_:
         return self.fed >= self.prompt_tokens
 
     @property
-    def picked_by_engine(self) -> bool:
-        """Whether the engine picks its tokens where the logits are (its argmax, or a draw of its
-        sampler: runtime/sampling.sample_rows): all but a grammar's and logprobs' requests."""
-        return self.constraint is None and self.ticket.job.logprobs is None
-
-    @property
     def picks_ahead(self) -> bool:
-        """Whether a step may be fed its next pick before the host sees it (docstring, 4): picked
-        by the engine, and no penalty, which would need that pick in its history."""
+        """Whether a step may be fed its next pick before the host sees it (docstring, 4): neither
+        a penalty nor a grammar, which need that pick first."""
         p = self.sampler.params
-        return self.picked_by_engine and p.repetition_penalty == 1.0 and not p.penalizes_answer
+        return self.constraint is None and p.repetition_penalty == 1.0 and not p.penalizes_answer
 
-    def draw(self):
-        """What the engine needs to pick its next token (None: the argmax)."""
-        return None if self.sampler.argmax_only else self.sampler.draw(self.ids)
+    def draw(self, vocab: int):
+        """What the engine needs to pick its next token from logits of `vocab` ids (None: the
+        argmax, and no logprobs)."""
+        logprobs = self.ticket.job.logprobs
+        if self.constraint is None and logprobs is None and self.sampler.argmax_only:
+            return None
+        return self.sampler.draw(self.ids, self.constraint.allowed(vocab) if self.constraint else None, logprobs)
 
 
 def batches(model) -> bool:
@@ -187,6 +185,7 @@ class BatchScheduler(Scheduler):
         self.pool = PagePool(pages, self.engine.page)
         self.max_seqs, self.step_tokens = max_seqs, min(step_tokens, getattr(self.engine, "step_tokens", step_tokens))
         self.tokenizer = model.tokenizer
+        self.vocab = model.config.vocab_size      # ids of a logits row
         self.grammars = Grammars(model.tokenizer)
         self._active: list[Sequence_] = []            # in admission order
         self._preempted: deque[Sequence_] = deque()   # to admit before any waiting job
@@ -331,7 +330,7 @@ class BatchScheduler(Scheduler):
         chunks = [Chunk([0] if s.awaiting else s.ids[s.fed + s.queued: s.fed + s.queued + n], s.fed + s.queued, s.table)
                   for s, n in planned]
         # the draws of the rows that pick a token (their chunk ends what the sequence knows)
-        draws = [s.draw() if s.picked_by_engine and (s.awaiting or s.fed + s.queued + n >= len(s.ids)) else None
+        draws = [s.draw(self.vocab) if s.awaiting or s.fed + s.queued + n >= len(s.ids) else None
                  for s, n in planned]
         return chunks, planned, (ahead, picks) if picks else None, draws if any(draws) else None
 
@@ -412,7 +411,7 @@ class BatchScheduler(Scheduler):
                 continue
             self.pool.publish(seq.table, seq.ids[:seq.fed])
             try:
-                token = self._pick(seq, lambda: logits.row(k), int(best[k]))
+                token = self._pick(seq, logits, k, int(best[k]))
             except Exception:    # a bug (sampler, grammar): this request fails, the rest go on
                 log.exception("sampling failed")
                 self._end(seq, "error", Failed("internal error during generation"))
@@ -421,19 +420,12 @@ class BatchScheduler(Scheduler):
                 picked.append((seq, token))
         return picked
 
-    def _pick(self, seq: Sequence_, row, best: int) -> int | None:
-        """`seq`'s next token: `best`, the engine's pick, where the engine picks for it (the row
-        stays where it is), else sampled from its logits (`row()` copies them) under its grammar;
+    def _pick(self, seq: Sequence_, logits, k: int, token: int) -> int | None:
+        """`seq`'s next token, `token`, which the engine picked from row k of the step's `logits`
+        (its argmax, or its draw): its sampler and grammar moved past it, its logprobs taken,
         appended to its ids unless it is the last. None (and the sequence ended) at a stop token."""
         job = seq.ticket.job
-        logits = None
-        if seq.picked_by_engine:
-            token = best
-            seq.sampler.record(token)
-        else:
-            logits = row()
-            allowed = seq.constraint.allowed(len(logits)) if seq.constraint else None
-            token = seq.sampler(logits, seq.ids, allowed)
+        seq.sampler.record(token)
         if seq.constraint:
             seq.constraint.accept(token)
         if seq.first_token_at is None:
@@ -446,7 +438,7 @@ class BatchScheduler(Scheduler):
             return None
         seq.stats.generated_tokens += 1
         if job.logprobs is not None:
-            seq.logprobs.append(token_logprob(logits, token, job.logprobs, self._token_text))
+            seq.logprobs.append(from_engine(token, *logits.logprobs(k), job.logprobs, self._token_text))
         if seq.stats.generated_tokens < job.max_tokens:
             seq.ids.append(token)
         return token

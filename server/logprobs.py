@@ -2,7 +2,8 @@
 
 Each is the model's own: log-softmax of the raw logits row (before penalties, temperature or a
 grammar's mask, as vLLM reports them), for the token the sampler picked and, where asked, the
-`top` most likely ids of that row.
+`top` most likely ids of that row (ties in id order); the batch engine computes them where the
+logits are (runtime/batch.row_logprobs).
 """
 from __future__ import annotations
 
@@ -22,12 +23,8 @@ class TokenLogprob:
     top: tuple[tuple[str, float], ...] = ()
 
 
-def token_logprob(row: np.ndarray, token: int, top: int, text_of) -> TokenLogprob:
-    """The TokenLogprob of `token` under logits `row` [vocab], with its `top` most likely ids;
-    `text_of(id)` gives a token's text."""
-    x = np.asarray(row, np.float64)
-    peak = x.max()
-    log_total = peak + np.log(np.exp(x - peak).sum())
-    best = np.argsort(-x, kind="stable")[:top] if top else ()
-    return TokenLogprob(text_of(token), float(x[token] - log_total),
-                        tuple((text_of(int(i)), float(x[i] - log_total)) for i in best))
+def from_engine(token: int, logprob: float, ids: np.ndarray, values: np.ndarray, top: int, text_of) -> TokenLogprob:
+    """The TokenLogprob of `token` from what a batch engine computed where the logits are
+    (runtime/batch.row_logprobs: its log probability, its row's best ids and theirs), the first
+    `top` alternatives kept."""
+    return TokenLogprob(text_of(token), logprob, tuple((text_of(int(i)), float(v)) for i, v in zip(ids[:top], values[:top])))

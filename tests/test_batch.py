@@ -210,3 +210,24 @@ def test_paged_kernels_refuse_what_they_cannot_run():
     for g, tokens, message in cases:
         with pytest.raises(FuselmError, match=message):
             generate(compile_graph(g, tokens=tokens), ctx=256, target=Target(), tuning=Tuning(), tokens=tokens)
+
+
+def test_row_logprobs_are_the_raw_rows_log_softmax_with_ties_in_id_order():
+    """row_logprobs (OpenAI's logprobs where the logits are): each asking row's pick and its
+    best ids, from the raw logits (not what a draw's filters left), the most asked for."""
+    from fuselm.runtime.batch import row_logprobs
+    from fuselm.runtime.engine import SamplingParams
+    from fuselm.runtime.sampling import Sampler
+    rng = np.random.default_rng(3)
+    rows = np.round(rng.standard_normal((4, 50)) * 2).astype(np.float32)      # ties
+    best = np.array([7, 3, 11, 0])
+    draws = [Sampler(SamplingParams()).draw(logprobs=k) if k is not None else None for k in (2, None, 5, 0)]
+    asked, picked, ids, values = row_logprobs(rows, best, draws)
+    assert asked == [0, 2, 3] and ids.shape == values.shape == (3, 5)
+    for k, r in enumerate(asked):
+        x = rows[r].astype(np.float64)
+        log_softmax = x - np.log(np.exp(x).sum())
+        np.testing.assert_allclose(picked[k], log_softmax[best[r]], rtol=1e-12)
+        order = sorted(range(50), key=lambda i: (-x[i], i))[:5]
+        assert ids[k].tolist() == order
+        np.testing.assert_allclose(values[k], log_softmax[order], rtol=1e-12)

@@ -148,11 +148,11 @@ PARAMS = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.3, 0.7, 1
 
 @settings(max_examples=60, deadline=None)
 @given(params=st.lists(PARAMS, min_size=1, max_size=5), seed=st.integers(0, 2**31 - 1),
-       vocab=st.sampled_from([7, 50, 300]), ties=st.booleans())
-def test_rows_sampled_at_once_pick_what_each_sampler_picks(params, seed, vocab, ties):
+       vocab=st.sampled_from([7, 50, 300]), ties=st.booleans(), masks=st.booleans())
+def test_rows_sampled_at_once_pick_what_each_sampler_picks(params, seed, vocab, ties, masks):
     """sample_rows (every row's filters at once, where the engine leaves the logits) picks, step
     after step, the ids each row's Sampler picks from its row: the same draws, the same counts
-    for the answer's penalties, ties and all."""
+    for the answer's penalties, the same grammar masks (on some rows), ties and all."""
     from fuselm.runtime.sampling import sample_rows
     rng = np.random.default_rng(seed)
     one, many = [Sampler(p) for p in params], [Sampler(p) for p in params]
@@ -161,8 +161,12 @@ def test_rows_sampled_at_once_pick_what_each_sampler_picks(params, seed, vocab, 
         logits = rng.standard_normal((len(params), vocab)).astype(np.float32) * 3
         if ties:
             logits = np.round(logits)
-        want = [s(row, h) for s, row, h in zip(one, logits, history)]
-        got = sample_rows(logits, [s.draw(h) for s, h in zip(many, history)])
+        allowed = [rng.random(vocab) < 0.3 if masks and r % 2 == 0 else None for r in range(len(params))]
+        for a in allowed:
+            if a is not None:
+                a[rng.integers(vocab)] = True
+        want = [s(row, h, a) for s, row, h, a in zip(one, logits, history, allowed)]
+        got = sample_rows(logits, [s.draw(h, a) for s, h, a in zip(many, history, allowed)])
         assert got.tolist() == want
         for s, h, t in zip(many, history, want):
             s.record(t)
