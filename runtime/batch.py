@@ -83,16 +83,22 @@ def row_picks(rows, draws: Sequence[Draw | None] | None, params=None, index=None
     return best
 
 
-def row_logprobs(rows, best, draws: Sequence[Draw | None] | None):
+def logprob_rows(draws: Sequence[Draw | None] | None) -> list[int]:
+    """The rows whose draw asks for logprobs."""
+    return [i for i, d in enumerate(draws or ()) if d is not None and d.logprobs is not None]
+
+
+def row_logprobs(rows, best, draws: Sequence[Draw | None] | None, index=None):
     """OpenAI's logprobs of the rows whose draw asks for them, where `rows` [chunks, vocab] are:
     (their rows, the log-softmax of each one's pick `best` [n], and its row's `top` most likely
     ids [n, top] with theirs [n, top], top the most any asks for), or None. The raw logits'
-    log-softmax in float64, ties in id order (server/logprobs.py)."""
-    asked = [i for i, d in enumerate(draws or ()) if d is not None and d.logprobs is not None]
+    log-softmax in float64, ties in id order (server/logprobs.py). `index`: those rows where
+    the logits are, else copied there."""
+    asked = logprob_rows(draws)
     if not asked:
         return None
     xp = np if isinstance(rows, np.ndarray) else __import__("cupy")
-    index = xp.asarray(np.asarray(asked))
+    index = xp.asarray(np.asarray(asked)) if index is None else index
     x = rows[index].astype(xp.float64)
     peak = x.max(axis=1, keepdims=True)
     log_total = peak + xp.log(xp.exp(x - peak).sum(axis=1, keepdims=True))

@@ -24,7 +24,8 @@ from ..codegen.kv_cache import graph_kv_bytes, layout_of
 from ..codegen.params import storage_of
 from ..dsl.paging import table_width
 from ..errors import FuselmError
-from .batch import Chunk, StepLogits, fed_picks, row_logprobs, row_picks, sampled_rows, step_feeds
+from .batch import (Chunk, StepLogits, fed_picks, logprob_rows, row_logprobs, row_picks, sampled_rows,
+                    step_feeds)
 from .sampling import ROW_PARAMS, row_params
 from .launch import arena_view
 from .prefill import BoundStep, step_buffers
@@ -67,6 +68,7 @@ class CudaBatchEngine:
         self.slots = cp.zeros(T, cp.int32)      # [picks] the tokens fed a pick of the step before
         self.rows = cp.zeros(T, cp.int32)       # [picks] ... and that step's rows they take
         self.sampled = cp.zeros(T, cp.int32)    # [draws] the rows picked by a draw
+        self.asked = cp.zeros(T, cp.int32)      # [logprobs] the rows whose logprobs are asked for
         self.draw_params = cp.zeros(len(ROW_PARAMS) * T, cp.float64)   # [ROW_PARAMS, draws] their numbers
         self._staging, self._turn = [_Staging(cp, T, self.table_width) for _ in range(2)], 0
         self._steps = {s.tokens: _Step(self, s) for s in self.steps}
@@ -150,6 +152,7 @@ class _Staging:
         self.slots = cupyx.empty_pinned(tokens, np.int32)
         self.rows = cupyx.empty_pinned(tokens, np.int32)
         self.sampled = cupyx.empty_pinned(tokens, np.int32)
+        self.asked = cupyx.empty_pinned(tokens, np.int32)
         self.draw_params = cupyx.empty_pinned(len(ROW_PARAMS) * tokens, np.float64)
         self.copied = cp.cuda.Event(disable_timing=True)
         self.copied.record()
@@ -192,43 +195,42 @@ class _Step(BoundStep):
 
     def run(self, feeds: dict[str, np.ndarray], last: np.ndarray, fed=None, draws=None) -> Queued:
         """Queue one step on `feeds` (fewer tokens than the step takes: padded onto the pad page),
-        then a copy of its logits rows `last` [len(last), vocab] and their picks (by `draws`,
-        runtime/batch.row_picks). `fed` = (best, slots, rows): token slots whose ids are
-        best[rows], the picks of a step before on the same stream. Nothing here waits for the
-        GPU (but the copies of penalties, which the server sends only with no step queued)."""
+        then a copy of its logits rows `last` [len(last), vocab], their picks (by `draws`,
+        runtime/batch.row_picks) and the logprobs asked for. `fed` = (best, slots, rows): token
+        slots whose ids are best[rows], the picks of a step before on the same stream. Nothing
+        here waits for the GPU (but the copies of penalties and grammar masks: sampling.py)."""
         batch, cp, stream = self.batch, self.batch.cp, self.engine.stream
-        T, n, m = self.tokens, len(feeds["ids"]), len(last)
+        T, n = self.tokens, len(feeds["ids"])
         host = batch.staging()
+
+        def put(values, name, device=None):   # through host's pinned array `name` to the device's
+            values = np.asarray(values)
+            staged = getattr(host, name)[:values.size]
+            staged.reshape(values.shape)[...] = values
+            device = getattr(batch, name)[:values.size] if device is None else device
+            device.set(staged, stream=stream)
+            return device
         ids, pos, pages = host.ids[:T], host.pos[:T], host.pages[:T]
         ids[n:], pos[n:], pages[n:] = 0, 0, batch.pages            # padding: the pad page
         ids[:n], pos[:n], pages[:n] = feeds["ids"], feeds["pos"], feeds["pages"]
-        host.last[:m] = last
+        sampled, chosen = sampled_rows(draws)
+        asked = logprob_rows(draws)
         with stream:
-            for device, values in ((self.ids, ids), (self.pos, pos), (self.pages, pages), (batch.last[:m], host.last[:m])):
+            for device, values in ((self.ids, ids), (self.pos, pos), (self.pages, pages)):
                 device.set(values, stream=stream)
+            last = put(last.astype(np.int32), "last")
             if fed:
                 best, slots, rows = fed
-                k = len(slots)
-                host.slots[:k], host.rows[:k] = slots, rows
-                batch.slots[:k].set(host.slots[:k], stream=stream)
-                batch.rows[:k].set(host.rows[:k], stream=stream)
-                self.ids[batch.slots[:k]] = best[batch.rows[:k]]
-            sampled, chosen = sampled_rows(draws)
-            params = index = None
-            if sampled:
-                d = len(sampled)
-                host.sampled[:d] = sampled
-                host.draw_params[:len(ROW_PARAMS) * d] = row_params(chosen).reshape(-1)
-                index, params = batch.sampled[:d], batch.draw_params[:len(ROW_PARAMS) * d]
-                index.set(host.sampled[:d], stream=stream)
-                params.set(host.draw_params[:len(ROW_PARAMS) * d], stream=stream)
-                params = params.reshape(len(ROW_PARAMS), d)
+                self.ids[put(slots, "slots")] = best[put(rows, "rows")]
+            index = put(sampled, "sampled") if sampled else None
+            params = put(row_params(chosen), "draw_params").reshape(len(ROW_PARAMS), -1) if sampled else None
+            asked = put(asked, "asked") if asked else None
             host.copied.record(stream)
             self.capture()            # where the engine uses graphs and this step has none yet
             self.replay()
-            rows = self.logits[batch.last[:m]]    # a copy: the next step reuses the arena
+            rows = self.logits[last]    # a copy: the next step reuses the arena
             best = row_picks(rows, draws, params, index)
-            logprobs = row_logprobs(rows, best, draws)   # (a copy of the rows' indices: only logprobs' requests)
+            logprobs = row_logprobs(rows, best, draws, asked)
             done = cp.cuda.Event(disable_timing=True)
             done.record(stream)
         return Queued(rows, best, done, logprobs)

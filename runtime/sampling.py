@@ -168,7 +168,8 @@ def sample_rows(logits, draws: list[Draw], params=None):
     temperature, top_k, top_p, min_p, u, greedy = xp.asarray(row_params(draws) if params is None else params)
     x = logits.astype(xp.float64)
     answer = [(r, t, c) for r, d in enumerate(draws) if d.params.penalizes_answer for t, c in d.counts.items()]
-    if answer:   # (penalties come only where nothing is queued behind: these copies may wait for it)
+    if answer:   # (these copies may wait for a queued step: a sequence with penalties, or a grammar
+        # below, is never planned ahead of its pick; only its prompt's last chunk may be)
         r, t, c = (np.asarray(v) for v in zip(*answer))
         pres = np.array([d.params.presence_penalty for d in draws])[r]
         freq = np.array([d.params.frequency_penalty for d in draws])[r]
@@ -181,7 +182,7 @@ def sample_rows(logits, draws: list[Draw], params=None):
         v = x[r, t]
         x[r, t] = xp.where(v > 0, v / rp, v * rp)
     masked = [r for r, d in enumerate(draws) if d.allowed is not None]
-    if masked:   # a grammar's mask (a copy that may wait for the stream: sent with nothing queued)
+    if masked:   # a grammar's mask
         allowed = xp.ones((m, V), bool)
         allowed[xp.asarray(np.asarray(masked))] = xp.asarray(np.stack([draws[r].allowed[:V] for r in masked]))
         x = xp.where(allowed, x, -xp.inf)
