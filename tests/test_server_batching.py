@@ -135,18 +135,20 @@ def test_n_choices_prefill_their_prompt_once(small_model):
 
 
 def test_random_load_with_disconnects_keeps_the_server_whole(small_model):
-    """64 clients with random prompts and lengths, some leaving early: the rest get their alone
-    answers, the server stays up, and every page and slot is free at the end."""
+    """64 clients with random prompts, lengths and sampling (greedy, seeded draws, a penalty),
+    some leaving early: the rest get their alone answers, the server stays up, and every page
+    and slot is free at the end."""
     rng = random.Random(0)
-    requests = [(" ".join(rng.sample(PROMPTS, rng.randint(1, 2))), rng.randint(2, 12), rng.random() < 0.3)
-                for _ in range(64)]
+    kinds = [{}, {"temperature": 0.9, "top_p": 0.9, "seed": 4}, {"temperature": 0.7, "presence_penalty": 0.5, "seed": 2}]
+    requests = [(" ".join(rng.sample(PROMPTS, rng.randint(1, 2))), rng.randint(2, 12), rng.random() < 0.3,
+                 rng.choice(kinds)) for _ in range(64)]
     with serving(create_app(small_model, max_seqs=8, kv_pages=18, max_waiting=64)) as url:
-        alone = {i: complete(url, p, n)["choices"][0]["text"] for i, (p, n, leaves) in enumerate(requests)
+        alone = {i: complete(url, p, n, **f)["choices"][0]["text"] for i, (p, n, leaves, f) in enumerate(requests)
                  if not leaves}
 
         def one(i):
-            prompt, n, leaves = requests[i]
-            body = {"model": NAME, "prompt": prompt, "max_tokens": n}
+            prompt, n, leaves, fields = requests[i]
+            body = {"model": NAME, "prompt": prompt, "max_tokens": n, **fields}
             if leaves:
                 with pytest.raises(httpx.ReadTimeout):
                     httpx.post(url + "/completions", json=body, timeout=httpx.Timeout(300, read=0.05))
