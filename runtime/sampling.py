@@ -187,15 +187,21 @@ def sample_rows(logits, draws: list[Draw], params=None):
         allowed[xp.asarray(np.asarray(masked))] = xp.asarray(np.stack([draws[r].allowed[:V] for r in masked]))
         x = xp.where(allowed, x, -xp.inf)
     best = xp.argmax(x, axis=1)
-    if all(d.params.greedy for d in draws):
+    sampled = [d.params for d in draws if not d.params.greedy]
+    if not sampled:
         return best
     x = x / temperature[:, None]
-    order = xp.argsort(-x, axis=1, kind="stable") if xp is np else xp.argsort(-x, axis=1)   # cupy's sort is stable
-    rank = xp.empty_like(order)
-    rank[xp.arange(m)[:, None], order] = xp.arange(V)[None, :]      # each id's place in its row's order
-    k = xp.where((top_k > 0) & (top_k < V), top_k, V)
-    probs = _row_softmax(xp, xp.where(rank < k[:, None], x, -xp.inf))
-    if any(d.params.top_p < 1.0 for d in draws):   # the smallest prefix of the order reaching top_p, at least one id
+    if any(0 < p.top_k < V or p.top_p < 1.0 for p in sampled):
+        # each row's ids by falling logit, ties in id order (cupy's sort is stable); the raw
+        # float32 logits sort as x does where nothing changed them, in half the bytes
+        keys = logits if not (answer or seen or masked) else x
+        order = xp.argsort(-keys, axis=1, kind="stable") if xp is np else xp.argsort(-keys, axis=1)
+        rank = xp.empty_like(order)
+        rank[xp.arange(m)[:, None], order] = xp.arange(V)[None, :]      # each id's place in its row's order
+        k = xp.where((top_k > 0) & (top_k < V), top_k, V)
+        x = xp.where(rank < k[:, None], x, -xp.inf)
+    probs = _row_softmax(xp, x)
+    if any(p.top_p < 1.0 for p in sampled):   # the smallest prefix of the order reaching top_p, at least one id
         cum = xp.cumsum(xp.take_along_axis(probs, order, axis=1), axis=1)
         n = xp.minimum((cum < top_p[:, None]).sum(axis=1) + 1, V)
         probs = xp.where((rank < n[:, None]) | (top_p[:, None] >= 1.0), probs, 0.0)
