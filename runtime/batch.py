@@ -8,8 +8,9 @@ hands out. The step returns the logits of each chunk's last token.
 `CpuBatchEngine` runs it on the numpy reference executor, sharing a CpuEngine's weights;
 runtime/cuda_batch.py's CudaBatchEngine runs it on the compiler's kernels.
 
-Each chunk's row is picked where the logits are: its argmax, or where `draws` gives the chunk
-a runtime/sampling.Draw, what its Sampler would draw (sample_rows); only the ids come back.
+Each chunk's row is picked where the logits are (runtime/picks.py): its argmax, or where
+`draws` gives the chunk a runtime/sampling.Draw, what its Sampler would draw; only the ids come
+back.
 A step may take some of its chunks' tokens from the step queued before it (`picks`): a chunk of
 one placeholder token is fed that step's pick of one of its rows, on the engine, so the host
 can queue the next step before the picks of the running one are back (server/batcher.py).
@@ -24,8 +25,8 @@ import numpy as np
 
 from ..dsl.paging import paged, table_width
 from ..errors import FuselmError
+from .picks import StepLogits, row_logprobs, row_picks
 from .reference import new_state, run_graph
-from .sampling import Draw, sample_rows
 
 
 @dataclass(frozen=True)
@@ -62,90 +63,6 @@ def fed_picks(chunks: Sequence[Chunk], picks) -> tuple[list[int], list[int]]:
     if any(len(chunks[c].ids) != 1 for c, _ in picks[1]):
         raise FuselmError("a chunk fed a pick of the step before must be one token")
     return [int(starts[c]) for c, _ in picks[1]], [row for _, row in picks[1]]
-
-
-def sampled_rows(draws: Sequence[Draw | None] | None) -> tuple[list[int], list[Draw]]:
-    """The rows that `draws` samples, and their draws."""
-    rows = [i for i, d in enumerate(draws or ()) if d is not None]
-    return rows, [draws[i] for i in rows]
-
-
-def row_picks(rows, draws: Sequence[Draw | None] | None, params=None, index=None):
-    """Each row's pick [chunks] (where `rows` [chunks, vocab] is): its argmax, or its draw's pick
-    (runtime/sampling.sample_rows) where `draws` has one; `params` and `index` (the sampled rows)
-    where the rows are already, else copied there."""
-    xp = np if isinstance(rows, np.ndarray) else __import__("cupy")
-    best = xp.argmax(rows, axis=1)
-    sampled, chosen = sampled_rows(draws)
-    if sampled:
-        index = xp.asarray(np.asarray(sampled)) if index is None else index
-        best[index] = sample_rows(rows[index], chosen, params)
-    return best
-
-
-def logprob_rows(draws: Sequence[Draw | None] | None) -> list[int]:
-    """The rows whose draw asks for logprobs."""
-    return [i for i, d in enumerate(draws or ()) if d is not None and d.logprobs is not None]
-
-
-def row_logprobs(rows, best, draws: Sequence[Draw | None] | None, index=None):
-    """OpenAI's logprobs of the rows whose draw asks for them, where `rows` [chunks, vocab] are:
-    (their rows, the log-softmax of each one's pick `best` [n], and its row's `top` most likely
-    ids [n, top] with theirs [n, top], top the most any asks for), or None. The raw logits'
-    log-softmax in float64, ties in id order (server/logprobs.py). `index`: those rows where
-    the logits are, else copied there."""
-    asked = logprob_rows(draws)
-    if not asked:
-        return None
-    xp = np if isinstance(rows, np.ndarray) else __import__("cupy")
-    index = xp.asarray(np.asarray(asked)) if index is None else index
-    x = rows[index].astype(xp.float64)
-    peak = x.max(axis=1, keepdims=True)
-    log_total = peak + xp.log(xp.exp(x - peak).sum(axis=1, keepdims=True))
-    top = max(draws[i].logprobs for i in asked)
-    order = (xp.argsort(-x, axis=1, kind="stable") if xp is np else xp.argsort(-x, axis=1))[:, :top]
-    picked = xp.take_along_axis(x, best[index][:, None], axis=1)[:, 0] - log_total[:, 0]
-    return asked, picked, order, xp.take_along_axis(x, order, axis=1) - log_total
-
-
-class StepLogits:
-    """The logits rows [chunks, vocab] of one batch step where the engine left them (a numpy or a
-    CuPy array): every row's finiteness and pick at once, a whole row copied only on demand.
-    `best`: the rows' picks where the engine made them already (the picks it feeds on);
-    `logprobs`: row_logprobs' of the rows that asked."""
-
-    def __init__(self, rows, best=None, logprobs=None):
-        self.rows, self.best, self._logprobs = rows, best, logprobs
-        if isinstance(rows, np.ndarray):
-            self._xp = np
-        else:
-            import cupy
-            self._xp = cupy
-
-    def finite(self) -> np.ndarray:
-        """[chunks] bool: whether each row holds no NaN or inf."""
-        return self._host(self._xp.isfinite(self.rows).all(axis=1))
-
-    def picks(self) -> np.ndarray:
-        """[chunks] int: each row's pick (its argmax where the step was given no draw for it)."""
-        return self._host(self._xp.argmax(self.rows, axis=1) if self.best is None else self.best)
-
-    def logprobs(self, i: int) -> tuple[float, np.ndarray, np.ndarray]:
-        """Row i's pick's log probability and its row's most likely ids and theirs (as many as
-        its draw asked for: the caller takes its own), from row_logprobs."""
-        asked, picked, ids, values = self._logprobs
-        if not isinstance(picked, np.ndarray):     # one copy of each, for all rows
-            self._logprobs = asked, picked, ids, values = asked, *(self._host(a) for a in (picked, ids, values))
-        k = asked.index(i)
-        return float(picked[k]), ids[k], values[k]
-
-    def row(self, i: int) -> np.ndarray:
-        """Row i on the host, float32."""
-        return self._host(self.rows[i])
-
-    @staticmethod
-    def _host(x) -> np.ndarray:
-        return x if isinstance(x, np.ndarray) else x.get()
 
 
 class CpuBatchEngine:

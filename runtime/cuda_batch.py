@@ -24,8 +24,8 @@ from ..codegen.kv_cache import graph_kv_bytes, layout_of
 from ..codegen.params import storage_of
 from ..dsl.paging import table_width
 from ..errors import FuselmError
-from .batch import (Chunk, StepLogits, fed_picks, logprob_rows, row_logprobs, row_picks, sampled_rows,
-                    step_feeds)
+from .batch import Chunk, fed_picks, step_feeds
+from .picks import StepLogits, logprob_rows, row_logprobs, row_picks, sampled_rows
 from .sampling import ROW_PARAMS, row_params
 from .launch import arena_view
 from .prefill import BoundStep, step_buffers
@@ -196,7 +196,7 @@ class _Step(BoundStep):
     def run(self, feeds: dict[str, np.ndarray], last: np.ndarray, fed=None, draws=None) -> Queued:
         """Queue one step on `feeds` (fewer tokens than the step takes: padded onto the pad page),
         then a copy of its logits rows `last` [len(last), vocab], their picks (by `draws`,
-        runtime/batch.row_picks) and the logprobs asked for. `fed` = (best, slots, rows): token
+        runtime/picks.row_picks) and the logprobs asked for. `fed` = (best, slots, rows): token
         slots whose ids are best[rows], the picks of a step before on the same stream. Nothing
         here waits for the GPU (but the copies of penalties and grammar masks: sampling.py)."""
         batch, cp, stream = self.batch, self.batch.cp, self.engine.stream

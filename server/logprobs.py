@@ -3,7 +3,7 @@
 Each is the model's own: log-softmax of the raw logits row (before penalties, temperature or a
 grammar's mask, as vLLM reports them), for the token the sampler picked and, where asked, the
 `top` most likely ids of that row (ties in id order); the batch engine computes them where the
-logits are (runtime/batch.row_logprobs).
+logits are (runtime/picks.row_logprobs).
 """
 from __future__ import annotations
 
@@ -25,6 +25,6 @@ class TokenLogprob:
 
 def from_engine(token: int, logprob: float, ids: np.ndarray, values: np.ndarray, top: int, text_of) -> TokenLogprob:
     """The TokenLogprob of `token` from what a batch engine computed where the logits are
-    (runtime/batch.row_logprobs: its log probability, its row's best ids and theirs), the first
+    (runtime/picks.row_logprobs: its log probability, its row's best ids and theirs), the first
     `top` alternatives kept."""
     return TokenLogprob(text_of(token), logprob, tuple((text_of(int(i)), float(v)) for i, v in zip(ids[:top], values[:top])))

@@ -215,7 +215,7 @@ def test_paged_kernels_refuse_what_they_cannot_run():
 def test_row_logprobs_are_the_raw_rows_log_softmax_with_ties_in_id_order():
     """row_logprobs (OpenAI's logprobs where the logits are): each asking row's pick and its
     best ids, from the raw logits (not what a draw's filters left), the most asked for."""
-    from fuselm.runtime.batch import row_logprobs
+    from fuselm.runtime.picks import row_logprobs
     from fuselm.runtime.engine import SamplingParams
     from fuselm.runtime.sampling import Sampler
     rng = np.random.default_rng(3)
