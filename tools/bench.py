@@ -18,6 +18,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from datetime import date
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from ..runtime.engine import SamplingParams
 from .profile import kernel_profile, prefill_profile, step_ablation, step_profile
 
 GREEDY = SamplingParams()
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.95)   # bench --batch's sampled steps (a chat client's settings)
 
 
 def copy_bandwidth(gib: int = 4) -> float:
@@ -107,11 +109,15 @@ def batch_rates(engine, batches: tuple[int, ...], tokens: int, vocab: int, promp
                 profile: bool = False) -> dict:
     """Decode throughput of continuous batching (runtime/cuda_batch.py) beside `engine`: for each
     B of `batches`, B sequences of `prompt` random tokens prefilled together, then `tokens` steps
-    of one token of each, timed as the server runs greedy steps: each queued before the step
-    before it is done, fed that step's argmax on the GPU, whose ids come back meanwhile. {"B": {"tok_s", "step_ms"}}, and the page rows, under "pages";
-    with `profile`, each B's step timed per kernel function too ("profile", as prefill_profile)."""
+    of one token of each, timed as the server runs steps: each queued before the step before it
+    is done, fed that step's picks on the GPU, whose ids come back meanwhile; greedy, then every
+    row drawn at SAMPLED's settings (runtime/sampling.sample_rows on the GPU).
+    {"B": {"tok_s", "step_ms", "sampled_tok_s", "sampled_step_ms"}}, and the page rows, under
+    "pages"; with `profile`, each B's step timed per kernel function too ("profile", as
+    prefill_profile)."""
     from ..runtime.batch import Chunk
     from ..runtime.cuda_batch import CudaBatchEngine
+    from ..runtime.sampling import Sampler
     rows = prompt + tokens
     batch = None
     rng = np.random.default_rng(1)
@@ -132,19 +138,24 @@ def batch_rates(engine, batches: tuple[int, ...], tokens: int, vocab: int, promp
             batch.step(chunks[i:i + per_step])
         first = rng.integers(0, vocab, b)
 
-        def steps(start, count, before=None):   # each fed the picks of the one before (server/batcher.py, 4)
+        def steps(start, count, samplers=None):   # each fed the picks of the one before (server/batcher.py, 4)
+            before = None
             for k in range(start, start + count):
                 picks = (before, [(i, i) for i in range(b)]) if before else None
-                queued = batch.launch([Chunk([int(first[i])], prompt + k, tables[i]) for i in range(b)], picks)
+                draws = [s.draw() for s in samplers] if samplers else None
+                queued = batch.launch([Chunk([int(first[i])], prompt + k, tables[i]) for i in range(b)], picks, draws)
                 if before:
                     before.result().picks()    # the host takes the picks while the next step runs
                 before = queued
             return before
-        steps(0, 1).result().picks()           # warm-up (and the step's graph capture)
-        t0 = time.perf_counter()
-        steps(1, tokens).result().picks()
-        elapsed = time.perf_counter() - t0
-        out[str(b)] = {"tok_s": round(b * tokens / elapsed, 1), "step_ms": round(elapsed / tokens * 1e3, 3)}
+        out[str(b)] = {}
+        for label, samplers in (("", None), ("sampled_", [Sampler(replace(SAMPLED, seed=i)) for i in range(b)])):
+            steps(0, 1, samplers).result().picks()       # warm-up (the step's graph capture, CuPy's kernels)
+            t0 = time.perf_counter()
+            steps(1, tokens, samplers).result().picks()
+            elapsed = time.perf_counter() - t0
+            out[str(b)].update({f"{label}tok_s": round(b * tokens / elapsed, 1),
+                                f"{label}step_ms": round(elapsed / tokens * 1e3, 3)})
         if profile:   # the last step's inputs are in place
             size = min(s for s in batch.sizes if s >= b)
             out[str(b)]["profile"] = step_profile(engine, batch._steps[size], size)
@@ -378,8 +389,8 @@ def _row(r: dict) -> str:
         s += f" | from{' (' + r['kv_dtype'] + ' KV)' if r.get('kv_dtype', 'bf16') != 'bf16' else ''} " + \
             ", ".join(f"{p}: {v}" for p, v in at.items()) + " tok/s"
     if r.get("batch_decode"):
-        s += " | batched " + ", ".join(f"{b}: {v['tok_s']}" for b, v in r["batch_decode"].items()
-                                       if b != "pages" and "tok_s" in v) + " tok/s"
+        s += " | batched " + ", ".join(f"{b}: {v['tok_s']} ({v['sampled_tok_s']} sampled)"
+                                       for b, v in r["batch_decode"].items() if b != "pages" and "tok_s" in v) + " tok/s"
     if r["compile_cold_s"] is not None:
         s += (f" | compile {r['compile_cold_s']}s cold {r['compile_warm_s']}s warm"
               f" | warm start {r['warm_start_s']}s")
