@@ -47,6 +47,14 @@ READ_WORKERS = min(8, os.cpu_count() or 1)
 READ_AHEAD = 1 << 28
 
 
+def repack_margin(workers: int = READ_WORKERS) -> int:
+    """Bytes that loading with `workers` threads may hold beside the weights where it repacks
+    (on the GPU, with xp=cupy): each thread's band of temporaries (quant/layout.py) and the
+    GGUF blocks of READ_AHEAD weights in flight (at most ~1.1 bytes a weight, Q8_0's)."""
+    from ..quant.layout import REPACK_TEMP_BYTES, REPACK_WEIGHTS
+    return workers * REPACK_TEMP_BYTES * REPACK_WEIGHTS + READ_AHEAD * 9 // 8
+
+
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """Open a Hugging Face folder (config.json, safetensors, tokenizer.json) or a .gguf file.
     Reads headers and metadata only; tensors are read by load_weights. The config and the tokenizer
@@ -163,8 +171,8 @@ def iter_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, keep_quantize
             for n in names:
                 _load_one(ckpt, n, node.shape[1:] if stack else node.shape, available, None)   # present, right shape
             if _gpu_format(ckpt, node.name, node.shape):
-                parts = [ckpt.tensors.quantized(n, xp) for n in names]
-                return stack_experts(parts) if stack else parts[0]
+                parts = (ckpt.tensors.quantized(n, xp) for n in names)   # a stack's held once, not twice
+                return stack_experts(parts, len(names)) if stack else next(parts)
         if stack:
             return np.stack([_load_one(ckpt, n, node.shape[1:], available, dtype)
                              for n in _experts(node.name, node.shape)])

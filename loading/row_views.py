@@ -1,6 +1,9 @@
 """A checkpoint view in which some tensors are rows of another: fused projections read as parts."""
 from __future__ import annotations
 
+import threading
+from collections import Counter
+
 import numpy as np
 
 from ..errors import FuselmError
@@ -18,7 +21,11 @@ class RowViews(TensorStore):
         self._store, self.source = store, store.source
         have = set(store.names())
         self._views = {name: (src, np.asarray(rows)) for name, (src, rows) in views.items() if src in have}
-        self._last = (None, None)   # (tensor, its quantized weight): Q, K and V are read one after another
+        self._views_of = Counter(src for src, _ in self._views.values())
+        # (tensor, xp) -> [its quantized weight, its views not yet taken]: Q, K and V repack their
+        # tensor once, which goes when the last of them is taken; loader threads share it
+        self._held: dict[tuple, list] = {}
+        self._lock = threading.Lock()
 
     def names(self) -> list[str]:
         return self._store.names() + list(self._views)
@@ -48,7 +55,11 @@ class RowViews(TensorStore):
             return self._store.quantized(name, xp)
         src, rows = self._views[name]
         self.shape(name)
-        if self._last[0] != (src, xp):
-            self._last = ((src, xp), self._store.quantized(src, xp))
-        whole = self._last[1]
+        with self._lock:
+            held = self._held.setdefault((src, xp), [None, self._views_of[src]])
+            if held[0] is None:
+                held[0] = self._store.quantized(src, xp)
+            whole, held[1] = held[0], held[1] - 1
+            if held[1] <= 0:
+                del self._held[(src, xp)]
         return None if whole is None else take_rows(whole, rows)

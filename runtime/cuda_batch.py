@@ -26,7 +26,8 @@ from ..dsl.paging import table_width
 from ..errors import FuselmError
 from .batch import Chunk, fed_picks, step_feeds
 from .picks import StepLogits, logprob_rows, row_logprobs, row_picks, sampled_rows
-from .sampling import ROW_PARAMS, row_params
+from .engine import SamplingParams
+from .sampling import ROW_PARAMS, Sampler, row_params
 from .launch import arena_view
 from .prefill import BoundStep, step_buffers
 
@@ -87,12 +88,20 @@ class CudaBatchEngine:
 
     def warm_up(self) -> None:
         """Run every step size once (one token on page 0, the rest padding) and the picks on its
-        rows: the CUDA graphs are captured and CuPy's kernels for the picks compiled before the
-        first request waits for them (seconds on a fresh machine). Leaves page 0's first row
-        written, which any sequence given page 0 writes again before reading it."""
+        rows, greedy and drawn with every filter, a grammar's mask and logprobs: the CUDA graphs
+        are captured and CuPy's kernels for the picks compiled before the first request waits
+        for them (seconds on a fresh machine). Leaves page 0's first row written, which any
+        sequence given page 0 writes again before reading it."""
+        vocab = self._steps[self.sizes[0]].logits.shape[1]
+        every = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                               presence_penalty=0.1, frequency_penalty=0.1)
+        sampler = Sampler(every)
+        sampler.record(1)
         for size in self.sizes:
-            logits = self._steps[size].run(step_feeds([Chunk([0], 0, [0])], self.table_width), np.array([0])).result()
-            logits.finite(), logits.picks(), logits.row(0)
+            feeds = step_feeds([Chunk([0], 0, [0])] * 2, self.table_width)
+            for draws in (None, [sampler.draw([1], np.ones(vocab, bool), logprobs=1), None]):
+                logits = self._steps[size].run(feeds, np.array([0, 1]), draws=draws).result()
+                logits.finite(), logits.picks(), logits.row(0)
 
     @staticmethod
     def row_bytes(graph, kv: str = "bf16") -> int:
@@ -218,14 +227,16 @@ class _Step(BoundStep):
         with stream:
             for device, values in ((self.ids, ids), (self.pos, pos), (self.pages, pages)):
                 device.set(values, stream=stream)
-            last = put(last.astype(np.int32), "last")
-            if fed:
-                best, slots, rows = fed
-                self.ids[put(slots, "slots")] = best[put(rows, "rows")]
-            index = put(sampled, "sampled") if sampled else None
-            params = put(row_params(chosen), "draw_params").reshape(len(ROW_PARAMS), -1) if sampled else None
-            asked = put(asked, "asked") if asked else None
-            host.copied.record(stream)
+            try:
+                last = put(last.astype(np.int32), "last")
+                if fed:
+                    best, slots, rows = fed
+                    self.ids[put(slots, "slots")] = best[put(rows, "rows")]
+                index = put(sampled, "sampled") if sampled else None
+                params = put(row_params(chosen), "draw_params").reshape(len(ROW_PARAMS), -1) if sampled else None
+                asked = put(asked, "asked") if asked else None
+            finally:   # whatever was queued from `host` is behind this event
+                host.copied.record(stream)
             self.capture()            # where the engine uses graphs and this step has none yet
             self.replay()
             rows = self.logits[last]    # a copy: the next step reuses the arena

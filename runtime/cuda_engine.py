@@ -179,15 +179,16 @@ class CudaEngine:
 
         from tqdm import tqdm
 
-        from ..loading.checkpoint import gpu_formats, iter_weights
+        from ..loading.checkpoint import gpu_formats, iter_weights, repack_margin
         from ..quant.quantize import QUANT_OPTIONS, on_load_formats, quantize
         if quant not in (None, "bf16", *QUANT_OPTIONS):
             raise FuselmError(f"--quant must be bf16 or one of {', '.join(QUANT_OPTIONS)}, got '{quant}'")
         keep = quant != "bf16"
-        formats = gpu_formats(ckpt, graph) if keep else {}
+        formats = kept = gpu_formats(ckpt, graph) if keep else {}
         if quant in QUANT_OPTIONS:     # the file's own quantized formats stay as they are
-            formats = {**on_load_formats(quant, quantizable_shapes(graph)), **formats}
-        check_device_memory(cupy, graph, ctx, formats=formats, kv=check_kv(kv))
+            formats = {**on_load_formats(quant, quantizable_shapes(graph)), **kept}
+        # room for the repacking's temporaries too, where the file's blocks are repacked on the GPU
+        check_device_memory(cupy, graph, ctx, formats=formats, kv=check_kv(kv), extra=repack_margin() if kept else 0)
         # one tensor at a time from the (mapped) file to the GPU: host memory holds one, not all
         weights = {}
         total = weight_bytes(graph, formats)
@@ -200,7 +201,8 @@ class CudaEngine:
                 weights[name] = (QuantizedWeight(w.format, w.shape, cupy.asarray(w.data))
                                  if isinstance(w, QuantizedWeight) else as_device(cupy, w))
                 bar.update(weights[name].nbytes)
-        cupy.get_default_memory_pool().free_all_blocks()   # the repacking's temporaries
+        cupy.get_default_memory_pool().free_all_blocks()          # the repacking's temporaries
+        cupy.get_default_pinned_memory_pool().free_all_blocks()   # and the uploads' pinned buffers
         return cls(graph, weights, ctx=ctx, fuse=fuse, kv=kv)
 
     # ---- memory ----

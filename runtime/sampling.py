@@ -209,7 +209,11 @@ def sample_rows(logits, draws: list[Draw], params=None):
         probs = xp.where(probs >= min_p[:, None] * probs.max(axis=1, keepdims=True), probs, 0.0)
     probs = probs / probs.sum(axis=1, keepdims=True)
     cdf = xp.cumsum(probs, axis=1)
-    picked = xp.minimum((cdf <= u[:, None] * cdf[:, -1:]).sum(axis=1), V - 1)   # searchsorted(cdf, target, "right")
+    # searchsorted(cdf, target, "right"): the first id whose cdf passes the target, which has a
+    # probability where cdf rises step by step (numpy); a parallel sum (cupy) may dip by an ulp
+    # at an id of none, which must never be picked; none passes: the last id, as numpy's
+    above = (cdf > u[:, None] * cdf[:, -1:]) & (probs > 0)
+    picked = xp.where(above.any(axis=1), xp.argmax(above, axis=1), V - 1)
     return xp.where(greedy > 0, best, picked)
 
 
