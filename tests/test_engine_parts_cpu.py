@@ -125,13 +125,21 @@ def test_bench_positions_size_the_cache_or_say_why_they_cannot():
         context_for(cfg, "smollm2-135m", 4608, (8100,), 128)
     with pytest.raises(FuselmError, match=r"^--positions: start positions must be 0 or more, got -5$"):
         context_for(cfg, "smollm2-135m", 4608, (10, -5), 128)
+    assert context_for(cfg, "smollm2-135m", 4608, (), 128, prompts=(6000,)) == 6001
+    with pytest.raises(FuselmError, match=r"^--prompts: a prompt of 8192 tokens and its answer need 8193 positions; "
+                                          r"smollm2-135m holds 8192$"):
+        context_for(cfg, "smollm2-135m", 4608, (), 128, prompts=(8192,))
+    with pytest.raises(FuselmError, match=r"^--prompts: prompts must be at least 1 token long, got 0$"):
+        context_for(cfg, "smollm2-135m", 4608, (), 128, prompts=(0, 10))
     assert _positions("1024,2048") == (1024, 2048)
     with pytest.raises(argparse.ArgumentTypeError, match="comma-separated integers, got '1k'"):
         _positions("1k")
     r = {"model": "m", "dtype": "q4_k_m", "decode_tok_s": 100.0, "ms_per_token": 10.0, "ttft_32_ms": 1.0, "ttft_512_ms": None,
          "decode_tok_s_at_4k": None, "compile_cold_s": None, "peak_gpu_GiB": 1.0,
-         "decode_tok_s_from": {"1024": 95.5, "6000": 80.1}}
+         "decode_tok_s_from": {"1024": 95.5, "6000": 80.1}, "ttft_at_ms": {"32768": 1200.0},
+         "prefill_tok_s_at": {"32768": 27307}}
     assert "| from 1024: 95.5, 6000: 80.1 tok/s |" in _row(r)
+    assert "ttft32768 1200.0 ms (27307 tok/s)" in _row(r)
 
 
 def test_bench_records_the_tuning_it_ran_under():

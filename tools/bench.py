@@ -174,13 +174,15 @@ def step_bytes(kernels, states, context: float) -> float:
 def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do_profile: bool = False,
                 peers: tuple[str, ...] = (), copy_Bps: float | None = None, fuse: bool = True,
                 decode_only: bool = False, positions: tuple[int, ...] = (), tuning=None,
-                quant: str | None = None, kv: str = "bf16", batches: tuple[int, ...] = ()) -> dict:
+                quant: str | None = None, kv: str = "bf16", batches: tuple[int, ...] = (),
+                prompts: tuple[int, ...] = ()) -> dict:
     """Measure one preset or checkpoint (see the module docstring); `decode_only` skips the compile
     and long-prompt measurements and the profile at 4k (for quick A/B runs); `positions`: decode
     tok/s also from each of these start positions (the cache grows to hold the last one's run);
     `quant`: a preset's weights made in that scheme's formats (quant/schemes.py); `kv`: the KV
     cache's dtype (bf16, fp8 or auto: by the context, resolve_kv); `batches`: continuous-batching throughput at these numbers of
-    sequences (batch_rates)."""
+    sequences (batch_rates); `prompts`: the time to the first token of prompts of these lengths
+    (long ones go in chunks; the cache grows to hold them)."""
     import cupy as cp
 
     from ..runtime.cuda_engine import CudaEngine
@@ -194,7 +196,7 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
         cfg = ckpt.config
     else:
         cfg = preset(name)
-    ctx = context_for(cfg, name, ctx, positions, tokens)
+    ctx = context_for(cfg, name, ctx, positions, tokens, prompts)
     kv = resolve_kv(kv, ctx)
     graph = build_graph(cfg)
     t0 = time.perf_counter()
@@ -238,6 +240,7 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
     # 4k context, from position 4096 (its graphs were captured above; no further warm-up)
     tok_s_4k = rate_from(4096)
     tok_s_at = {str(p): round(rate_from(p), 1) for p in positions}
+    ttft_at = {str(n): _decode_rate(engine, rng.integers(0, cfg.vocab_size, n).tolist(), 1)[0] for n in prompts}
     if do_profile and not decode_only:
         ablation_4k = step_ablation(engine)
     batched = batch_rates(engine, batches, tokens, cfg.vocab_size, profile=do_profile) if batches else None
@@ -253,6 +256,9 @@ def bench_model(name: str, ctx: int = 4608, runs: int = 3, tokens: int = 128, do
            "decode_tok_s_at_4k": _round(tok_s_4k, 1, 1), "ratio_4k": _round(tok_s_4k, 1 / tok_s, 3),
            # start position -> decode tok/s of a run from there (--positions)
            **({"decode_tok_s_at": tok_s_at} if tok_s_at else {}),
+           # prompt length -> its time to the first token, and prompt tokens a second (--prompts)
+           **({"ttft_at_ms": {n: round(t * 1e3, 1) for n, t in ttft_at.items()},
+               "prefill_tok_s_at": {n: round(int(n) / t) for n, t in ttft_at.items()}} if ttft_at else {}),
            # sequences in one continuous batch -> output tok/s of them all, ms per step (--batch)
            **({"batch_decode": batched} if batched else {}),
            "compile_cold_s": _round(cold, 1, 2), "compile_warm_s": _round(warm, 1, 2),
@@ -288,17 +294,24 @@ def quant_formats(graph, scheme: str) -> dict[str, str]:
         raise FuselmError(f"--quant: {e}") from None
 
 
-def context_for(cfg, name: str, ctx: int, positions: tuple[int, ...], tokens: int) -> int:
+def context_for(cfg, name: str, ctx: int, positions: tuple[int, ...], tokens: int,
+                prompts: tuple[int, ...] = ()) -> int:
     """KV cache rows for a bench of `name`: `ctx`, or more where a run from one of `positions`
-    needs them; a one-line error where that passes the model's maximum."""
+    or a prompt of one of `prompts` tokens (and its first token) needs them; a one-line error
+    where that passes the model's maximum."""
     bad = [p for p in positions if p < 0]
     if bad:
         raise FuselmError(f"--positions: start positions must be 0 or more, got {bad[0]}")
+    if any(n < 1 for n in prompts):
+        raise FuselmError(f"--prompts: prompts must be at least 1 token long, got {min(prompts)}")
     need = max((p + tokens + 1 for p in positions), default=0)
     if need > cfg.max_position_embeddings:
         raise FuselmError(f"--positions: a run of {tokens} tokens from {max(positions)} needs {need} positions; "
                           f"{name} holds {cfg.max_position_embeddings}")
-    return max(ctx, need)
+    if prompts and max(prompts) + 1 > cfg.max_position_embeddings:
+        raise FuselmError(f"--prompts: a prompt of {max(prompts)} tokens and its answer need {max(prompts) + 1} "
+                          f"positions; {name} holds {cfg.max_position_embeddings}")
+    return max(ctx, need, max(prompts, default=0) + 1)
 
 
 def _round(x: float | None, scale: float, digits: int) -> float | None:
@@ -382,6 +395,8 @@ def _row(r: dict) -> str:
         if r.get(f"ttft_{n}_ms") is not None:
             rate = r.get(f"prefill_tok_s_{n}")
             s += f" ttft{n} {r[f'ttft_{n}_ms']} ms" + (f" ({rate:.0f} tok/s)" if rate else "")
+    for n, ms in r.get("ttft_at_ms", {}).items():
+        s += f" ttft{n} {ms} ms ({r['prefill_tok_s_at'][n]:.0f} tok/s)"
     if r["decode_tok_s_at_4k"] is not None:
         s += f" | 4k ctx {r['decode_tok_s_at_4k']} tok/s ({r['ratio_4k'] * 100:.1f}%)"
     at = r.get("decode_tok_s_at") or r.get("decode_tok_s_from")   # (older records: "_from")
@@ -389,7 +404,7 @@ def _row(r: dict) -> str:
         s += f" | from{' (' + r['kv_dtype'] + ' KV)' if r.get('kv_dtype', 'bf16') != 'bf16' else ''} " + \
             ", ".join(f"{p}: {v}" for p, v in at.items()) + " tok/s"
     if r.get("batch_decode"):
-        s += " | batched " + ", ".join(f"{b}: {v['tok_s']} ({v['sampled_tok_s']} sampled)"
+        s += " | batched " + ", ".join(f"{b}: {v['tok_s']}" + (f" ({v['sampled_tok_s']} sampled)" if "sampled_tok_s" in v else "")
                                        for b, v in r["batch_decode"].items() if b != "pages" and "tok_s" in v) + " tok/s"
     if r["compile_cold_s"] is not None:
         s += (f" | compile {r['compile_cold_s']}s cold {r['compile_warm_s']}s warm"
@@ -416,6 +431,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only decode speed, short and at 4k (no compile or 512-token prompt runs)")
     p.add_argument("--positions", type=_positions, default=(), metavar="P[,P...]",
                    help="decode tok/s also from these start positions (context lengths), e.g. 1024,2048,8000")
+    p.add_argument("--prompts", type=_positions, default=(), metavar="N[,N...]",
+                   help="time to the first token of prompts of N tokens too, e.g. 32768 (chunked)")
     p.add_argument("--batch", dest="batches", type=_positions, default=(), metavar="B[,B...]",
                    help="continuous-batching decode throughput of B sequences at once, e.g. 1,8,32,64")
     p.add_argument("--json", dest="out", help="write the JSON record here")
@@ -441,7 +458,7 @@ def main(args: argparse.Namespace) -> int:
     run(args.models, out=args.out, tuning=tuning_of(args), runs=args.runs, tokens=args.tokens, do_profile=args.profile,
         peers=tuple(p for p in args.peers.split(",") if p), fuse=not args.no_fuse,
         decode_only=args.decode_only, positions=args.positions, quant=args.quant, kv=args.kv,
-        batches=args.batches)
+        batches=args.batches, prompts=args.prompts)
     return 0
 
 
