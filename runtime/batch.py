@@ -124,7 +124,7 @@ class CpuBatchEngine:
             starts = np.cumsum([0] + [len(c.ids) for c in chunks])
             chunks = [Chunk(ids[a:b].tolist(), c.start, c.table) for c, a, b in zip(chunks, starts, starts[1:])]
         logits = self.step(chunks)
-        best = row_picks(logits, draws)
+        best = row_picks(logits, draws, latest=np.array([c.ids[-1] for c in chunks]))
         return Done(StepLogits(logits, best, row_logprobs(logits, best, draws)))
 
 

@@ -237,10 +237,11 @@ class _Step(BoundStep):
                 asked = put(asked, "asked") if asked else None
             finally:   # whatever was queued from `host` is behind this event
                 host.copied.record(stream)
+            latest = self.ids[last] if any(d and d.pending for d in draws or ()) else None   # [chunks] last fed ids
             self.capture()            # where the engine uses graphs and this step has none yet
             self.replay()
             rows = self.logits[last]    # a copy: the next step reuses the arena
-            best = row_picks(rows, draws, params, index)
+            best = row_picks(rows, draws, params, index, latest)
             logprobs = row_logprobs(rows, best, draws, asked)
             done = cp.cuda.Event(disable_timing=True)
             done.record(stream)

@@ -21,11 +21,11 @@ def sampled_rows(draws: Sequence[Draw | None] | None) -> tuple[list[int], list[D
 DRAWN_AT_ONCE = 16
 
 
-def row_picks(rows, draws: Sequence[Draw | None] | None, params=None, index=None):
+def row_picks(rows, draws: Sequence[Draw | None] | None, params=None, index=None, latest=None):
     """Each row's pick [chunks] (where `rows` [chunks, vocab] is): its argmax, or its draw's pick
     (runtime/sampling.sample_rows, DRAWN_AT_ONCE rows at a time) where `draws` has one; `params`
     [ROW_PARAMS, draws] and `index` [draws] (the sampled rows) where the rows are already, else
-    copied there."""
+    copied there; `latest` [chunks] there: each chunk's last fed id (for pending draws)."""
     xp = np if isinstance(rows, np.ndarray) else __import__("cupy")
     best = xp.argmax(rows, axis=1)
     sampled, chosen = sampled_rows(draws)
@@ -33,7 +33,8 @@ def row_picks(rows, draws: Sequence[Draw | None] | None, params=None, index=None
         index = xp.asarray(np.asarray(sampled)) if index is None else index
         for a in range(0, len(sampled), DRAWN_AT_ONCE):
             b = a + DRAWN_AT_ONCE
-            best[index[a:b]] = sample_rows(rows[index[a:b]], chosen[a:b], None if params is None else params[:, a:b])
+            best[index[a:b]] = sample_rows(rows[index[a:b]], chosen[a:b], None if params is None else params[:, a:b],
+                                           None if latest is None else latest[index[a:b]])
     return best
 
 

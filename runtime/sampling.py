@@ -50,15 +50,16 @@ class Sampler:
         return token
 
     def draw(self, history: Iterable[int] = (), allowed: np.ndarray | None = None,
-             logprobs: int | None = None) -> "Draw":
+             logprobs: int | None = None, pending: bool = False) -> "Draw":
         """What its next pick needs where the logits are (sample_rows): the uniform number that
         __call__ would draw now, the ids its penalties see, the `allowed` mask __call__ would be
-        given; `logprobs`: report the pick's log probability and that many alternatives. record()
-        the pick after."""
+        given; `logprobs`: report the pick's log probability and that many alternatives;
+        `pending`: the last pick is neither in `history` nor record()ed yet (the engine knows
+        it). record() the pick after."""
         p = self.params
         u = 0.0 if p.greedy else float(self.rng.random())
         seen = np.unique(np.fromiter(history, np.int64)) if p.repetition_penalty != 1.0 else np.zeros(0, np.int64)
-        return Draw(p, u, seen, dict(self.counts) if p.penalizes_answer else {}, allowed, logprobs)
+        return Draw(p, u, seen, dict(self.counts) if p.penalizes_answer else {}, allowed, logprobs, pending)
 
     def record(self, token: int) -> None:
         """A pick made from a draw() (the answer's counts, as __call__ keeps them)."""
@@ -136,14 +137,16 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 class Draw:
     """One row's pick for sample_rows: its sampler's params, the uniform number in [0, 1) of its
     draw, the distinct ids the repetition penalty sees, the answer's counts (presence and
-    frequency penalties), the ids a grammar allows ([vocab] bool, or None: all), and how many
-    alternatives to report with the pick's log probability (None: no logprobs)."""
+    frequency penalties), the ids a grammar allows ([vocab] bool, or None: all), how many
+    alternatives to report with the pick's log probability (None: no logprobs), and whether the
+    row's latest fed id is a pick its penalties must count that they do not hold yet."""
     params: SamplingParams
     u: float
     seen: np.ndarray
     counts: dict
     allowed: np.ndarray | None = None
     logprobs: int | None = None
+    pending: bool = False    # the row's latest fed id is a pick not in `seen` and `counts` yet
 
 
 ROW_PARAMS = ("temperature", "top_k", "top_p", "min_p", "u", "greedy")
@@ -159,28 +162,20 @@ def row_params(draws: list[Draw]) -> np.ndarray:
     return out
 
 
-def sample_rows(logits, draws: list[Draw], params=None):
+def sample_rows(logits, draws: list[Draw], params=None, latest=None):
     """The picks [rows] (int64, where `logits` [rows, vocab] is: numpy or cupy) that Sampler
     would make from each row with its draw, every filter applied to all rows at once in float64.
-    `params`: row_params(draws) already where the logits are (else they are copied there)."""
+    `params`: row_params(draws) already where the logits are (else they are copied there);
+    `latest` [rows]: each row's last fed id there, which the penalties of a `pending` draw count
+    (a pick of the step before, not yet seen by the host)."""
     xp = np if isinstance(logits, np.ndarray) else __import__("cupy")
     m, V = logits.shape
     temperature, top_k, top_p, min_p, u, greedy = xp.asarray(row_params(draws) if params is None else params)
     x = logits.astype(xp.float64)
-    answer = [(r, t, c) for r, d in enumerate(draws) if d.params.penalizes_answer for t, c in d.counts.items()]
-    if answer:   # (these copies may wait for a queued step: a sequence with penalties, or a grammar
-        # below, is never planned ahead of its pick; only its prompt's last chunk may be)
-        r, t, c = (np.asarray(v) for v in zip(*answer))
-        pres = np.array([d.params.presence_penalty for d in draws])[r]
-        freq = np.array([d.params.frequency_penalty for d in draws])[r]
-        x[xp.asarray(r), xp.asarray(t)] -= xp.asarray(pres + freq * c)
-    seen = [(r, t) for r, d in enumerate(draws) if d.params.repetition_penalty != 1.0 for t in d.seen]
-    if seen:
-        r, t = (np.asarray(v) for v in zip(*seen))
-        rp = xp.asarray(np.array([d.params.repetition_penalty for d in draws])[r])
-        r, t = xp.asarray(r), xp.asarray(t)
-        v = x[r, t]
-        x[r, t] = xp.where(v > 0, v / rp, v * rp)
+    # (the penalties' and masks' copies may wait for a queued step: a sequence with a grammar is
+    # never planned ahead of its pick, and the penalties' lists are short)
+    _penalize_answer(xp, x, draws, latest)
+    _penalize_repetition(xp, x, draws, latest)
     masked = [r for r, d in enumerate(draws) if d.allowed is not None]
     if masked:   # a grammar's mask
         allowed = xp.ones((m, V), bool)
@@ -194,7 +189,8 @@ def sample_rows(logits, draws: list[Draw], params=None):
     if any(0 < p.top_k < V or p.top_p < 1.0 for p in sampled):
         # each row's ids by falling logit, ties in id order (cupy's sort is stable); the raw
         # float32 logits sort as x does where nothing changed them, in half the bytes
-        keys = logits if not (answer or seen or masked) else x
+        changed = masked or any(d.params.penalizes_answer or d.params.repetition_penalty != 1.0 for d in draws)
+        keys = x if changed else logits
         order = xp.argsort(-keys, axis=1, kind="stable") if xp is np else xp.argsort(-keys, axis=1)
         rank = xp.empty_like(order)
         rank[xp.arange(m)[:, None], order] = xp.arange(V)[None, :]      # each id's place in its row's order
@@ -215,6 +211,57 @@ def sample_rows(logits, draws: list[Draw], params=None):
     above = (cdf > u[:, None] * cdf[:, -1:]) & (probs > 0)
     picked = xp.where(above.any(axis=1), xp.argmax(above, axis=1), V - 1)
     return xp.where(greedy > 0, best, picked)
+
+
+def _pending(xp, draws: list[Draw], latest, wanted):
+    """The rows whose draw is pending and `wanted(params)`, and their latest ids (xp arrays)."""
+    rows = [r for r, d in enumerate(draws) if d.pending and wanted(d.params)]
+    if not rows:
+        return None, None
+    rows = xp.asarray(np.asarray(rows))
+    return rows, latest[rows]
+
+
+def _same(xp, rows, ids, pairs):
+    """[len(rows), len(pairs)] bool: which of the (row, id) `pairs` are each row's `ids`."""
+    r, t = pairs
+    return (r[None, :] == rows[:, None]) & (t[None, :] == ids[:, None])
+
+
+def _penalize_answer(xp, x, draws: list[Draw], latest) -> None:
+    """penalize_answer on every row of `x` in place, the latest id of a pending draw counted once more."""
+    pres = np.array([d.params.presence_penalty for d in draws])
+    freq = np.array([d.params.frequency_penalty for d in draws])
+    known = [(r, t, c) for r, d in enumerate(draws) if d.params.penalizes_answer for t, c in d.counts.items()]
+    rows, ids = _pending(xp, draws, latest, lambda p: p.penalizes_answer)
+    if known:
+        r, t, c = (np.asarray(v) for v in zip(*known))
+        amount = xp.asarray(pres[r] + freq[r] * c)
+        r, t, c = xp.asarray(r), xp.asarray(t), xp.asarray(c.astype(np.float64))
+        before = xp.zeros(0)
+        if rows is not None:   # a known id that is also the pending one: its amount goes below, once
+            same = _same(xp, rows, ids, (r, t))
+            amount = xp.where(same.any(axis=0), 0.0, amount)
+            before = (same * c[None, :]).sum(axis=1)
+        x[r, t] -= amount
+    if rows is not None:
+        count = (before if known else 0.0) + 1.0
+        x[rows, ids] -= xp.asarray(pres)[rows] + xp.asarray(freq)[rows] * count
+
+
+def _penalize_repetition(xp, x, draws: list[Draw], latest) -> None:
+    """penalize_repetition on every row of `x` in place, the latest id of a pending draw seen too."""
+    rp = np.array([d.params.repetition_penalty for d in draws])
+    known = [(r, t) for r, d in enumerate(draws) if d.params.repetition_penalty != 1.0 for t in d.seen]
+    rows, ids = _pending(xp, draws, latest, lambda p: p.repetition_penalty != 1.0)
+    if known:
+        r, t = (xp.asarray(np.asarray(v)) for v in zip(*known))
+        v = x[r, t]
+        x[r, t] = xp.where(v > 0, v / xp.asarray(rp)[r], v * xp.asarray(rp)[r])
+    if rows is not None:   # once: not where the pending id was seen already
+        seen = _same(xp, rows, ids, (r, t)).any(axis=1) if known else xp.zeros(len(rows), bool)
+        v, p = x[rows, ids], xp.asarray(rp)[rows]
+        x[rows, ids] = xp.where(seen, v, xp.where(v > 0, v / p, v * p))
 
 
 def _row_softmax(xp, x):

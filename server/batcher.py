@@ -14,12 +14,12 @@ Each step:
    is streamed) and end a sequence at a stop token; a stop string or the token limit ends it
    when its text is streamed, and the step queued for it meanwhile is wasted.
 4. plan ahead: while a step runs, the step after it is planned and queued before its picks are
-   known, wherever neither a penalty nor a grammar needs a pick of that step first: those picks
-   (every row is picked where the logits are: its argmax, or a draw of the sequence's sampler,
-   runtime/sampling.py, logprobs beside it) go from the running step's logits straight into the
-   next step's ids on the engine, so the engine never waits for the host between steps. A
-   sequence with a penalty or a grammar, or a page that is not free, makes the worker wait for
-   the step instead, as in 3.
+   known, wherever no grammar needs a pick of that step first: those picks (every row is
+   picked where the logits are: its argmax, or a draw of the sequence's sampler,
+   runtime/sampling.py, logprobs beside it; penalties count the pick still on the engine as
+   the row's last fed id) go from the running step's logits straight into the next step's ids
+   on the engine, so the engine never waits for the host between steps. A sequence under a
+   grammar, or a page that is not free, makes the worker wait for the step instead, as in 3.
 
 A sequence that needs a page when none is left preempts the sequence admitted last: its pages go
 back and it waits at the head of the queue to be prefilled again (its published pages usually
@@ -84,18 +84,19 @@ class Sequence_:
 
     @property
     def picks_ahead(self) -> bool:
-        """Whether a step may be fed its next pick before the host sees it (docstring, 4): neither
-        a penalty nor a grammar, which need that pick first."""
-        p = self.sampler.params
-        return self.constraint is None and p.repetition_penalty == 1.0 and not p.penalizes_answer
+        """Whether a step may be fed its next pick before the host sees it (docstring, 4): not
+        under a grammar, whose next mask needs that pick first. (Penalties count it on the
+        engine: the draw is `pending`.)"""
+        return self.constraint is None
 
-    def draw(self, vocab: int):
+    def draw(self, vocab: int, pending: bool = False):
         """What the engine needs to pick its next token from logits of `vocab` ids (None: the
-        argmax, and no logprobs)."""
+        argmax, and no logprobs); `pending`: its last token is a pick the host has not seen."""
         logprobs = self.ticket.job.logprobs
         if self.constraint is None and logprobs is None and self.sampler.argmax_only:
             return None
-        return self.sampler.draw(self.ids, self.constraint.allowed(vocab) if self.constraint else None, logprobs)
+        allowed = self.constraint.allowed(vocab) if self.constraint else None
+        return self.sampler.draw(self.ids, allowed, logprobs, pending)
 
 
 def batches(model) -> bool:
@@ -330,8 +331,8 @@ class BatchScheduler(Scheduler):
         chunks = [Chunk([0] if s.awaiting else s.ids[s.fed + s.queued: s.fed + s.queued + n], s.fed + s.queued, s.table)
                   for s, n in planned]
         # the draws of the rows that pick a token (their chunk ends what the sequence knows)
-        draws = [s.draw(self.vocab) if s.awaiting or s.fed + s.queued + n >= len(s.ids) else None
-                 for s, n in planned]
+        draws = [s.draw(self.vocab, pending=bool(s.awaiting)) if s.awaiting or s.fed + s.queued + n >= len(s.ids)
+                 else None for s, n in planned]
         return chunks, planned, (ahead, picks) if picks else None, draws if any(draws) else None
 
     def _room_for(self, seq: Sequence_, rows: int, preempt: bool = True) -> bool:

@@ -171,3 +171,33 @@ def test_rows_sampled_at_once_pick_what_each_sampler_picks(params, seed, vocab, 
         for s, h, t in zip(many, history, want):
             s.record(t)
             h.append(t)
+
+
+@settings(max_examples=60, deadline=None)
+@given(params=st.lists(PARAMS, min_size=1, max_size=5), seed=st.integers(0, 2**31 - 1),
+       vocab=st.sampled_from([7, 50, 300]), ties=st.booleans())
+def test_rows_drawn_before_the_last_pick_is_known_count_it_in_their_penalties(params, seed, vocab, ties):
+    """A draw made while the last pick is still on the engine (`pending`: neither in the history
+    nor in the sampler's counts) picks, with that id as the row's `latest`, what the Sampler
+    picks that knows it: presence, frequency and repetition penalties count it once."""
+    from fuselm.runtime.sampling import sample_rows
+    rng = np.random.default_rng(seed)
+    one, many = [Sampler(p) for p in params], [Sampler(p) for p in params]
+    history = [list(rng.integers(0, vocab, 5)) for _ in params]
+    last = None
+    for _ in range(8):
+        logits = rng.standard_normal((len(params), vocab)).astype(np.float32) * 3
+        if ties:
+            logits = np.round(logits)
+        want = [s(row, h) for s, row, h in zip(one, logits, history)]      # each knows every pick
+        if last is None:
+            got = sample_rows(logits, [s.draw(h) for s, h in zip(many, history)])
+        else:   # the step before's picks still out: not in history[:-1], not recorded
+            draws = [s.draw(h[:-1], pending=True) for s, h in zip(many, history)]
+            for s, t in zip(many, last):
+                s.record(t)
+            got = sample_rows(logits, draws, latest=np.asarray(last))
+        assert got.tolist() == want
+        for h, t in zip(history, want):
+            h.append(t)
+        last = want

@@ -60,6 +60,7 @@ def expected(model):
         "chat": run(model.chat(CHAT, TOKENS)),
         "sampled": run(model.generate(PROMPT, 6, temperature=1.0, top_k=40, seed=7)),
         "sampled_seed_8": run(model.generate(PROMPT, 6, temperature=1.0, top_k=40, seed=8)),
+        "penalized": run(model.generate(PROMPT, 12, temperature=0.9, top_p=0.9, repetition_penalty=1.3, seed=5)),
     }
     out["prompt_ids"] = encode_prompt(model.tokenizer, PROMPT)
     model.engine.reset()   # the prompt's last logits, for the logprobs of the first answer token
@@ -152,6 +153,15 @@ def test_seeded_sampling_equals_python_api(client, expected):
     text, _ = expected["sampled"]
     reply = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=7,
                                       extra_body={"top_k": 40})
+    assert reply.choices[0].text == text
+
+
+def test_penalized_sampling_queued_ahead_equals_python_api(client, expected):
+    """The server draws each token of a repetition-penalized request while the token before is
+    still on the engine (counted as pending); the answer is still the Python API's."""
+    text, _ = expected["penalized"]
+    reply = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=0.9, top_p=0.9, seed=5,
+                                      extra_body={"repetition_penalty": 1.3})
     assert reply.choices[0].text == text
 
 

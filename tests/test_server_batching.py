@@ -59,8 +59,8 @@ def test_concurrent_requests_each_get_their_own_answer(small_model):
 def test_steps_are_queued_ahead_on_the_engines_own_picks(small_model):
     """Greedy and seeded sampled requests: steps are planned before the running step's picks are
     back (their tokens fed from its picks on the engine, the draws made where the logits are)
-    and every answer is still the alone one; logprobs' too; a request with a penalty or a
-    grammar never is."""
+    and every answer is still the alone one; logprobs' and penalized ones too (the penalties
+    count the pick still on the engine); a request under a grammar never is."""
     requests = [(p, 10, {"temperature": 0.8, "top_p": 0.9, "seed": i} if i % 2 else {}) for i, p in enumerate(PROMPTS[:4])]
     app = create_app(small_model, max_seqs=4)
     engine = app.state.scheduler.engine
@@ -74,8 +74,8 @@ def test_steps_are_queued_ahead_on_the_engines_own_picks(small_model):
         alone, together = answers_alone_then_together(url, requests)
         assert together == alone
         assert sum(launches) >= 4 * 5, launches          # most decode tokens of the concurrent answers
-        for fields, ahead in (({"temperature": 0.8, "seed": 1, "frequency_penalty": 0.5}, False),
-                              ({"repetition_penalty": 1.3}, False),
+        for fields, ahead in (({"temperature": 0.8, "seed": 1, "frequency_penalty": 0.5, "presence_penalty": 0.3}, True),
+                              ({"repetition_penalty": 1.3}, True),
                               ({"response_format": {"type": "json_object"}}, False), ({"logprobs": 2}, True)):
             launches.clear()
             once = complete(url, PROMPTS[0], 8, **fields)["choices"][0]
