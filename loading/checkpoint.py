@@ -47,12 +47,12 @@ READ_WORKERS = min(8, os.cpu_count() or 1)
 READ_AHEAD = 1 << 28
 
 
-def repack_margin(workers: int = READ_WORKERS) -> int:
-    """Bytes that loading with `workers` threads may hold beside the weights where it repacks
-    (on the GPU, with xp=cupy): each thread's band of temporaries (quant/layout.py) and the
-    GGUF blocks of READ_AHEAD weights in flight (at most ~1.1 bytes a weight, Q8_0's)."""
+def repack_margin(largest: int) -> int:
+    """Bytes that repacking on the GPU (iter_weights with xp=cupy) holds beside the weights: the
+    GGUF blocks of the tensor in hand (at most `largest` bytes, about its repacked size) and one
+    band of temporaries (quant/layout.py)."""
     from ..quant.layout import REPACK_TEMP_BYTES, REPACK_WEIGHTS
-    return workers * REPACK_TEMP_BYTES * REPACK_WEIGHTS + READ_AHEAD * 9 // 8
+    return largest + REPACK_TEMP_BYTES * REPACK_WEIGHTS
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
@@ -157,7 +157,9 @@ def iter_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, keep_quantize
     with `xp` cupy, the quantized ones that a store can convert on the GPU come as cupy bytes.
     `workers` threads read and convert (dequantize, repack) the next tensors while the caller takes
     this one, within READ_AHEAD weights in flight: a caller that moves each to the GPU before the
-    next holds about that much in host memory, plus the largest tensor."""
+    next holds about that much in host memory, plus the largest tensor. Work on the GPU (xp not
+    numpy) runs on the caller's thread only, one tensor at a time: CUDA's current device is the
+    caller's, and CuPy's first use of a kernel from several threads at once is not to be relied on."""
     available = set(ckpt.tensors.names())
     quantizable = set()
     if keep_quantized:
@@ -171,8 +173,10 @@ def iter_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, keep_quantize
             for n in names:
                 _load_one(ckpt, n, node.shape[1:] if stack else node.shape, available, None)   # present, right shape
             if _gpu_format(ckpt, node.name, node.shape):
-                parts = (ckpt.tensors.quantized(n, xp) for n in names)   # a stack's held once, not twice
-                return stack_experts(parts, len(names)) if stack else next(parts)
+                def convert():
+                    parts = (ckpt.tensors.quantized(n, xp) for n in names)   # a stack's held once, not twice
+                    return stack_experts(parts, len(names)) if stack else next(parts)
+                return convert() if xp is np else _OnCaller(convert)
         if stack:
             return np.stack([_load_one(ckpt, n, node.shape[1:], available, dtype)
                              for n in _experts(node.name, node.shape)])
@@ -181,7 +185,13 @@ def iter_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, keep_quantize
     nodes = graph.sources("weight")
     results = read_ahead(read, nodes, lambda node: math.prod(node.shape), workers, READ_AHEAD)
     for node, weight in zip(nodes, results):
-        yield node.name, weight
+        yield node.name, weight.convert() if isinstance(weight, _OnCaller) else weight
+
+
+@dataclass
+class _OnCaller:
+    """A read left for iter_weights' caller's thread to finish (its work on the GPU)."""
+    convert: object
 
 
 def read_ahead(read, items, size, workers: int, budget: int):

@@ -98,9 +98,11 @@ class CudaBatchEngine:
         sampler = Sampler(every)
         sampler.record(1)
         for size in self.sizes:
-            feeds = step_feeds([Chunk([0], 0, [0])] * 2, self.table_width)
-            for draws in (None, [sampler.draw([1], np.ones(vocab, bool), logprobs=1), None]):
-                logits = self._steps[size].run(feeds, np.array([0, 1]), draws=draws).result()
+            rows = min(2, size)         # a drawn row beside a greedy one where the step has room
+            feeds = step_feeds([Chunk([0], 0, [0])] * rows, self.table_width)
+            drawn = [sampler.draw([1], np.ones(vocab, bool), logprobs=1), None][:rows]
+            for draws in (None, drawn):
+                logits = self._steps[size].run(feeds, np.arange(rows), draws=draws).result()
                 logits.finite(), logits.picks(), logits.row(0)
 
     @staticmethod

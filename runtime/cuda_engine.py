@@ -60,6 +60,12 @@ def weight_bytes(graph: Graph, formats: Mapping[str, str] | None = None) -> int:
     return sum(format_of(formats.get(n.name, "bf16")).nbytes(n.shape) for n in graph.sources("weight"))
 
 
+def largest_bytes(graph: Graph, formats: Mapping[str, str]) -> int:
+    """Bytes of the largest of `graph`'s weights that `formats` names, in its format."""
+    return max((format_of(formats[n.name]).nbytes(n.shape) for n in graph.sources("weight") if n.name in formats),
+               default=0)
+
+
 def free_device_memory(cp) -> int:
     """Bytes the engine may still allocate: the device's free memory and what CuPy's pool holds
     unused (tests fake this figure)."""
@@ -188,7 +194,8 @@ class CudaEngine:
         if quant in QUANT_OPTIONS:     # the file's own quantized formats stay as they are
             formats = {**on_load_formats(quant, quantizable_shapes(graph)), **kept}
         # room for the repacking's temporaries too, where the file's blocks are repacked on the GPU
-        check_device_memory(cupy, graph, ctx, formats=formats, kv=check_kv(kv), extra=repack_margin() if kept else 0)
+        margin = repack_margin(largest_bytes(graph, kept)) if kept else 0
+        check_device_memory(cupy, graph, ctx, formats=formats, kv=check_kv(kv), extra=margin)
         # one tensor at a time from the (mapped) file to the GPU: host memory holds one, not all
         weights = {}
         total = weight_bytes(graph, formats)

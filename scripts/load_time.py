@@ -91,18 +91,32 @@ def write_like(like: str, preset_name: str, dst: str) -> None:
     w.close()
 
 
+# peak resident memory counts the mapped file's pages the process touched; the anonymous part
+# (heap, pinned buffers: what loading itself holds beyond the page cache) is sampled every 5 ms
 MEASURE = """
-import json, resource, sys, time
+import faulthandler, json, resource, sys, threading, time
+faulthandler.dump_traceback_later(float(sys.argv[2]), exit=True)   # a hang prints every thread's stack
+def anonymous_kib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+peak, done = [0], threading.Event()
+def sample():
+    while not done.wait(0.005):
+        peak[0] = max(peak[0], anonymous_kib())
+threading.Thread(target=sample, daemon=True).start()
 t0 = time.perf_counter()
 import cupy, fuselm
 t1 = time.perf_counter()
 model = fuselm.load(sys.argv[1], device="cuda", ctx=4096, progress=False)
 cupy.cuda.Device().synchronize()
 t2 = time.perf_counter()
+done.set()
 free, total = cupy.cuda.runtime.memGetInfo()
 print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                  "peak_anon_gib": peak[0] / 2**20,
                   "gpu_pool_gib": cupy.get_default_memory_pool().total_bytes() / 2**30, "gpu_used_gib": (total - free) / 2**30}))
 """
+RUN_LIMIT_S = 300   # a load that takes longer has hung
 
 
 def main() -> None:
@@ -121,13 +135,18 @@ def main() -> None:
     size = os.path.getsize(path)
     runs = []
     for i in range(a.runs):
-        out = subprocess.run([sys.executable, "-c", MEASURE, path], capture_output=True, text=True)
+        try:
+            out = subprocess.run([sys.executable, "-c", MEASURE, path, str(RUN_LIMIT_S - 20)], capture_output=True,
+                                 text=True, timeout=RUN_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            sys.exit(f"run {i}: no load after {RUN_LIMIT_S} s")
         if out.returncode:
-            sys.exit(f"load failed:\n{out.stderr[-3000:]}")
+            sys.exit(f"run {i}: load failed:\n{out.stderr[-6000:]}")
         run = json.loads(out.stdout.strip().splitlines()[-1])
         runs.append(run)
         print(f"run {i} ({'cold' if i == 0 else 'warm'}): load {run['load_s']:.2f} s ({size / 1e9 / run['load_s']:.2f} GB/s "
-              f"of the file), peak host memory {run['peak_rss_gib']:.2f} GiB, GPU pool {run['gpu_pool_gib']:.2f} GiB, "
+              f"of the file), peak host memory {run['peak_rss_gib']:.2f} GiB "
+              f"(anonymous {run['peak_anon_gib']:.2f} GiB), GPU pool {run['gpu_pool_gib']:.2f} GiB, "
               f"GPU in use {run['gpu_used_gib']:.2f} GiB (import {run['import_s']:.2f} s)", flush=True)
     if a.json:
         with open(a.json, "w") as f:

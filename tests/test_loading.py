@@ -351,3 +351,31 @@ def test_iter_weights_read_ahead_equal_one_at_a_time(h, tmp_path):
     ahead = list(iter_weights(ckpt, graph, workers=4))
     assert [n for n, _ in ahead] == [n for n, _ in alone] == [n.name for n in graph.sources("weight")]
     assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(alone, ahead))
+
+
+class CallerOnly:
+    """numpy, as a device array module (iter_weights' xp) that fails when a thread other than the
+    one that made it uses it."""
+
+    def __init__(self):
+        import threading
+        self._owner = threading.get_ident()
+
+    def __getattr__(self, name):
+        import threading
+        assert threading.get_ident() == self._owner, f"xp.{name} used on a reader thread"
+        return getattr(np, name)
+
+
+def test_iter_weights_does_device_work_on_the_callers_thread_only(h, tmp_path):
+    """With a device xp, the quantized tensors are converted on the caller's thread (CUDA's current
+    device is per thread), into the same bytes as numpy's on the readers' threads."""
+    from fuselm.loading.checkpoint import iter_weights
+    from fuselm.quant.formats import QuantizedWeight
+    ckpt = open_checkpoint(write_gguf(tmp_path / "q8.gguf", tiny_hf_model(h), Q.Q8_0))
+    graph = build_graph(ckpt.config)
+    device = list(iter_weights(ckpt, graph, keep_quantized=True, workers=4, xp=CallerOnly()))
+    host = list(iter_weights(ckpt, graph, keep_quantized=True, workers=4))
+    kept = [(a, b) for (_, a), (_, b) in zip(device, host) if isinstance(b, QuantizedWeight)]
+    assert kept and all(isinstance(a, QuantizedWeight) and a.format == b.format for a, b in kept)
+    assert all(np.array_equal(a.data, b.data) for a, b in kept)
