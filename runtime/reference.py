@@ -26,9 +26,10 @@ def new_state(graph: Graph, rows: int) -> dict[str, np.ndarray]:
 
 
 def run_graph(graph: Graph, weights: Mapping[str, np.ndarray], feeds: Mapping[str, np.ndarray],
-              state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Evaluate every node in order; returns the graph's outputs. `state` is updated in place."""
-    values: dict[str, np.ndarray] = {}
+              state: dict[str, np.ndarray], trace: dict | None = None) -> dict[str, np.ndarray]:
+    """Evaluate every node in order; returns the graph's outputs. `state` is updated in place;
+    `trace`, where given, receives every node's value by name."""
+    values: dict[str, np.ndarray] = {} if trace is None else trace
     for node in graph.nodes.values():
         values[node.name] = _evaluate(graph, node, values, weights, feeds, state)
     return {k: values[v] for k, v in graph.outputs.items()}

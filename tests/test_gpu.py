@@ -158,6 +158,26 @@ MOE_PREFILL_TOL = 1.5e-1
 ROUTERS = ("block_sparse_moe.gate.weight", "mlp.gate.weight", "mlp.router.weight")   # Mixtral's, Qwen3-MoE's, gpt-oss's
 
 
+# routing_margins: a row whose top-k router logits lead the next by less than this share of its
+# largest logit may take another expert under bf16 inputs (the comment above)
+ROUTING_MARGIN = 3e-2
+
+
+def routing_margins(graph, trace: dict) -> np.ndarray:
+    """Each row's smallest lead, over the MoE layers of `graph`, of its k-th router logit over the
+    (k+1)-th, as a share of its largest logit: from `trace`, a reference run's node values
+    (run_graph(..., trace=)). Ones where the graph has no MoE layer."""
+    margins = None
+    for node in graph.nodes.values():
+        if node.op != "moe_ffn":
+            continue
+        logits = -np.sort(-np.asarray(trace[node.inputs[1]], np.float64), axis=-1)
+        k = node.attrs["top_k"]
+        lead = (logits[:, k - 1] - logits[:, k]) / np.abs(logits).max(axis=-1)
+        margins = lead if margins is None else np.minimum(margins, lead)
+    return np.ones(len(trace["ids"])) if margins is None else margins
+
+
 def is_moe(cfg) -> bool:
     """Whether `cfg` routes over experts: Mixtral's `num_local_experts` or Qwen3-MoE's `num_experts`."""
     return bool(cfg.extra.get("num_local_experts") or cfg.extra.get("num_experts"))

@@ -21,10 +21,12 @@ from fuselm.runtime.reference import new_state, run_graph
 
 from test_gpu import TINY, engine_for, pytestmark, random_weights, rel  # noqa: F401  (pytestmark: gpu, skip)
 
-# Measured on the H200 (random weights): decode logits 7e-3 and caches 1.2e-2 from the reference
-# at SmolLM2's shapes, 8 layers (each layer's flipped codes move the next layer's inputs, so the
-# flips grow with depth); tiny models below 1e-2.
-FP8_DECODE_TOL = 1e-2     # logits, GPU fp8 cache vs the reference's fp8 cache
+# Errors are bimodal: ~1e-6 where every code matches the reference's, ~1e-2 where a value on a
+# rounding boundary took the next code (the GPU and numpy sum in other orders), and each layer's
+# flipped codes move the next layer's inputs, so flips grow with depth. Measured (random weights)
+# at SmolLM2's shapes, 8 layers: logits 7e-3 / caches 1.2e-2 (H200), 1.4e-2 / 1.7e-2 (H100); tiny
+# models up to 1.1e-2 (H100). A wrong scale or row is off by O(1).
+FP8_DECODE_TOL = 3e-2     # logits, GPU fp8 cache vs the reference's fp8 cache
 FP8_CACHE_TOL = 3e-2      # cache values, likewise (a code flip moves one value by 1/16)
 # The batched prefill's bf16 vectors (test_gpu.PREFILL_TOL) flip more codes: layer 0's caches
 # (inputs moved by the bf16 vectors alone) measured 1.0e-2-1.1e-2 from the reference and from
