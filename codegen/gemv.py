@@ -81,31 +81,19 @@ def generate(spec: KernelSpec) -> KernelSource:
     formats = [weight_format(G, G.nodes[l]["inputs"][1]) for z in sets for l in z.linears]
     quantized = any(f.name != "bf16" for f in formats)
     unroll = tuning.gemv_quant_unroll if quantized else tuning.gemv_unroll
-
-    def layout(rows_per_warp: int):
-        ksplit = _ksplit(sets, vec["K"], max(f.block for f in formats), rows_per_warp, spec.target, tuning)
-        zips, grid = zip_contexts(G, launch, params,
-                                  lambda members, pairs: _slots(ksplit, members, pairs, rows_per_warp, tuning),
-                                  rows_per_warp=rows_per_warp)
-        return ksplit, zips, grid, max(z.R * len(z.members) for z in zips)
-
-    # Integer formats read the vector staged in shared memory where it fits, else take the float
-    # path. gemv_stream_rows_per_warp > 0 pipelines the staged path (warp_stream_rows_q: two
-    # steps of rows in registers, so fewer rows a warp); not yet measured on a GPU, so off.
+    rows_per_warp = tuning.gemv_quant_rows_per_warp if quantized else tuning.gemv_rows_per_warp
+    ksplit = _ksplit(sets, vec["K"], max(f.block for f in formats), rows_per_warp, spec.target, tuning)
+    zips, grid = zip_contexts(G, launch, params,
+                              lambda members, pairs: _slots(ksplit, members, pairs, rows_per_warp, tuning),
+                              rows_per_warp=rows_per_warp)
+    max_tile = max(z.R * len(z.members) for z in zips)
+    # integer formats read the vector staged in shared memory where it fits, else take the float path
     integer = all(f.integer_codes for f in formats)
-    stream = False
-    if integer and tuning.gemv_stream_rows_per_warp:
-        rows_per_warp = tuning.gemv_stream_rows_per_warp
-        ksplit, zips, grid, max_tile = layout(rows_per_warp)
-        stream = staged_fits(vec["K"], ksplit, max_tile)
-    if not stream:
-        rows_per_warp = tuning.gemv_quant_rows_per_warp if quantized else tuning.gemv_rows_per_warp
-        ksplit, zips, grid, max_tile = layout(rows_per_warp)
     staged = integer and staged_fits(vec["K"], ksplit, max_tile)
     tail = _tail(G, launch, params)
     name, source = render("gemv.cu.j2", "gemv", shape_name(vec, zips) + ("_tail" if tail else ""),
                           params=params.decls, **vec, zips=zips, tail=tail,
-                          quantized=quantized, staged=staged, stream=stream, threads=tuning.gemv_warps * 32, unroll=unroll, ksplit=ksplit,
+                          quantized=quantized, staged=staged, threads=tuning.gemv_warps * 32, unroll=unroll, ksplit=ksplit,
                           min_blocks=tuning.gemv_quant_blocks_per_sm if quantized and not staged else 1,
                           rows_per_warp=rows_per_warp,
                           max_tile=max_tile, grid=grid)

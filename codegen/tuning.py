@@ -71,7 +71,6 @@ _RANGES = {
     "gemv_warps_per_sm": (1, 1024, "streaming GEMV warps per SM before split-K stops"),
     "gemv_unroll": (1, 16, "16-byte loads in flight per GEMV lane and row"),
     "gemv_quant_rows_per_warp": (1, 8, "gemv_rows_per_warp where the weights are quantized"),
-    "gemv_stream_rows_per_warp": (0, 8, "rows of each of the two steps a pipelined staged quantized GEMV warp holds (0: not pipelined)"),
     "gemv_quant_unroll": (1, 16, "groups of 32 quantized weights in flight per GEMV lane and row"),
     "gemv_quant_blocks_per_sm": (1, 8, "float-path quantized GEMV blocks each SM must hold (registers capped to fit)"),
     "gemm_warps": (1, 8, "warps per gemm block, 16 rows of the tile each"),
@@ -105,7 +104,6 @@ class Tuning:
     gemv_warps_per_sm: int = 16     # 16 keep HBM busy; 32 split more than needed
     gemv_unroll: int = 4
     gemv_quant_rows_per_warp: int = 8   # measured on the 8B Q4_K_M: 2 rows 160 tok/s, 4: 253, 8: 280 (unroll 1)
-    gemv_stream_rows_per_warp: int = 0   # 4: the pipelined stream, awaiting its A/B (docs/performance.md)
     gemv_quant_unroll: int = 1
     gemv_quant_blocks_per_sm: int = 2   # float path: 8B Q4_K_M 278 -> 328 tok/s, Q4_0 410 -> 427 (staged: no cap)
     gemm_warps: int = 4
