@@ -190,8 +190,7 @@ def sample_rows(logits, draws: list[Draw], params=None, latest=None):
         # each row's ids by falling logit, ties in id order (cupy's sort is stable); the raw
         # float32 logits sort as x does where nothing changed them, in half the bytes
         changed = masked or any(d.params.penalizes_answer or d.params.repetition_penalty != 1.0 for d in draws)
-        keys = x if changed else logits
-        order = xp.argsort(-keys, axis=1, kind="stable") if xp is np else xp.argsort(-keys, axis=1)
+        order = falling_order(xp, x if changed else logits)
         rank = xp.empty_like(order)
         rank[xp.arange(m)[:, None], order] = xp.arange(V)[None, :]      # each id's place in its row's order
         k = xp.where((top_k > 0) & (top_k < V), top_k, V)
@@ -262,6 +261,26 @@ def _penalize_repetition(xp, x, draws: list[Draw], latest) -> None:
         seen = _same(xp, rows, ids, (r, t)).any(axis=1) if known else xp.zeros(len(rows), bool)
         v, p = x[rows, ids], xp.asarray(rp)[rows]
         x[rows, ids] = xp.where(seen, v, xp.where(v > 0, v / p, v * p))
+
+
+def falling_order(xp, keys):
+    """[rows, V] each row's ids by falling key, ties in id order: a stable argsort of -keys along
+    the rows. CuPy sorts a 2-D array along its rows as (row, key) pairs by comparison, but a 1-D
+    array of integers by radix, so the rows go flat: sorted by their keys' bits (ordered as the
+    floats), then regrouped by a stable sort on the row index."""
+    m, V = keys.shape
+    word = xp.uint32 if keys.dtype == xp.float32 else xp.uint64      # float32 keys: half the passes
+    keys = keys if word is xp.uint32 else keys.astype(xp.float64)
+    bits = (keys + keys.dtype.type(0)).ravel().view(word)               # + 0: -0.0 ties with 0.0
+    top = word(1 << (8 * bits.itemsize - 1))
+    rising = xp.where(bits >= top, ~bits, bits | top)     # unsigned order = the floats' order
+    by_key = _stable_argsort(xp, ~rising)
+    by_row = _stable_argsort(xp, (by_key // V).astype(xp.uint16 if m < 1 << 16 else xp.uint32))
+    return (by_key[by_row] % V).reshape(m, V)
+
+
+def _stable_argsort(xp, a):
+    return np.argsort(a, kind="stable") if xp is np else xp.argsort(a)   # cupy's sort is stable
 
 
 def _row_softmax(xp, x):
