@@ -12,7 +12,8 @@
 # SKIP_TESTS=1 / SKIP_BENCH=1 leave a part out; PEERS= (empty) skips the transformers comparison;
 # BENCH_ARGS adds options to the bench (e.g. --decode-only); TESTS picks the GPU test files and
 # TEST_FILTER (pytest -k) the tests among them. LOAD_TIME=1 times loading a random Q4_K_M GGUF of
-# Llama-3.1-8B's shapes (scripts/load_time.py, the carried fixture's tokenizer) into $OUT/load.log.
+# Llama-3.1-8B's shapes (scripts/load_time.py, the carried fixture's tokenizer) into $OUT/load.log;
+# SAMPLING_TIME=1 times the GPU picks of sampled rows (scripts/sampling_time.py) into $OUT/sampling.log.
 # AB="FUSELM_TUNE=gemv_unroll=8;FUSELM_TUNE=attn_wide_warps=0" adds decode-only runs of $AB_MODELS, one
 # per setting (A/B), printed to $OUT/ab.log and recorded as abN.json in $OUT/ab.tgz (whose "tuning"
 # lists the values each ran under; one archive because the device tool brings back only a few files).
@@ -20,7 +21,7 @@ set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FUSELM_CACHE=${FUSELM_CACHE:-/tmp/fuselm-cache}
 if [ -d .whl ]; then   # packages the GPU image lacks (gguf), carried as wheels
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -71,5 +72,8 @@ if [ -n "${AB:-}" ]; then
 fi
 if [ "${LOAD_TIME:-0}" = 1 ]; then
   python3 scripts/load_time.py --like .gpu_fixtures/smollm2-q4_1-6layers.gguf --json "$OUT/load.json" 2>&1 | tee "$OUT/load.log"
+fi
+if [ "${SAMPLING_TIME:-0}" = 1 ]; then
+  python3 scripts/sampling_time.py 2>&1 | tee "$OUT/sampling.log"
 fi
 exit $tests_rc
