@@ -5,6 +5,7 @@ import math
 import os
 import re
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,7 +192,7 @@ def iter_weights(ckpt: Checkpoint, graph: Graph, dtype=np.float32, keep_quantize
 @dataclass
 class _OnCaller:
     """A read left for iter_weights' caller's thread to finish (its work on the GPU)."""
-    convert: object
+    convert: Callable[[], object]
 
 
 def read_ahead(read, items, size, workers: int, budget: int):
