@@ -1,6 +1,6 @@
 """Where a sampled batch step's picks spend their time on the GPU: sample_rows over random logits
 [rows, vocab] with a temperature and top-p, beside the orders it may sort by: CuPy's row-wise
-argsort (a comparison sort of (row, key) pairs) and falling_order (flat radix sorts).
+argsort (a comparison sort of (row, key) pairs) and flat_falling_order (flat radix sorts).
 
     python scripts/sampling_time.py [--rows 32,64] [--vocab 128256]
 
@@ -15,7 +15,7 @@ import cupy as cp
 import numpy as np
 
 from fuselm.runtime.engine import SamplingParams
-from fuselm.runtime.sampling import Sampler, falling_order, row_params, sample_rows
+from fuselm.runtime.sampling import Sampler, flat_falling_order, row_params, sample_rows
 
 
 def median_ms(fn, runs: int = 20) -> float:
@@ -43,9 +43,9 @@ def main() -> None:
         draws = [Sampler(SamplingParams(temperature=0.8, top_p=0.95, seed=r)).draw() for r in range(rows)]
         params = cp.asarray(row_params(draws))
         rowwise = cp.argsort(-logits, axis=1)
-        assert bool((rowwise == falling_order(cp, logits)).all()), "the two orders differ"
+        assert bool((rowwise == flat_falling_order(cp, logits)).all()), "the two orders differ"
         print(f"{rows} rows x {a.vocab}: argsort(axis=1) {median_ms(lambda: cp.argsort(-logits, axis=1)):.2f} ms, "
-              f"falling_order {median_ms(lambda: falling_order(cp, logits)):.2f} ms, "
+              f"falling_order {median_ms(lambda: flat_falling_order(cp, logits)):.2f} ms, "
               f"sample_rows (temperature 0.8, top-p 0.95) {median_ms(lambda: sample_rows(logits, draws, params)):.2f} ms",
               flush=True)
 
