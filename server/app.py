@@ -52,7 +52,7 @@ def create_app(model, model_name: str | None = None, max_waiting: int = 256, max
                kv_pages: int | None = None) -> FastAPI:
     """An ASGI app serving `model` (a fuselm Model) under `model_name` (default: served_name),
     with at most `max_waiting` requests queued. Where the engine batches (`batches`), up to
-    `max_seqs` requests (default: 8 on the CPU, 32 on the GPU) run together over `kv_pages` KV
+    `max_seqs` requests (default: 8 on the CPU, 64 on the GPU) run together over `kv_pages` KV
     pages (default: room for `max_seqs` full contexts, on the GPU within 80% of its free
     memory); else (or where the compiler has no batch kernels for the model) one at a time. The
     worker thread starts and stops with the app's lifespan;

@@ -150,9 +150,10 @@ GPU_POOL_SHARE = 0.8   # of the GPU's free memory that a default KV pool may tak
 
 
 def default_max_seqs(model) -> int:
-    """--max-seqs when not given: 8 on the CPU (each sequence costs it time), 32 on the GPU
-    (each step streams the weights once for all of them)."""
-    return 8 if _on_cpu(model) else 32
+    """--max-seqs when not given: 8 on the CPU (each sequence costs it time), 64 on the GPU
+    (each step streams the weights once for all of them: the 8B's step of 64 tokens took 8.1 ms
+    on an H100 against 7.4 for 32, docs/serving.md)."""
+    return 8 if _on_cpu(model) else 64
 
 
 def default_pages(model, max_seqs: int, page: int) -> int:

@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=256, metavar="N",
                    help="requests queued for the engine before new ones get 503 (default 256)")
     p.add_argument("--max-seqs", type=int, metavar="N",
-                   help="requests generated together in one continuous batch (default 8 on the CPU, 32 on "
+                   help="requests generated together in one continuous batch (default 8 on the CPU, 64 on "
                    "the GPU)")
     p.add_argument("--kv-memory", type=float, metavar="GiB",
                    help="memory of the batch's KV page pool (default: room for --max-seqs full contexts; on "
