@@ -181,3 +181,17 @@ def test_rows_sampled_on_the_gpu_pick_what_the_host_picks():
         else:
             assert filtered_probs(rows[r] / p.temperature, p.top_k, p.top_p, p.min_p)[t] > 0, (r, p)
     assert (gpu == host).sum() >= len(params) - 1, (gpu, host)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_rows_sorted_flat_on_the_gpu_are_numpys_stable_order(dtype):
+    """flat_falling_order on CuPy (the order of sample_rows' top-k / top-p there) at a real vocabulary
+    and batch: each row's ids by falling key, ties in id order, as numpy's stable argsort."""
+    import cupy
+    from fuselm.runtime.sampling import flat_falling_order
+    rng = np.random.default_rng()
+    keys = (rng.standard_normal((64, 128256)) * 3).astype(dtype)
+    keys[::2] = np.round(keys[::2])              # many ties
+    keys[1, :7] = [0.0, -0.0, np.inf, -np.inf, 0.0, -0.0, np.inf]
+    got = cupy.asnumpy(flat_falling_order(cupy, cupy.asarray(keys)))
+    np.testing.assert_array_equal(got, np.argsort(-keys, axis=1, kind="stable"))
