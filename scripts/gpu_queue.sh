@@ -11,7 +11,8 @@
 #   TESTS=tests/test_gpu_quant.py TEST_FILTER="gemv_against" SKIP_BENCH=1
 #   SKIP_TESTS=1 BENCH_ARGS=--decode-only -- llama-3.1-8b@q4_k_m llama-3.1-8b@q4_0
 # Step N writes gpu_check.sh's files to /tmp/gq/N/ (its output in run.log); all of /tmp/gq comes
-# back as $OUT/gq.tgz, the queue's log (a line per step start and end) is printed.
+# back as $OUT/gq.tgz, the queue's log (a line per step start and end) is printed. A step still
+# running after STEP_LIMIT_S seconds (default 900) is stopped (rc 124) and the next one starts.
 set -u
 steps=${1:?usage: gpu_queue.sh STEPS [WAIT_S]}; wait_s=${2:-540}
 q=/tmp/gq; OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -23,7 +24,7 @@ if [ ! -e "$q" ]; then
       [ -z "${line// }" ] && continue; n=$((n + 1)); d='"$q"'/$n; mkdir -p $d
       vars=${line%% -- *}; models=""; [[ $line == *" -- "* ]] && models=${line#* -- }
       echo "$(date +%T) step $n: $line"
-      eval "env OUT=$d $vars bash scripts/gpu_check.sh $models" > $d/run.log 2>&1; rc=$?
+      eval "timeout -k 10 '"${STEP_LIMIT_S:-900}"' env OUT=$d $vars bash scripts/gpu_check.sh $models" > $d/run.log 2>&1; rc=$?
       echo "$(date +%T) step $n ended: rc $rc"
     done < '"$q"'/steps
     touch '"$q"'/done' > "$q/queue.log" 2>&1 < /dev/null &
