@@ -33,7 +33,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   models=${*:-llama-3.2-1b llama-3.1-8b smollm2-135m}
-  python3 -m fuselm.tools.bench $models --profile --peers "${PEERS-hf}" ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+  python3 -m fuselm bench $models --profile --peers "${PEERS-hf}" ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 fi
 if [ -n "${ALT:-}" ]; then   # the other tree, imported as fuselm ahead of this checkout
   alt=$(mktemp -d); mkdir -p "$alt/src" && tar xf "$ALT" -C "$alt/src" && ln -s "$alt/src" "$alt/fuselm"
@@ -43,7 +43,7 @@ if [ -n "${ALT:-}" ]; then   # the other tree, imported as fuselm ahead of this 
     tests_rc=$(( tests_rc | $? ))
   fi
   if [ "${SKIP_BENCH:-0}" != 1 ]; then
-    (cd /tmp && PYTHONPATH="$alt:${PYTHONPATH:-}" python3 -m fuselm.tools.bench ${*:-llama-3.2-1b llama-3.1-8b smollm2-135m} \
+    (cd /tmp && PYTHONPATH="$alt:${PYTHONPATH:-}" python3 -m fuselm bench ${*:-llama-3.2-1b llama-3.1-8b smollm2-135m} \
       --peers "" ${BENCH_ARGS:-} --json "$OUT/alt_bench.json") 2>&1 | tee "$OUT/alt_bench.log"
   fi
 fi
@@ -65,7 +65,7 @@ if [ -n "${AB:-}" ]; then
   records=$(mktemp -d)
   for i in "${!settings[@]}"; do
     echo "== ${settings[$i]}" | tee -a "$OUT/ab.log"
-    env ${settings[$i]} python3 -m fuselm.tools.bench ${AB_MODELS:-llama-3.2-1b llama-3.1-8b} --decode-only \
+    env ${settings[$i]} python3 -m fuselm bench ${AB_MODELS:-llama-3.2-1b llama-3.1-8b} --decode-only \
       --json "$records/ab$i.json" 2>&1 | tee -a "$OUT/ab.log"
   done
   tar czf "$OUT/ab.tgz" -C "$records" .
