@@ -45,7 +45,7 @@ def main() -> None:
         rowwise = cp.argsort(-logits, axis=1)
         assert bool((rowwise == flat_falling_order(cp, logits)).all()), "the two orders differ"
         print(f"{rows} rows x {a.vocab}: argsort(axis=1) {median_ms(lambda: cp.argsort(-logits, axis=1)):.2f} ms, "
-              f"falling_order {median_ms(lambda: flat_falling_order(cp, logits)):.2f} ms, "
+              f"flat_falling_order {median_ms(lambda: flat_falling_order(cp, logits)):.2f} ms, "
               f"sample_rows (temperature 0.8, top-p 0.95) {median_ms(lambda: sample_rows(logits, draws, params)):.2f} ms",
               flush=True)
 
