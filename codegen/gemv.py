@@ -82,7 +82,8 @@ def generate(spec: KernelSpec) -> KernelSource:
     quantized = any(f.name != "bf16" for f in formats)
     unroll = tuning.gemv_quant_unroll if quantized else tuning.gemv_unroll
     rows_per_warp = tuning.gemv_quant_rows_per_warp if quantized else tuning.gemv_rows_per_warp
-    ksplit = _ksplit(sets, vec["K"], max(f.block for f in formats), rows_per_warp, spec.target, tuning)
+    chunk = _ring_chunk(formats, vec["K"], rows_per_warp, spec.target, tuning)
+    ksplit = _ksplit(sets, vec["K"], max([f.block for f in formats] + [chunk or 0]), rows_per_warp, spec.target, tuning)
     zips, grid = zip_contexts(G, launch, params,
                               lambda members, pairs: _slots(ksplit, members, pairs, rows_per_warp, tuning),
                               rows_per_warp=rows_per_warp)
@@ -90,15 +91,46 @@ def generate(spec: KernelSpec) -> KernelSource:
     # integer formats read the vector staged in shared memory where it fits, else take the float path
     integer = all(f.integer_codes for f in formats)
     staged = integer and staged_fits(vec["K"], ksplit, max_tile)
+    ring = _ring(chunk, formats, vec["K"] // ksplit, rows_per_warp, tuning) if staged and chunk else None
     tail = _tail(G, launch, params)
     name, source = render("gemv.cu.j2", "gemv", shape_name(vec, zips) + ("_tail" if tail else ""),
                           params=params.decls, **vec, zips=zips, tail=tail,
                           quantized=quantized, staged=staged, threads=tuning.gemv_warps * 32, unroll=unroll, ksplit=ksplit,
                           min_blocks=tuning.gemv_quant_blocks_per_sm if quantized and not staged else 1,
                           rows_per_warp=rows_per_warp,
-                          max_tile=max_tile, grid=grid)
+                          max_tile=max_tile, grid=grid, ring=ring)
+    smem = tuning.gemv_warps * ring["S"] * ring["slot"] if ring else 0
     return KernelSource(name, "gemv", source, launch.nodes,
-                        [Launch(name, (grid, 1), tuning.gemv_warps * 32, params.values)], launch.layer)
+                        [Launch(name, (grid, 1), tuning.gemv_warps * 32, params.values, smem)], launch.layer)
+
+
+def _ring_chunk(formats: list[Format], K: int, rows_per_warp: int, target: Target, tuning: Tuning) -> int | None:
+    """Weights per chunk where a quantized GEMV streams its weights through shared memory (the
+    warps' rings of bulk copies, templates/quant.cuh: WarpRing: sm_90 on, every format one the
+    ring reads, rows of whole chunks, a slot a warp within gemv_ring_kb), else None: through
+    registers."""
+    chunks = [f.ring_chunk for f in formats]
+    if not tuning.gemv_ring_kb or target.capability < 90 or None in chunks or K % max(chunks):
+        return None
+    chunk = max(chunks)
+    return chunk if _ring_slots(chunk, formats, chunk, rows_per_warp, tuning) else None
+
+
+def _ring_slots(chunk: int, formats: list[Format], slice_k: int, rows_per_warp: int, tuning: Tuning) -> int:
+    """Slots a warp's ring has: as many as gemv_ring_kb holds for all warps, at most one per chunk
+    of the warp's K-slice."""
+    return min(slice_k // chunk, tuning.gemv_ring_kb * 1024 // (tuning.gemv_warps * _slot(chunk, formats, rows_per_warp)))
+
+
+def _slot(chunk: int, formats: list[Format], rows_per_warp: int) -> int:
+    """Bytes of a ring slot: a chunk of a warp's rows in the widest of the kernel's formats."""
+    return rows_per_warp * max(chunk // f.block * f.bytes_per_block for f in formats)
+
+
+def _ring(chunk: int, formats: list[Format], slice_k: int, rows_per_warp: int, tuning: Tuning) -> dict:
+    """The warps' rings (WarpRing): `ck` weights a chunk, `slot` bytes a slot, `S` slots a warp."""
+    return {"ck": chunk, "slot": _slot(chunk, formats, rows_per_warp),
+            "S": _ring_slots(chunk, formats, slice_k, rows_per_warp, tuning)}
 
 
 def _tail(G: nx.DiGraph, launch: ScheduledKernel, params: Params) -> dict | None:

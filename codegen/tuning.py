@@ -72,6 +72,7 @@ _RANGES = {
     "gemv_unroll": (1, 16, "16-byte loads in flight per GEMV lane and row"),
     "gemv_quant_rows_per_warp": (1, 8, "gemv_rows_per_warp where the weights are quantized"),
     "gemv_quant_unroll": (1, 16, "groups of 32 quantized weights in flight per GEMV lane and row"),
+    "gemv_ring_kb": (0, 176, "kB of shared memory a quantized GEMV block streams its weights through (0: registers)"),
     "gemv_quant_blocks_per_sm": (1, 8, "float-path quantized GEMV blocks each SM must hold (registers capped to fit)"),
     "gemm_warps": (1, 8, "warps per gemm block, 16 rows of the tile each"),
     "gemm_blocks": (1, 1 << 16, "blocks a gemm splits its k to reach"),
@@ -105,6 +106,7 @@ class Tuning:
     gemv_unroll: int = 4
     gemv_quant_rows_per_warp: int = 8   # measured on the 8B Q4_K_M: 2 rows 160 tok/s, 4: 253, 8: 280 (unroll 1)
     gemv_quant_unroll: int = 1
+    gemv_ring_kb: int = 0
     gemv_quant_blocks_per_sm: int = 2   # float path: 8B Q4_K_M 278 -> 328 tok/s, Q4_0 410 -> 427 (staged: no cap)
     gemm_warps: int = 4
     gemm_blocks: int = 512

@@ -208,6 +208,45 @@ def test_quantized_module_compiles_without_gemv_spills(name, scheme, fuse):
     assert not too_much, f"{name} {scheme}: quantized kernels spill: {spilling}"
 
 
+def test_ring_chunks_are_whole_16_byte_copies_of_every_section():
+    """The GEMV's copy ring (quant.cuh, WarpRing) moves each section of a chunk in bulk copies of
+    whole 16-byte units: its sections add up to the format's bytes, and Q6_K's 2-byte scale per
+    super-block makes its chunks 2048 weights, the others' 1024."""
+    for f in FORMATS.values():
+        if f.sections:
+            assert sum(f.sections) * f.block == 256 * f.bytes_per_block, f.name
+            assert all(b * f.ring_chunk // 256 % 16 == 0 for b in f.sections), f.name
+    assert {f.name: f.ring_chunk for f in FORMATS.values() if f.ring_chunk != 1024} == {
+        "bf16": None, "fp8": None, "q6_k": 2048}
+
+
+@pytest.mark.parametrize("rows_per_warp", [8, 4])
+def test_gemvs_streaming_through_the_copy_ring_compile_and_keep_a_wave(rows_per_warp):
+    """With gemv_ring_kb the 8B Q4_K_M's GEMVs stream their weights through shared memory
+    (dynamic, one slot a warp or more), compile for sm_90 without spills beyond the tolerated,
+    and keep the register path on sm_80 and where no slot fits."""
+    from fuselm.codegen import Target, Tuning
+    graph = build_graph(preset("llama-3.1-8b"))
+    G = to_networkx(graph)
+    formats = scheme_formats("q4_k_m", {n: G.nodes[n]["shape"] for n in quantizable_weights(G)})
+    tuning = Tuning(gemv_ring_kb=160, gemv_quant_rows_per_warp=rows_per_warp)
+    program = build_program(graph, 4096, compile=False, formats=formats, prefill=False, tuning=tuning)
+    ks = program.decode.kernels
+    gemvs = [k for k in ks if k.family == "gemv"]
+    assert all(k.launches[0].smem > 0 for k in gemvs), [(k.name, k.launches[0].smem) for k in gemvs]
+    assert all("WarpRing ring" in k.source for k in gemvs)
+    assert all(k.launches[0].grid[0] >= 64 for k in gemvs)
+    cubin, log, _ = compile_cubin(module_source(ks), headers(), options("sm_90", verbose=True), use_cache=False)
+    report = spills(log)
+    assert all(report[k.launches[0].function] <= QUANT_TOLERATED_SPILL_BYTES for k in gemvs), report
+    older = build_program(graph, 4096, Target("sm_80"), tuning, compile=False, formats=formats, prefill=False)
+    assert not any(l.smem for k in older.decode.kernels if k.family == "gemv" for l in k.launches)
+    small = build_program(graph, 4096, compile=False, formats=formats, prefill=False,
+                          tuning=Tuning(gemv_ring_kb=8, gemv_quant_rows_per_warp=rows_per_warp))
+    unringed = [k for k in small.decode.kernels if k.family == "gemv" and not k.launches[0].smem]
+    assert unringed and all("WarpRing ring" not in k.source for k in unringed)
+
+
 # The quantized prefill gemms hold more than the bf16 ones (codes, scales and each group's sums
 # besides the accumulators): those of two members (gate and up) at 64 tokens in the formats with
 # a minimum may spill a little, measured (bytes stored + loaded) 24 in Q4_K, 112 in Q5_K and 136
