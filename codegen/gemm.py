@@ -17,8 +17,11 @@ On Hopper (sm_90) a kernel whose weights are all bf16 takes the `wgmma` form
 (templates/gemm_wgmma.cuh): the vectors staged once in bf16 (no lo half: the accuracy of a bf16
 transformers run), tiles of 128 weight rows x the step's tokens multiplied by warpgroup tensor
 cores, both operands copied into STAGES shared-memory slots by a producer warpgroup (cp.async,
-mbarriers between it and the two consumer warpgroups: every slot in flight at once). Other
-GPUs, and quantized weights, take the mma.sync form.
+mbarriers between it and the two consumer warpgroups: every slot in flight at once). With
+gemm_quant_wgmma, a kernel whose weights are all quantized takes it too: each consumer thread
+loads its rows' codes itself, dequantizes them to bf16 (as a dequantize-then-bf16 run would) and
+hands them to wgmma as registers, and the vectors are staged in the codes' order. Other GPUs,
+and the rest of the quantized kernels, take the mma.sync form.
 
 A block walks its k in chunks, one memory round trip each, so a kernel lasts at least its chunks'
 round trips however many blocks run. Where a kernel has few tiles (short outputs: the O and down
@@ -44,6 +47,9 @@ WGMMA_THREADS = 384         # two consumer warpgroups (the epilogue's 256 thread
 WGMMA_CONSUMERS = 256       # (gemm_wgmma.cuh: WGMMA_CONSUMERS)
 WGMMA_MAX_TOKENS = 256      # the widest wgmma (m64n256k16)
 WGMMA_MAX_STAGES = 8
+# the widest column tile of quantized rows: their codes and weights in registers beside 64 tokens'
+# accumulators more would spill (ptxas, 168 registers a thread at 384 threads)
+WGMMA_QUANT_MAX_TOKENS = 128
 
 
 def slots(tuning: Tuning) -> int:
@@ -93,24 +99,37 @@ def _routes_experts(G: nx.DiGraph, launch: ScheduledKernel) -> bool:
                for n in launch.nodes for s in G.successors(n))
 
 
-def wgmma_form(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, target: Target) -> bool:
+def wgmma_form(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, target: Target, tuning: Tuning) -> bool:
     """Whether this gemv kernel takes the wgmma form for steps of `tokens` tokens: on sm_90, with
-    every weight bf16, rows of whole 16-byte chunks, a multiple of 32 tokens up to 256, and each
-    zip set's members dividing the 128 rows of a tile evenly (1, 2 or 4). A MoE router keeps the
-    float32-accurate mma.sync form: bf16 vectors flip the top-k choice of near ties, and with it
-    the token's whole FFN."""
-    return (target.capability == 90 and not grouped(G, launch) and not _routes_experts(G, launch)
+    rows of whole 16-byte chunks, a multiple of 32 tokens up to 256, and each zip set's members
+    dividing the 128 rows of a tile evenly (1, 2 or 4); its weights all bf16, or (gemm_quant_wgmma)
+    all quantized, one format a zip set, in rows of whole 64-weight slots (quantized_wgmma). A MoE
+    router keeps the float32-accurate mma.sync form: bf16 vectors flip the top-k choice of near
+    ties, and with it the token's whole FFN."""
+    return (target.capability == 90 and not _routes_experts(G, launch)
+            and (not grouped(G, launch) or tuning.gemm_quant_wgmma and quantized_wgmma(G, launch))
             and _input_width(G, launch) % 8 == 0
             and tokens % 32 == 0 and tokens <= WGMMA_MAX_TOKENS
             and all(len(z.linears) in (1, 2, 4) for z in zip_sets(G, launch.nodes)))
 
 
-def wgmma_stages(columns: int, tokens: int, target: Target, exchanges: int = 0) -> int:
-    """Pipeline slots of a wgmma tile of `columns` tokens: as many as the device's shared memory
-    per block holds beside the static arrays (1 kB of alignment, 1 kB for the pipeline's barriers
-    and the like, the step's `tokens` sums of squares and the epilogue's `exchanges` arrays of a
-    float per consumer thread), at most WGMMA_MAX_STAGES."""
-    slot = (WGMMA_ROWS + columns) * 128
+def quantized_wgmma(G: nx.DiGraph, launch: ScheduledKernel) -> bool:
+    """Whether a kernel's quantized weights can take the wgmma form (gemm_wgmma.cuh,
+    WgmmaQuantRows): every weight quantized (the vectors are staged once, in the codes' order),
+    one format a zip set, rows of whole 64-weight slots (two groups)."""
+    _, linears, _ = gemv_parts(G, launch.nodes)
+    formats = [weight_format(G, G.nodes[l]["inputs"][1]) for l in linears]
+    return (all(f.name != "bf16" for f in formats) and _input_width(G, launch) % 64 == 0
+            and all(len(format_groups(G, z.linears)) == 1 for z in zip_sets(G, launch.nodes)))
+
+
+def wgmma_stages(columns: int, tokens: int, target: Target, exchanges: int = 0, rows: int = WGMMA_ROWS) -> int:
+    """Pipeline slots of a wgmma tile of `columns` tokens (and `rows` weight rows in shared memory:
+    none where they are quantized): as many as the device's shared memory per block holds beside
+    the static arrays (1 kB of alignment, 1 kB for the pipeline's barriers and the like, the step's
+    `tokens` sums of squares and the epilogue's `exchanges` arrays of a float per consumer thread),
+    at most WGMMA_MAX_STAGES."""
+    slot = (rows + columns) * 128
     static = 2048 + 4 * tokens + 4 * WGMMA_CONSUMERS * exchanges
     return min(WGMMA_MAX_STAGES, (target.smem_per_block - static) // slot)
 
@@ -127,17 +146,20 @@ def _wgmma_block_cost(slots: int, columns: int, tokens: int, split: int, tuning:
     return slots * slot + tuning.wgmma_block_overhead / 100 + slabs
 
 
-def wgmma_plan(K: int, tiles: int, tokens: int, target: Target, tuning: Tuning) -> tuple[int, int]:
+def wgmma_plan(K: int, tiles: int, tokens: int, target: Target, tuning: Tuning,
+               widest: int = WGMMA_MAX_TOKENS) -> tuple[int, int]:
     """(columns, splits) of a wgmma kernel with `tiles` row tiles over a step of `tokens` tokens:
-    each block takes `columns` of the tokens (a divisor of them, at least wgmma_min_columns) and 1 / splits of
+    each block takes `columns` of the tokens (a divisor of them, at least wgmma_min_columns and at
+    most `widest`) and 1 / splits of
     the k (split-K, only where a block takes every token: its slabs are whole tiles), chosen for
     the fewest waves of one block per SM times the block's cost (_wgmma_block_cost). Few row
     tiles (the O, down and K/V projections) are cut along the tokens first: that re-reads each
     weight slot from L2 once per column tile, where split-K's slabs cost a tile's floats a block."""
     slots = K // 64 if K % 64 == 0 else 1        # rows of part slots stay whole
     fewest = min(tuning.wgmma_min_columns, tokens)
-    plans = [(c, 1) for c in range(tokens, fewest - 1, -16) if tokens % c == 0 and c % 16 == 0]
-    plans += [(tokens, s) for s in range(2, 17) if slots % s == 0 and slots // s >= tuning.gemm_min_chunks]
+    plans = [(c, 1) for c in range(min(tokens, widest), fewest - 1, -16) if tokens % c == 0 and c % 16 == 0]
+    if tokens <= widest:
+        plans += [(tokens, s) for s in range(2, 17) if slots % s == 0 and slots // s >= tuning.gemm_min_chunks]
     if not plans:
         plans = [(tokens, 1)]
 
@@ -154,7 +176,7 @@ def unsupported(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, tuning: Tun
     the wgmma form takes any shape it covers (wgmma_form); otherwise its rows must be whole
     32-weight spans (a warp's load of a span), the members of each zip set one format (a tile's
     mma reads one), and its tile and staged chunk must fit the static shared memory."""
-    if wgmma_form(G, launch, tokens, target or Target()):
+    if wgmma_form(G, launch, tokens, target or Target(), tuning):
         return None
     K = _input_width(G, launch)
     if K % 32:
@@ -181,25 +203,27 @@ def generate(spec: KernelSpec) -> KernelSource:
     sums of squares, and where the weights are quantized (grouped), a float per group of 32 and
     token, the vectors' sums."""
     G, launch, tokens, tuning, target = spec.G, spec.launch, spec.tokens, spec.tuning, spec.target
-    wgmma = wgmma_form(G, launch, tokens, target)
+    wgmma = wgmma_form(G, launch, tokens, target, tuning)
     params = Params(G)
     vec = input_vector(G, launch, params)
     K = vec["K"]
     rows = (lambda members, pairs: WGMMA_ROWS // members) if wgmma else (lambda members, pairs: slots(tuning))
     zips, grid = zip_contexts(G, launch, params, rows, batched=True)
     max_tile = max(z.R * len(z.members) for z in zips)
-    columns, split = wgmma_plan(K, grid, tokens, target, tuning) if wgmma else (tokens, splits(K, grid, tuning))
+    group_order = grouped(G, launch)
+    widest = WGMMA_QUANT_MAX_TOKENS if group_order else WGMMA_MAX_TOKENS
+    columns, split = wgmma_plan(K, grid, tokens, target, tuning, widest) if wgmma else (tokens, splits(K, grid, tuning))
     slabs = counts = None
     if split > 1:
         slabs, counts = params.extra("float*", "gemm_slabs"), params.extra("unsigned*", "gemm_counts")
     stride = tokens + 1 if wgmma else tokens             # floats between a tile's rows (gemm.cu.j2: TS)
     tile_floats = split * (max_tile * stride + tokens)    # a tile's slabs: dot products and sums of squares
     staged_x = params.extra("float*", "gemm_x")
-    group_order = grouped(G, launch)
     if wgmma:   # the slots, which the tile of dot products takes over; the 1024-byte alignment
-        stages = wgmma_stages(columns, tokens, target, sum(z.exchanges for z in zips))
+        a_rows = 0 if group_order else WGMMA_ROWS      # quantized A rows go to registers, not the slots
+        stages = wgmma_stages(columns, tokens, target, sum(z.exchanges for z in zips), a_rows)
         threads = WGMMA_THREADS
-        smem = max(stages * (WGMMA_ROWS + columns) * 128, WGMMA_ROWS * stride * 4) + 1024
+        smem = max(stages * (a_rows + columns) * 128, WGMMA_ROWS * stride * 4) + 1024
         staged = tokens * K // 2 + tokens
     else:
         stages, threads, smem = 0, tuning.gemm_warps * 32, 0

@@ -17,6 +17,7 @@
 # AB="FUSELM_TUNE=gemv_unroll=8;FUSELM_TUNE=attn_wide_warps=0" adds decode-only runs of $AB_MODELS, one
 # per setting (A/B), printed to $OUT/ab.log and recorded as abN.json in $OUT/ab.tgz (whose "tuning"
 # lists the values each ran under; one archive because the device tool brings back only a few files).
+# AB_ARGS replaces the A/B runs' bench options (default --decode-only), e.g. "--prompts 512,4096".
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FUSELM_CACHE=${FUSELM_CACHE:-/tmp/fuselm-cache}
@@ -65,7 +66,7 @@ if [ -n "${AB:-}" ]; then
   records=$(mktemp -d)
   for i in "${!settings[@]}"; do
     echo "== ${settings[$i]}" | tee -a "$OUT/ab.log"
-    env ${settings[$i]} python3 -m fuselm bench ${AB_MODELS:-llama-3.2-1b llama-3.1-8b} --decode-only \
+    env ${settings[$i]} python3 -m fuselm bench ${AB_MODELS:-llama-3.2-1b llama-3.1-8b} ${AB_ARGS---decode-only} \
       --json "$records/ab$i.json" 2>&1 | tee -a "$OUT/ab.log"
   done
   tar czf "$OUT/ab.tgz" -C "$records" .

@@ -247,6 +247,33 @@ def test_gemvs_streaming_through_the_copy_ring_compile_and_keep_a_wave(rows_per_
     assert unringed and all("WarpRing ring" not in k.source for k in unringed)
 
 
+@pytest.mark.parametrize("name,scheme", [("llama-3.1-8b", "q4_k_m"), ("llama-3.1-8b", "q5_k_m"),
+                                         ("llama-3.2-1b", "q8_0"), ("llama-3.2-1b", "q4_0"), ("llama-3.2-1b", "q4_1"),
+                                         ("llama-3.2-1b", "q5_0"), ("llama-3.2-1b", "q5_1"), ("llama-3.2-1b", "q6_k"),
+                                         ("llama-3.2-1b", "fp8"), ("llama-3.2-1b", "mxfp4")])
+def test_quantized_prefill_on_wgmma_compiles_without_spills(name, scheme):
+    """With gemm_quant_wgmma the prefill gemms whose weights are all quantized take the wgmma form
+    (codes dequantized to bf16 in the consumers' registers, gemm_wgmma.cuh: WgmmaQuantRows), at
+    most 128 tokens a block, and every step size compiles for sm_90 without a spill in them."""
+    from fuselm.codegen import Tuning
+    from fuselm.codegen.gemm import WGMMA_QUANT_MAX_TOKENS, WGMMA_THREADS
+    graph = build_graph(preset(name))
+    G = to_networkx(graph)
+    formats = scheme_formats(scheme, {n: G.nodes[n]["shape"] for n in quantizable_weights(G)})
+    program = build_program(graph, 4096, compile=False, formats=formats, tuning=Tuning(gemm_quant_wgmma=1))
+    assert program.prefill_refused is None
+    for step in program.prefill:
+        gemms = [k for k in step.kernels if k.family == "gemm"]
+        on_wgmma = [k for k in gemms if k.launches[-1].block == WGMMA_THREADS]
+        assert on_wgmma and all("WgmmaQuantRows" in k.source for k in on_wgmma), [k.name for k in gemms]
+        assert all(step.tokens // k.launches[-1].grid[1] <= WGMMA_QUANT_MAX_TOKENS or "WgmmaQuantRows" not in k.source
+                   for k in gemms)
+        cubin, log, _ = compile_cubin(module_source(step.kernels), headers(), options("sm_90", verbose=True),
+                                      use_cache=False)
+        report = spills(log)
+        assert not {k.name: report[k.name] for k in on_wgmma if report[k.name]}, report
+
+
 # The quantized prefill gemms hold more than the bf16 ones (codes, scales and each group's sums
 # besides the accumulators): those of two members (gate and up) at 64 tokens in the formats with
 # a minimum may spill a little, measured (bytes stored + loaded) 24 in Q4_K, 112 in Q5_K and 136

@@ -16,10 +16,14 @@
 #include "gemm.cuh"            // splitk_gather
 #include "gemv.cuh"            // slot_row, load_f32x8, apply_gain8
 #include "wgmma.cuh"
+#include "quant.cuh"           // dequantize_words and the formats' frag, decode
 
 // d += A B for this warpgroup (m64nNk16, wgmma.cuh): emitted per N by the kernel (wgmma.j2).
 template <int N>
 __device__ void wgmma_m64k16(float (&d)[N / 2], unsigned long long a, unsigned long long b);
+// The same with A from this thread's registers (its share of the 64 x 16 tile, WgmmaQuantRows).
+template <int N>
+__device__ void wgmma_m64k16_ra(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long b);
 
 // Where stage_bf16 leaves a step's vectors: [TT][K] bf16, then TT floats, each token's sum of
 // x^2 over all of K (the norm prologue's).
@@ -29,11 +33,21 @@ struct StagedBf16 {
     static __device__ __forceinline__ const float* sums(const float* words) { return words + (size_t)TT * K / 2; }
 };
 
+// 16-byte chunk g of a token's bf16 vector in the order of the quantized weights' codes within
+// each 16 values (WgmmaQuantRows): value pairs 0, 2, 4, 6 of the 16 in its even chunk, 1, 3, 5, 7
+// in the odd one. The chunk's partner is the neighbouring lane's: every lane calls it.
+__device__ __forceinline__ uint4 in_codes_order(const uint4& w, int g) {
+    const uint4 o = make_uint4(__shfl_xor_sync(0xffffffffu, w.x, 1), __shfl_xor_sync(0xffffffffu, w.y, 1),
+                               __shfl_xor_sync(0xffffffffu, w.z, 1), __shfl_xor_sync(0xffffffffu, w.w, 1));
+    return g & 1 ? make_uint4(o.y, o.w, w.y, w.w) : make_uint4(w.x, w.z, o.x, o.z);
+}
+
 // The stage kernel's block t: token t's vector times the norm gain (where NORMED) in bf16,
-// rounded to nearest, and its sum of squares.
-template <int K, int TT, bool NORMED, int THREADS>
+// rounded to nearest (in the codes' order where PERMUTED: in_codes_order), and its sum of squares.
+template <int K, int TT, bool NORMED, int THREADS, bool PERMUTED = false>
 __device__ __forceinline__ void stage_bf16(const float* x, const weight_t* gain, float gain_offset, float* words) {
     constexpr int PER = (K / 8 + THREADS - 1) / THREADS;
+    static_assert(!PERMUTED || (K % 16 == 0 && THREADS % 32 == 0), "whole 16-value runs, whole warps");
     const int t = blockIdx.x;
     uint4* out = reinterpret_cast<uint4*>(words) + (size_t)t * K / 8;
     float v[PER][8];
@@ -42,10 +56,12 @@ __device__ __forceinline__ void stage_bf16(const float* x, const weight_t* gain,
 #pragma unroll
     for (int i = 0; i < PER; i++) {
         const int g = i * THREADS + threadIdx.x;
-        if (g >= K / 8) continue;
-        if constexpr (NORMED) apply_gain8(v[i], gain, 8 * g, gain_offset, sumsq);
-        out[g] = make_uint4(pack_bf16x2(v[i][0], v[i][1]), pack_bf16x2(v[i][2], v[i][3]),
-                            pack_bf16x2(v[i][4], v[i][5]), pack_bf16x2(v[i][6], v[i][7]));
+        const bool on = g < K / 8;     // the same for both chunks of a 16-value run
+        if (NORMED && on) apply_gain8(v[i], gain, 8 * g, gain_offset, sumsq);
+        uint4 w = make_uint4(pack_bf16x2(v[i][0], v[i][1]), pack_bf16x2(v[i][2], v[i][3]),
+                             pack_bf16x2(v[i][4], v[i][5]), pack_bf16x2(v[i][6], v[i][7]));
+        if constexpr (PERMUTED) w = in_codes_order(w, g);
+        if (on) out[g] = w;
     }
     if constexpr (NORMED) {
         sumsq = block_sum(sumsq);
@@ -62,6 +78,7 @@ constexpr int WGMMA_CONSUMERS = 256, WGMMA_PRODUCERS = 128;
 template <int K, int M, int R, int N, int HD, bool INTERLEAVED>
 struct WgmmaRows {
     static constexpr int BM = M * R, PER = BM * 8 / WGMMA_PRODUCERS;
+    static constexpr bool QUANT = false;   // A from shared memory (the slots' first BM rows)
     static_assert(BM == 128, "two consumer warpgroups over 128 rows");
     const weight_t* row[PER];
     __device__ __forceinline__ WgmmaRows(const weight_t* const (&W)[M], int tile, int p) {
@@ -71,6 +88,63 @@ struct WgmmaRows {
             int pair;
             const int r = slot_row<R, N, HD, INTERLEAVED>(tile, i % R, pair);
             row[j] = W[i / R] + (size_t)max(r, 0) * K + 8 * (p % 8);
+        }
+    }
+    // Producer thread p's copies of the rows' k [k, k + 64) into `slot` (zeros where not `whole`).
+    __device__ __forceinline__ void copy(unsigned char* slot, int k, bool whole, int p) const {
+#pragma unroll
+        for (int j = 0; j < PER; j++) cp_async_16_cg_or_zero(slot + sw128_offset(p / 8 + 16 * j, p % 8), row[j] + k, whole);
+    }
+};
+
+// The tile's weight rows where they are quantized in format F, as a consumer thread reads them:
+// its A rows i = 64 g + 16 w + lane / 4 and i + 8 (wgmma's A registers: in each warp's 16 rows,
+// mma.m16n8k16's layout), loaded straight from global memory (a weight byte is one thread's:
+// nothing gains from shared memory), dequantized to bf16 and given to wgmma as registers. A
+// group's codes cover lane c's k (quant.cuh, decode: weights 4c .. 4c + 3 and 16 + 4c .. of a
+// group), so the tokens' vectors are staged in that order (stage_bf16, PERMUTED). The producer
+// copies only the vectors.
+template <class F, int K, int M, int R, int N, int HD, bool INTERLEAVED>
+struct WgmmaQuantRows {
+    static constexpr int BM = M * R;
+    static constexpr bool QUANT = true;
+    static_assert(BM == 128 && R % 16 == 0, "two consumer warpgroups over 128 rows, a warp's 16 in one member");
+    struct Frags { typename F::Frag a[2], b[2]; };   // a slot's two groups of rows i and i + 8, raw
+    typename F::Row a, b;
+    __device__ __forceinline__ WgmmaQuantRows(const unsigned char* const (&)[M], int, int) {}   // the producer's
+    __device__ __forceinline__ void copy(unsigned char*, int, bool, int) const {}
+    __device__ __forceinline__ WgmmaQuantRows(const unsigned char* const (&W)[M], int tile) {   // a consumer's
+        const int i = threadIdx.x / 128 * 64 + (threadIdx.x / 32) % 4 * 16 + (threadIdx.x % 32) / 4;
+        int pair;
+        const int ra = slot_row<R, N, HD, INTERLEAVED>(tile, i % R, pair);
+        const int rb = slot_row<R, N, HD, INTERLEAVED>(tile, (i + 8) % R, pair);
+        a = F::row(W[i / R], N, K, max(ra, 0));     // (rows past the end read row 0: the epilogue skips them)
+        b = F::row(W[i / R], N, K, max(rb, 0));
+    }
+    // The raw codes and scales of groups g and g + 1 (a slot's 64 k).
+    __device__ __forceinline__ void load(int g, Frags& f) const {
+        const int c = threadIdx.x & 3;
+#pragma unroll
+        for (int s = 0; s < 2; s++) {
+            f.a[s] = F::frag(a, g + s, c);
+            f.b[s] = F::frag(b, g + s, c);
+        }
+    }
+    // The slot's A registers, w[kk] for its k16 step kk: group s's weights 0-15 in step 2 s, 16-31 in 2 s + 1.
+    __device__ __forceinline__ void weights(const Frags& f, int g, unsigned (&w)[4][4]) const {
+        const int c = threadIdx.x & 3;
+#pragma unroll
+        for (int s = 0; s < 2; s++) {
+            unsigned wa[4], wb[4];
+            dequantize_words(wa, F::decode(f.a[s], c, g + s, wa));
+            dequantize_words(wb, F::decode(f.b[s], c, g + s, wb));
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                w[2 * s + h][0] = wa[2 * h];
+                w[2 * s + h][1] = wb[2 * h];
+                w[2 * s + h][2] = wa[2 * h + 1];
+                w[2 * s + h][3] = wb[2 * h + 1];
+            }
         }
     }
 };
@@ -96,12 +170,13 @@ struct WgmmaSlot {
 template <int K, int KS, int TT, int TN, int STAGES, class Rows, class Weights>
 __device__ __forceinline__ void wgmma_tile(const Weights& W, int tile, int k0, int t0, const float* staged,
                                            unsigned char* smem, float* tile_out) {
-    constexpr int BM = Rows::BM, KT = (KS + 63) / 64, X_PER = TN * 8 / WGMMA_PRODUCERS;
+    constexpr int KT = (KS + 63) / 64, X_PER = TN * 8 / WGMMA_PRODUCERS;
     constexpr int FIRST = STAGES < KT ? STAGES : KT;
-    using Slot = WgmmaSlot<BM, TN>;
+    using Slot = WgmmaSlot<Rows::QUANT ? 0 : Rows::BM, TN>;   // quantized A rows skip shared memory
     static_assert(FUSELM_SM90A || !FUSELM_SM90, "wgmma needs sm_90a (nvrtc.options compiles sm_90 as sm_90a)");
     static_assert(KS % 8 == 0 && K % KS == 0 && TT % TN == 0 && TN % 16 == 0 && TN <= 256 && STAGES >= 2,
                   "wgmma tile shape");
+    static_assert(!Rows::QUANT || KS % 64 == 0, "quantized rows in whole slots of two groups");
     __shared__ unsigned long long full[STAGES], empty[STAGES];
     if (threadIdx.x == 0) {
 #pragma unroll
@@ -117,11 +192,7 @@ __device__ __forceinline__ void wgmma_tile(const Weights& W, int tile, int k0, i
         const Rows rows(W, tile, p);
         const bf16_t* x = reinterpret_cast<const bf16_t*>(staged) + (size_t)(t0 + r0) * K + 8 * c;
         auto copy_rows = [&](int kt) {
-            unsigned char* slot = smem + (kt % STAGES) * Slot::BYTES;
-            const bool whole = KS % 64 == 0 || 64 * kt + 8 * c < KS;
-#pragma unroll
-            for (int j = 0; j < Rows::PER; j++)
-                cp_async_16_cg_or_zero(slot + sw128_offset(r0 + 16 * j, c), rows.row[j] + k0 + 64 * kt, whole);
+            rows.copy(smem + (kt % STAGES) * Slot::BYTES, k0 + 64 * kt, KS % 64 == 0 || 64 * kt + 8 * c < KS, p);
         };
         auto copy_vectors = [&](int kt) {   // .cg: the stage launch's writes, through L2
             unsigned char* slot = smem + (kt % STAGES) * Slot::BYTES + Slot::A;
@@ -148,20 +219,50 @@ __device__ __forceinline__ void wgmma_tile(const Weights& W, int tile, int k0, i
         cp_async_wait_all();   // leave no copy behind
         return;
     }
-    grid_wait_then_release();  // the epilogue reads and writes other kernels' values
     float acc[TN / 2] = {};    // warpgroup g's rows 64 g .. 64 g + 63 x the TN tokens (wgmma's layout)
     const int wg = threadIdx.x / 128;
-    for (int kt = 0; kt < KT; kt++) {
-        mbar_wait(&full[kt % STAGES], (kt / STAGES) & 1);
-        fence_proxy_async();   // the copies (generic proxy) before wgmma's reads (async proxy)
-        const unsigned char* slot = smem + (kt % STAGES) * Slot::BYTES;
-        const unsigned long long a = wgmma_desc_sw128(slot + wg * 64 * 128), b = wgmma_desc_sw128(slot + Slot::A);
-        wgmma_fence();
+    if constexpr (Rows::QUANT) {
+        // Each slot: its A registers from the codes loaded two slots ahead (in flight through the
+        // products before), then the products; each waits for its products (A registers are not
+        // to change under a running wgmma), while the other warpgroup's keep the tensor cores busy.
+        const Rows rows(W, tile);
+        const int g0 = k0 / 32;
+        typename Rows::Frags f0, f1;
+        rows.load(g0, f0);                 // weights are no kernel's output: loaded before the wait
+        if (KT > 1) rows.load(g0 + 2, f1);
+        grid_wait_then_release();          // the epilogue reads and writes other kernels' values
+        auto slot_products = [&](int kt, typename Rows::Frags& f) {
+            unsigned w[4][4];
+            rows.weights(f, g0 + 2 * kt, w);
+            if (kt + 2 < KT) rows.load(g0 + 2 * (kt + 2), f);
+            mbar_wait(&full[kt % STAGES], (kt / STAGES) & 1);
+            fence_proxy_async();
+            const unsigned long long b = wgmma_desc_sw128(smem + (kt % STAGES) * Slot::BYTES);
+            wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) wgmma_m64k16<TN>(acc, a + 2 * kk, b + 2 * kk);
-        wgmma_commit();
-        wgmma_wait<1>();       // the products of kt - 1 are done: its slot is free
-        if (kt > 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[(kt - 1) % STAGES]);
+            for (int kk = 0; kk < 4; kk++) wgmma_m64k16_ra<TN>(acc, w[kk], b + 2 * kk);
+            wgmma_commit();
+            wgmma_wait<0>();
+            if (threadIdx.x % 128 == 0) mbar_arrive(&empty[kt % STAGES]);
+        };
+        for (int kt = 0; kt < KT; kt += 2) {   // two at a time: f0 and f1 stay registers
+            slot_products(kt, f0);
+            if (kt + 1 < KT) slot_products(kt + 1, f1);
+        }
+    } else {
+        grid_wait_then_release();  // the epilogue reads and writes other kernels' values
+        for (int kt = 0; kt < KT; kt++) {
+            mbar_wait(&full[kt % STAGES], (kt / STAGES) & 1);
+            fence_proxy_async();   // the copies (generic proxy) before wgmma's reads (async proxy)
+            const unsigned char* slot = smem + (kt % STAGES) * Slot::BYTES;
+            const unsigned long long a = wgmma_desc_sw128(slot + wg * 64 * 128), b = wgmma_desc_sw128(slot + Slot::A);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) wgmma_m64k16<TN>(acc, a + 2 * kk, b + 2 * kk);
+            wgmma_commit();
+            wgmma_wait<1>();       // the products of kt - 1 are done: its slot is free
+            if (kt > 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[(kt - 1) % STAGES]);
+        }
     }
     wgmma_wait<0>();
     named_sync<WGMMA_CONSUMERS>();   // both warpgroups are done with the slots

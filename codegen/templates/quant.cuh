@@ -118,6 +118,18 @@ struct GroupScale {
     float offset;      // (the minimum of the formats with XSUM; 0 otherwise)
 };
 
+// A group's A words (decode(): bf16 pairs of codes, weights 4c .. 4c + 3, then 16 + 4c ..) made
+// the weights themselves, scale * code + offset in float32 rounded once to bf16, as dequantizing
+// to bf16 would: the A operand of the wgmma form (gemm_wgmma.cuh, WgmmaQuantRows).
+__device__ __forceinline__ void dequantize_words(unsigned (&a)[4], const GroupScale& s) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float scale = i < 2 ? s.lo : s.hi;
+        a[i] = pack_bf16x2(fmaf(scale, __uint_as_float(a[i] << 16), s.offset),
+                           fmaf(scale, __uint_as_float(a[i] & 0xffff0000u), s.offset));
+    }
+}
+
 // 4 codes (bytes below 128) minus ZERO as bf16 pairs {bytes 0, 1; bytes 2, 3}, exactly: PRMT puts
 // each byte under 0x43 (the bf16 128 + code), one bf16x2 FMA adds 0xC300 | ZERO, -(128 + ZERO).
 template <int ZERO>
