@@ -156,12 +156,13 @@ def wgmma_plan(K: int, tiles: int, tokens: int, target: Target, tuning: Tuning,
     tiles (the O, down and K/V projections) are cut along the tokens first: that re-reads each
     weight slot from L2 once per column tile, where split-K's slabs cost a tile's floats a block."""
     slots = K // 64 if K % 64 == 0 else 1        # rows of part slots stay whole
-    fewest = min(tuning.wgmma_min_columns, tokens)
-    plans = [(c, 1) for c in range(min(tokens, widest), fewest - 1, -16) if tokens % c == 0 and c % 16 == 0]
+    fewest = min(tuning.wgmma_min_columns, tokens, widest)
+    fitting = [c for c in range(min(tokens, widest), 15, -16) if tokens % c == 0]   # widest first
+    plans = [(c, 1) for c in fitting if c >= fewest]
     if tokens <= widest:
         plans += [(tokens, s) for s in range(2, 17) if slots % s == 0 and slots // s >= tuning.gemm_min_chunks]
     if not plans:
-        plans = [(tokens, 1)]
+        plans = [(fitting[0] if fitting else tokens, 1)]
 
     def cost(plan):
         columns, split = plan

@@ -82,16 +82,23 @@ def generate(spec: KernelSpec) -> KernelSource:
     quantized = any(f.name != "bf16" for f in formats)
     unroll = tuning.gemv_quant_unroll if quantized else tuning.gemv_unroll
     rows_per_warp = tuning.gemv_quant_rows_per_warp if quantized else tuning.gemv_rows_per_warp
-    chunk = _ring_chunk(formats, vec["K"], rows_per_warp, spec.target, tuning)
-    ksplit = _ksplit(sets, vec["K"], max([f.block for f in formats] + [chunk or 0]), rows_per_warp, spec.target, tuning)
-    zips, grid = zip_contexts(G, launch, params,
-                              lambda members, pairs: _slots(ksplit, members, pairs, rows_per_warp, tuning),
-                              rows_per_warp=rows_per_warp)
-    max_tile = max(z.R * len(z.members) for z in zips)
-    # integer formats read the vector staged in shared memory where it fits, else take the float path
     integer = all(f.integer_codes for f in formats)
-    staged = integer and staged_fits(vec["K"], ksplit, max_tile)
-    ring = _ring(chunk, formats, vec["K"] // ksplit, rows_per_warp, tuning) if staged and chunk else None
+
+    def lay_out(chunk: int | None):
+        """K-split (slices of whole ring chunks where the ring may run), tiles, and whether integer
+        formats read the vector staged in shared memory (where it fits; else the float path)."""
+        ksplit = _ksplit(sets, vec["K"], max([f.block for f in formats] + [chunk or 0]), rows_per_warp,
+                         spec.target, tuning)
+        zips, grid = zip_contexts(G, launch, params,
+                                  lambda members, pairs: _slots(ksplit, members, pairs, rows_per_warp, tuning),
+                                  rows_per_warp=rows_per_warp)
+        max_tile = max(z.R * len(z.members) for z in zips)
+        return ksplit, zips, grid, max_tile, integer and staged_fits(vec["K"], ksplit, max_tile)
+    chunk = _ring_chunk(formats, vec["K"], rows_per_warp, spec.target, tuning)
+    ksplit, zips, grid, max_tile, staged = lay_out(chunk)
+    ring = _ring(chunk, formats, vec["K"], ksplit, max_tile, rows_per_warp, spec.target, tuning) if staged and chunk else None
+    if chunk and not ring:     # the registers' path, with its own K-split
+        ksplit, zips, grid, max_tile, staged = lay_out(None)
     tail = _tail(G, launch, params)
     name, source = render("gemv.cu.j2", "gemv", shape_name(vec, zips) + ("_tail" if tail else ""),
                           params=params.decls, **vec, zips=zips, tail=tail,
@@ -116,10 +123,12 @@ def _ring_chunk(formats: list[Format], K: int, rows_per_warp: int, target: Targe
     return chunk if _ring_slots(chunk, formats, chunk, rows_per_warp, tuning) else None
 
 
-def _ring_slots(chunk: int, formats: list[Format], slice_k: int, rows_per_warp: int, tuning: Tuning) -> int:
-    """Slots a warp's ring has: as many as gemv_ring_kb holds for all warps, at most one per chunk
-    of the warp's K-slice."""
-    return min(slice_k // chunk, tuning.gemv_ring_kb * 1024 // (tuning.gemv_warps * _slot(chunk, formats, rows_per_warp)))
+def _ring_slots(chunk: int, formats: list[Format], slice_k: int, rows_per_warp: int, tuning: Tuning,
+                budget: int | None = None) -> int:
+    """Slots a warp's ring has: as many as gemv_ring_kb (or `budget` bytes, where less) holds for
+    all warps, at most one per chunk of the warp's K-slice."""
+    room = min(tuning.gemv_ring_kb * 1024, tuning.gemv_ring_kb * 1024 if budget is None else budget)
+    return min(slice_k // chunk, room // (tuning.gemv_warps * _slot(chunk, formats, rows_per_warp)))
 
 
 def _slot(chunk: int, formats: list[Format], rows_per_warp: int) -> int:
@@ -127,10 +136,17 @@ def _slot(chunk: int, formats: list[Format], rows_per_warp: int) -> int:
     return rows_per_warp * max(chunk // f.block * f.bytes_per_block for f in formats)
 
 
-def _ring(chunk: int, formats: list[Format], slice_k: int, rows_per_warp: int, tuning: Tuning) -> dict:
-    """The warps' rings (WarpRing): `ck` weights a chunk, `slot` bytes a slot, `S` slots a warp."""
-    return {"ck": chunk, "slot": _slot(chunk, formats, rows_per_warp),
-            "S": _ring_slots(chunk, formats, slice_k, rows_per_warp, tuning)}
+def _ring(chunk: int, formats: list[Format], K: int, ksplit: int, max_tile: int, rows_per_warp: int,
+          target: Target, tuning: Tuning) -> dict | None:
+    """The warps' rings (WarpRing): `ck` weights a chunk, `slot` bytes a slot, `S` slots a warp,
+    within the block's shared memory beside its static arrays and the slots' barriers (8 bytes
+    each); None where not one slot a warp fits."""
+    bars = 8 * tuning.gemv_warps * (K // ksplit // chunk)          # at most a slot per chunk
+    budget = target.smem_per_block - static_bytes(K, ksplit, max_tile) - bars - 1024
+    slots = _ring_slots(chunk, formats, K // ksplit, rows_per_warp, tuning, budget)
+    if slots < 1 or not staged_fits(K, ksplit, max_tile, 8 * tuning.gemv_warps * slots):
+        return None
+    return {"ck": chunk, "slot": _slot(chunk, formats, rows_per_warp), "S": slots}
 
 
 def _tail(G: nx.DiGraph, launch: ScheduledKernel, params: Params) -> dict | None:
@@ -165,11 +181,16 @@ def staged_bytes(K: int) -> int:
     return -(-(2 * K + 12 * (K // 32)) // 16) * 16
 
 
-def staged_fits(K: int, ksplit: int, max_tile: int) -> bool:
+def staged_fits(K: int, ksplit: int, max_tile: int, extra: int = 0) -> bool:
     """Whether a quantized GEMV's staged vector fits the static shared memory beside its tile of
-    dot products (and 1 KiB for an epilogue's exchanges). Rows longer than ~19k weights take the
-    float path."""
-    return staged_bytes(K) + 4 * ksplit * (max_tile + 1) + 1024 <= SMEM_STATIC
+    dot products (and 1 KiB for an epilogue's exchanges, and `extra` bytes: a copy ring's
+    barriers). Rows longer than ~19k weights take the float path."""
+    return static_bytes(K, ksplit, max_tile) + extra <= SMEM_STATIC
+
+
+def static_bytes(K: int, ksplit: int, max_tile: int) -> int:
+    """A staged quantized GEMV's static shared memory: the vector, the tile, an epilogue's 1 KiB."""
+    return staged_bytes(K) + 4 * ksplit * (max_tile + 1) + 1024
 
 
 def shape_name(vec: dict, zips: list[ZipTile], tokens: int | None = None) -> str:

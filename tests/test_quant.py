@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fuselm.codegen import build_program, headers, module_source
-from fuselm.codegen.nvrtc import compile_cubin, options, spills
+from fuselm.codegen.nvrtc import compile_cubin, options, spills, static_smem
 from fuselm.compiler import compile_graph
 from fuselm.compiler.assign_formats import quantizable_weights
 from fuselm.compiler.lower import to_networkx
@@ -245,6 +245,43 @@ def test_gemvs_streaming_through_the_copy_ring_compile_and_keep_a_wave(rows_per_
                           tuning=Tuning(gemv_ring_kb=8, gemv_quant_rows_per_warp=rows_per_warp))
     unringed = [k for k in small.decode.kernels if k.family == "gemv" and not k.launches[0].smem]
     assert unringed and all("WarpRing ring" not in k.source for k in unringed)
+
+
+def test_the_copy_ring_keeps_within_the_blocks_shared_memory_and_off_the_float_path():
+    """The ring's slots fit beside the static arrays on a GPU with less shared memory a block
+    (99 kB); where the vector does not stage (rows of 28,672 weights: the float path), the GEMV
+    is the one it is without the ring, its K-split not cut to whole chunks."""
+    from fuselm.codegen import Target, Tuning
+    from fuselm.dsl import Graph
+    graph = build_graph(preset("llama-3.1-8b"))
+    G = to_networkx(graph)
+    formats = scheme_formats("q4_k_m", {n: G.nodes[n]["shape"] for n in quantizable_weights(G)})
+    small = Target("sm_90", smem_per_block=101376)
+    program = build_program(graph, 4096, small, Tuning(gemv_ring_kb=160), compile=False, formats=formats,
+                            prefill=False)
+    launches = [k.launches[0] for k in program.decode.kernels if k.family == "gemv"]
+    _, log, _ = compile_cubin(module_source(program.decode.kernels), headers(), options("sm_90", verbose=True),
+                              use_cache=False)
+    static = static_smem(log)
+    assert any(l.smem for l in launches)
+    assert all(l.smem + static[l.function] <= small.smem_per_block for l in launches), \
+        [(l.function, l.smem, static[l.function]) for l in launches]
+    g = Graph("long rows")
+    g.output(y=g.op("linear", g.input("x", ("T", 28672)), g.weight("w", (1024, 28672))))
+    made = {kb: build_program(g, 8, compile=False, formats={"w": "q6_k"}, prefill=False,
+                              tuning=Tuning(gemv_ring_kb=kb)).decode.kernels for kb in (0, 160)}
+    plain, ringed = ([k for k in made[kb] if k.family == "gemv"] for kb in (0, 160))
+    assert [(k.source, k.launches[0].grid) for k in plain] == [(k.source, k.launches[0].grid) for k in ringed]
+
+
+def test_quantized_wgmma_column_tiles_stay_within_the_widest_even_past_the_fewest():
+    """wgmma_plan never gives quantized rows a column tile wider than WGMMA_QUANT_MAX_TOKENS, even
+    where wgmma_min_columns leaves no divisor between the two."""
+    from fuselm.codegen import Target, Tuning
+    from fuselm.codegen.gemm import WGMMA_QUANT_MAX_TOKENS, wgmma_plan
+    for tiles in (16, 224):
+        columns, split = wgmma_plan(4096, tiles, 256, Target(), Tuning(wgmma_min_columns=160), WGMMA_QUANT_MAX_TOKENS)
+        assert columns <= WGMMA_QUANT_MAX_TOKENS and 256 % columns == 0 and split == 1
 
 
 @pytest.mark.parametrize("name,scheme", [("llama-3.1-8b", "q4_k_m"), ("llama-3.1-8b", "q5_k_m"),
