@@ -180,10 +180,14 @@ PREFILL_MIXES["q4_k+q6_k+bf16"] = lambda name, shape: (None if "layers.1.self_at
                                                       "q6_k" if "v_proj" in name or "down" in name else "q4_k")
 
 
-# The wgmma form of the quantized gemms (gemm_quant_wgmma) multiplies bf16 weights (dequantized,
-# each rounded to 2^-9 of itself) by bf16 vectors, as the bf16 models' wgmma gemms do, whose caches
-# differ from one-token steps by 6e-3 to 1e-2 (test_gpu.PREFILL_TOL): the first layer's bound there.
-WGMMA_FIRST_LAYER_TOL = 2e-2
+# The wgmma form of the quantized gemms (gemm_quant_wgmma) multiplies bf16 weights
+# (dequantized, each rounded to 2^-9 of itself) by bf16 vectors, as the bf16 models' wgmma gemms
+# do: its first layer's caches measured 1.9e-3 to 3.4e-3 from the reference (H100), which bounds
+# the kernels; past it this random model's sharp softmax spreads those roundings (measured up to
+# 3.5e-2 on the caches and 1.1e-1 on the last logits, the q4_k+q6_k+bf16 mix), where the float32-
+# accurate mma.sync form stays within FLASH_MODEL_TOL.
+WGMMA_FIRST_LAYER_TOL = 1e-2
+WGMMA_MODEL_TOL = 2e-1
 
 
 @pytest.mark.parametrize("split_k", ["default", "every-tile", "wgmma"])
@@ -198,8 +202,8 @@ def test_quantized_batched_prefill_matches_the_reference(mix, split_k):
     queries and probabilities (a few 2^-9 of each output, test_flash_prefill_kernel_matches_float64),
     which this random model's sharp softmax spreads: FLASH_MODEL_TOL. "every-tile": every gemm
     splits its K as far as it goes. "wgmma": kernels whose weights are all quantized take the
-    wgmma form (gemm_quant_wgmma: codes dequantized to bf16 in registers), whose first layer is
-    bf16-accurate: WGMMA_FIRST_LAYER_TOL."""
+    wgmma form (gemm_quant_wgmma: codes dequantized to bf16 in registers), bf16-accurate:
+    WGMMA_FIRST_LAYER_TOL and WGMMA_MODEL_TOL."""
     import cupy as cp
 
     from fuselm.codegen import Tuning
@@ -215,6 +219,7 @@ def test_quantized_batched_prefill_matches_the_reference(mix, split_k):
     assert any(f in k.name for k in kernels for f in mix.split("+") if f != "bf16"), [k.name for k in kernels]
     wgmma = [k.name for k in kernels if k.launches[-1].block == 384]   # gemm.WGMMA_THREADS
     assert bool(wgmma) == (split_k == "wgmma"), wgmma
+    first_tol, tol = (WGMMA_FIRST_LAYER_TOL, WGMMA_MODEL_TOL) if wgmma else (5e-3, FLASH_MODEL_TOL)
     with batched.stream:
         batched.batched_prefill.arena.view(cp.float32).fill(cp.nan)
         batched.batched_prefill.buffers["gemm_slabs"].fill(cp.nan)
@@ -235,10 +240,9 @@ def test_quantized_batched_prefill_matches_the_reference(mix, split_k):
           f"{max(errs.values()):.2e}, {cache_vs_steps:.2e} from one-token steps; last logits {logit_err:.2e} "
           f"from the reference, {logits_vs_steps:.2e} from one-token steps")
     assert all(np.isfinite(got[c]).all() for c in got)
-    assert first_layer < (WGMMA_FIRST_LAYER_TOL if split_k == "wgmma" else 5e-3), \
-        f"the quantized tiles' caches: {first_layer:.2e}"
-    assert max(errs.values()) < FLASH_MODEL_TOL and logit_err < FLASH_MODEL_TOL, (errs, logit_err)
-    assert cache_vs_steps < FLASH_MODEL_TOL and logits_vs_steps < FLASH_MODEL_TOL
+    assert first_layer < first_tol, f"the quantized tiles' caches: {first_layer:.2e}"
+    assert max(errs.values()) < tol and logit_err < tol, (errs, logit_err)
+    assert cache_vs_steps < tol and logits_vs_steps < tol
 
 
 MIXTRAL_QCFG = {**QCFG, "architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2}
