@@ -127,7 +127,7 @@ def _ring_slots(chunk: int, formats: list[Format], slice_k: int, rows_per_warp: 
                 budget: int | None = None) -> int:
     """Slots a warp's ring has: as many as gemv_ring_kb (or `budget` bytes, where less) holds for
     all warps, at most one per chunk of the warp's K-slice."""
-    room = min(tuning.gemv_ring_kb * 1024, tuning.gemv_ring_kb * 1024 if budget is None else budget)
+    room = tuning.gemv_ring_kb * 1024 if budget is None else min(tuning.gemv_ring_kb * 1024, budget)
     return min(slice_k // chunk, room // (tuning.gemv_warps * _slot(chunk, formats, rows_per_warp)))
 
 
