@@ -94,7 +94,7 @@ def generate(spec: KernelSpec) -> KernelSource:
                                   rows_per_warp=rows_per_warp)
         max_tile = max(z.R * len(z.members) for z in zips)
         return ksplit, zips, grid, max_tile, integer and staged_fits(vec["K"], ksplit, max_tile)
-    chunk = _ring_chunk(formats, vec["K"], rows_per_warp, spec.target, tuning)
+    chunk = _ring_chunk(formats, vec["K"], spec.target, tuning)
     ksplit, zips, grid, max_tile, staged = lay_out(chunk)
     ring = _ring(chunk, formats, vec["K"], ksplit, max_tile, rows_per_warp, spec.target, tuning) if staged and chunk else None
     if chunk and not ring:     # the registers' path, with its own K-split
@@ -111,24 +111,14 @@ def generate(spec: KernelSpec) -> KernelSource:
                         [Launch(name, (grid, 1), tuning.gemv_warps * 32, params.values, smem)], launch.layer)
 
 
-def _ring_chunk(formats: list[Format], K: int, rows_per_warp: int, target: Target, tuning: Tuning) -> int | None:
-    """Weights per chunk where a quantized GEMV streams its weights through shared memory (the
-    warps' rings of bulk copies, templates/quant.cuh: WarpRing: sm_90 on, every format one the
-    ring reads, rows of whole chunks, a slot a warp within gemv_ring_kb), else None: through
-    registers."""
+def _ring_chunk(formats: list[Format], K: int, target: Target, tuning: Tuning) -> int | None:
+    """Weights per chunk where a quantized GEMV may stream its weights through shared memory (the
+    warps' rings of bulk copies, templates/quant.cuh: WarpRing: sm_90 on, gemv_ring_kb > 0, every
+    format one the ring reads, rows of whole chunks), else None: through registers."""
     chunks = [f.ring_chunk for f in formats]
     if not tuning.gemv_ring_kb or target.capability < 90 or None in chunks or K % max(chunks):
         return None
-    chunk = max(chunks)
-    return chunk if _ring_slots(chunk, formats, chunk, rows_per_warp, tuning) else None
-
-
-def _ring_slots(chunk: int, formats: list[Format], slice_k: int, rows_per_warp: int, tuning: Tuning,
-                budget: int | None = None) -> int:
-    """Slots a warp's ring has: as many as gemv_ring_kb (or `budget` bytes, where less) holds for
-    all warps, at most one per chunk of the warp's K-slice."""
-    room = tuning.gemv_ring_kb * 1024 if budget is None else min(tuning.gemv_ring_kb * 1024, budget)
-    return min(slice_k // chunk, room // (tuning.gemv_warps * _slot(chunk, formats, rows_per_warp)))
+    return max(chunks)
 
 
 def _slot(chunk: int, formats: list[Format], rows_per_warp: int) -> int:
@@ -142,8 +132,9 @@ def _ring(chunk: int, formats: list[Format], K: int, ksplit: int, max_tile: int,
     within the block's shared memory beside its static arrays and the slots' barriers (8 bytes
     each); None where not one slot a warp fits."""
     bars = 8 * tuning.gemv_warps * (K // ksplit // chunk)          # at most a slot per chunk
-    budget = target.smem_per_block - static_bytes(K, ksplit, max_tile) - bars - 1024
-    slots = _ring_slots(chunk, formats, K // ksplit, rows_per_warp, tuning, budget)
+    room = min(tuning.gemv_ring_kb * 1024, target.smem_per_block - static_bytes(K, ksplit, max_tile) - bars - 1024)
+    # as many slots a warp as the room holds for all warps, at most one per chunk of its K-slice
+    slots = min(K // ksplit // chunk, room // (tuning.gemv_warps * _slot(chunk, formats, rows_per_warp)))
     if slots < 1 or not staged_fits(K, ksplit, max_tile, 8 * tuning.gemv_warps * slots):
         return None
     return {"ck": chunk, "slot": _slot(chunk, formats, rows_per_warp), "S": slots}
