@@ -82,62 +82,23 @@ def generate(spec: KernelSpec) -> KernelSource:
     quantized = any(f.name != "bf16" for f in formats)
     unroll = tuning.gemv_quant_unroll if quantized else tuning.gemv_unroll
     rows_per_warp = tuning.gemv_quant_rows_per_warp if quantized else tuning.gemv_rows_per_warp
+    ksplit = _ksplit(sets, vec["K"], max(f.block for f in formats), rows_per_warp, spec.target, tuning)
+    zips, grid = zip_contexts(G, launch, params,
+                              lambda members, pairs: _slots(ksplit, members, pairs, rows_per_warp, tuning),
+                              rows_per_warp=rows_per_warp)
+    max_tile = max(z.R * len(z.members) for z in zips)
+    # integer formats read the vector staged in shared memory where it fits, else take the float path
     integer = all(f.integer_codes for f in formats)
-
-    def lay_out(chunk: int | None):
-        """K-split (slices of whole ring chunks where the ring may run), tiles, and whether integer
-        formats read the vector staged in shared memory (where it fits; else the float path)."""
-        ksplit = _ksplit(sets, vec["K"], max([f.block for f in formats] + [chunk or 0]), rows_per_warp,
-                         spec.target, tuning)
-        zips, grid = zip_contexts(G, launch, params,
-                                  lambda members, pairs: _slots(ksplit, members, pairs, rows_per_warp, tuning),
-                                  rows_per_warp=rows_per_warp)
-        max_tile = max(z.R * len(z.members) for z in zips)
-        return ksplit, zips, grid, max_tile, integer and staged_fits(vec["K"], ksplit, max_tile)
-    chunk = _ring_chunk(formats, vec["K"], spec.target, tuning)
-    ksplit, zips, grid, max_tile, staged = lay_out(chunk)
-    ring = _ring(chunk, formats, vec["K"], ksplit, max_tile, rows_per_warp, spec.target, tuning) if staged and chunk else None
-    if chunk and not ring:     # the registers' path, with its own K-split
-        ksplit, zips, grid, max_tile, staged = lay_out(None)
+    staged = integer and staged_fits(vec["K"], ksplit, max_tile)
     tail = _tail(G, launch, params)
     name, source = render("gemv.cu.j2", "gemv", shape_name(vec, zips) + ("_tail" if tail else ""),
                           params=params.decls, **vec, zips=zips, tail=tail,
                           quantized=quantized, staged=staged, threads=tuning.gemv_warps * 32, unroll=unroll, ksplit=ksplit,
                           min_blocks=tuning.gemv_quant_blocks_per_sm if quantized and not staged else 1,
                           rows_per_warp=rows_per_warp,
-                          max_tile=max_tile, grid=grid, ring=ring)
-    smem = tuning.gemv_warps * ring["S"] * ring["slot"] if ring else 0
+                          max_tile=max_tile, grid=grid)
     return KernelSource(name, "gemv", source, launch.nodes,
-                        [Launch(name, (grid, 1), tuning.gemv_warps * 32, params.values, smem)], launch.layer)
-
-
-def _ring_chunk(formats: list[Format], K: int, target: Target, tuning: Tuning) -> int | None:
-    """Weights per chunk where a quantized GEMV may stream its weights through shared memory (the
-    warps' rings of bulk copies, templates/quant.cuh: WarpRing: sm_90 on, gemv_ring_kb > 0, every
-    format one the ring reads, rows of whole chunks), else None: through registers."""
-    chunks = [f.ring_chunk for f in formats]
-    if not tuning.gemv_ring_kb or target.capability < 90 or None in chunks or K % max(chunks):
-        return None
-    return max(chunks)
-
-
-def _slot(chunk: int, formats: list[Format], rows_per_warp: int) -> int:
-    """Bytes of a ring slot: a chunk of a warp's rows in the widest of the kernel's formats."""
-    return rows_per_warp * max(chunk // f.block * f.bytes_per_block for f in formats)
-
-
-def _ring(chunk: int, formats: list[Format], K: int, ksplit: int, max_tile: int, rows_per_warp: int,
-          target: Target, tuning: Tuning) -> dict | None:
-    """The warps' rings (WarpRing): `ck` weights a chunk, `slot` bytes a slot, `S` slots a warp,
-    within the block's shared memory beside its static arrays and the slots' barriers (8 bytes
-    each); None where not one slot a warp fits."""
-    bars = 8 * tuning.gemv_warps * (K // ksplit // chunk)          # at most a slot per chunk
-    room = min(tuning.gemv_ring_kb * 1024, target.smem_per_block - static_bytes(K, ksplit, max_tile) - bars - 1024)
-    # as many slots a warp as the room holds for all warps, at most one per chunk of its K-slice
-    slots = min(K // ksplit // chunk, room // (tuning.gemv_warps * _slot(chunk, formats, rows_per_warp)))
-    if slots < 1 or not staged_fits(K, ksplit, max_tile, 8 * tuning.gemv_warps * slots):
-        return None
-    return {"ck": chunk, "slot": _slot(chunk, formats, rows_per_warp), "S": slots}
+                        [Launch(name, (grid, 1), tuning.gemv_warps * 32, params.values)], launch.layer)
 
 
 def _tail(G: nx.DiGraph, launch: ScheduledKernel, params: Params) -> dict | None:
@@ -172,16 +133,11 @@ def staged_bytes(K: int) -> int:
     return -(-(2 * K + 12 * (K // 32)) // 16) * 16
 
 
-def staged_fits(K: int, ksplit: int, max_tile: int, extra: int = 0) -> bool:
+def staged_fits(K: int, ksplit: int, max_tile: int) -> bool:
     """Whether a quantized GEMV's staged vector fits the static shared memory beside its tile of
-    dot products (and 1 KiB for an epilogue's exchanges, and `extra` bytes: a copy ring's
-    barriers). Rows longer than ~19k weights take the float path."""
-    return static_bytes(K, ksplit, max_tile) + extra <= SMEM_STATIC
-
-
-def static_bytes(K: int, ksplit: int, max_tile: int) -> int:
-    """A staged quantized GEMV's static shared memory: the vector, the tile, an epilogue's 1 KiB."""
-    return staged_bytes(K) + 4 * ksplit * (max_tile + 1) + 1024
+    dot products (and 1 KiB for an epilogue's exchanges). Rows longer than ~19k weights take the
+    float path."""
+    return staged_bytes(K) + 4 * ksplit * (max_tile + 1) + 1024 <= SMEM_STATIC
 
 
 def shape_name(vec: dict, zips: list[ZipTile], tokens: int | None = None) -> str:

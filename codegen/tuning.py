@@ -72,7 +72,6 @@ _RANGES = {
     "gemv_unroll": (1, 16, "16-byte loads in flight per GEMV lane and row"),
     "gemv_quant_rows_per_warp": (1, 8, "gemv_rows_per_warp where the weights are quantized"),
     "gemv_quant_unroll": (1, 16, "groups of 32 quantized weights in flight per GEMV lane and row"),
-    "gemv_ring_kb": (0, 176, "kB of shared memory a quantized GEMV block streams its weights through (0: registers)"),
     "gemv_quant_blocks_per_sm": (1, 8, "float-path quantized GEMV blocks each SM must hold (registers capped to fit)"),
     "gemm_warps": (1, 8, "warps per gemm block, 16 rows of the tile each"),
     "gemm_quant_wgmma": (0, 1, "1: quantized prefill gemms on wgmma, dequantized to bf16 (0: float32-accurate mma.sync)"),
@@ -107,10 +106,9 @@ class Tuning:
     gemv_unroll: int = 4
     gemv_quant_rows_per_warp: int = 8   # measured on the 8B Q4_K_M: 2 rows 160 tok/s, 4: 253, 8: 280 (unroll 1)
     gemv_quant_unroll: int = 1
-    gemv_ring_kb: int = 0
     gemv_quant_blocks_per_sm: int = 2   # float path: 8B Q4_K_M 278 -> 328 tok/s, Q4_0 410 -> 427 (staged: no cap)
     gemm_warps: int = 4
-    gemm_quant_wgmma: int = 0       # 1: 8B Q4_K_M TTFT 512 113.1 -> 39.5 ms (H100); on once the GPU tests pass
+    gemm_quant_wgmma: int = 1       # 8B Q4_K_M TTFT 512 113.1 -> 39.5 ms on the H100 (0: mma.sync)
     gemm_blocks: int = 512
     gemm_min_chunks: int = 4
     # wgmma_plan's cost model, fitted to the H200's 8B profile (docs/kernels.md): copies of a

@@ -48,22 +48,6 @@ class Format:
     block: int                 # K must be a multiple of it
     bytes_per_block: int       # on the GPU, all sections together
     bytes_per_row: int = 0     # besides the blocks (fp8's row scale)
-    # bytes per 256 weights of each section in order, as quant.cuh's section_bytes; () for the
-    # formats whose GEMV reads no chunks through shared memory (bf16, fp8)
-    sections: tuple[int, ...] = ()
-
-    def __post_init__(self):
-        if self.sections and sum(self.sections) * self.block != 256 * self.bytes_per_block:
-            raise ValueError(f"{self.name}: sections {self.sections} do not add up to its blocks' bytes")
-
-    @property
-    def ring_chunk(self) -> int | None:
-        """Weights of a row the GEMV's copy ring moves at once (templates/quant.cuh, WarpRing):
-        the fewest, a multiple of 1024 (a group a lane), whose every section is whole 16-byte
-        units, as bulk copies need; None where the ring does not read this format."""
-        if not self.sections:
-            return None
-        return next(ck for ck in (1024, 2048, 4096) if all(b * ck // 256 % 16 == 0 for b in self.sections))
 
     def nbytes(self, shape: tuple[int, ...]) -> int:
         """Bytes of a weight of `shape` ([..., N, K]) in this format."""
@@ -97,16 +81,16 @@ class Format:
 BF16 = Format("bf16", "Bf16", None, 1, 2)
 FORMATS = {f.name: f for f in [
     BF16,
-    Format("q8_0", "Q8_0", "Q8_0", 32, 34, sections=(256, 16)),
-    Format("q4_0", "Q4_0", "Q4_0", 32, 18, sections=(128, 16)),
-    Format("q4_1", "Q4_1", "Q4_1", 32, 20, sections=(128, 32)),
-    Format("q4_k", "Q4_K", "Q4_K", 256, 144, sections=(128, 16)),
-    Format("q5_0", "Q5_0", "Q5_0", 32, 22, sections=(128, 32, 16)),
-    Format("q5_1", "Q5_1", "Q5_1", 32, 24, sections=(128, 32, 32)),
-    Format("q5_k", "Q5_K", "Q5_K", 256, 176, sections=(128, 32, 16)),
-    Format("q6_k", "Q6_K", "Q6_K", 256, 210, sections=(128, 64, 16, 2)),
+    Format("q8_0", "Q8_0", "Q8_0", 32, 34),
+    Format("q4_0", "Q4_0", "Q4_0", 32, 18),
+    Format("q4_1", "Q4_1", "Q4_1", 32, 20),
+    Format("q4_k", "Q4_K", "Q4_K", 256, 144),
+    Format("q5_0", "Q5_0", "Q5_0", 32, 22),
+    Format("q5_1", "Q5_1", "Q5_1", 32, 24),
+    Format("q5_k", "Q5_K", "Q5_K", 256, 176),
+    Format("q6_k", "Q6_K", "Q6_K", 256, 210),
     Format("fp8", "FP8", None, 32, 32, 4),        # Hugging Face fp8 checkpoints, --quant fp8
-    Format("mxfp4", "MXFP4", "MXFP4", 32, 17, sections=(128, 8)),    # gpt-oss's experts (GGUF and the Hub's _blocks)
+    Format("mxfp4", "MXFP4", "MXFP4", 32, 17),    # gpt-oss's experts (GGUF and the Hub's _blocks)
 ]}
 GGUF_FORMATS = {f.gguf_type: f for f in FORMATS.values() if f.gguf_type}
 

@@ -39,15 +39,6 @@ __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
 #endif
 }
 
-// One arrival on `bar` by this thread that also makes its phase wait for `bytes` more bytes of
-// copies (bulk_copy_to_shared) to land; copies landing before it count all the same.
-__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
-#if FUSELM_SM90
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                 :: "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(bytes) : "memory");
-#endif
-}
-
 // Whether the phase of parity `parity` of `bar` has completed (waits a while in hardware first).
 __device__ __forceinline__ bool mbar_try_wait(unsigned long long* bar, unsigned parity) {
 #if FUSELM_SM90

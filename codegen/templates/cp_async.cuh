@@ -50,17 +50,3 @@ __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
 #endif
 }
-
-// Start the copy engine on `bytes` bytes (a multiple of 16) from global `src` to shared `dst`
-// (both 16-byte aligned), one instruction for the whole run (cp.async.bulk, sm_90 on); the bytes
-// count on the mbarrier `bar` (barrier.cuh: mbar_arrive_expect_tx) as they land. The policy
-// marks them first to leave L2, as weights read once per token are (__ldcs's counterpart).
-__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
-#if FUSELM_SM90
-    unsigned long long policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
-                 :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "r"(bytes),
-                    "r"((unsigned)__cvta_generic_to_shared(bar)), "l"(policy) : "memory");
-#endif
-}

@@ -1,9 +1,7 @@
 // Quantized weights, read in the layout of quant/formats.py: one struct per format, each with
 //   Row        where one weight row's sections start,
 //   Group      what one lane loads for one group of 32 weights (codes and scales, raw),
-//   load()     that load (streamed past L1 with __ldcs, like bf16 weights: Streamed; or from a
-//              chunk in shared memory: FromShared, WarpRing below),
-//   SECTIONS, section_bytes(i)   its sections and their bytes per 256 weights (WarpRing's copies),
+//   load()     that load (streamed past L1 with __ldcs, like bf16 weights),
 //   idot()     the group's dot product with the staged vector (integer formats, below),
 //   dot()      one half of the group's dot product (16 weights) with 16 float input values,
 //   at()       one weight, for the embedding's row gather,
@@ -17,17 +15,6 @@
 #pragma once
 #include "common.cuh"
 #include "idp.cuh"
-#include "barrier.cuh"
-#include "cp_async.cuh"
-
-// Where a format's load() reads a group: global memory, streamed past L1 (each weight byte is
-// read once per token), or a chunk the copy engine already put in shared memory (WarpRing).
-struct Streamed {
-    template <class T> static __device__ __forceinline__ T ld(const T* p) { return __ldcs(p); }
-};
-struct FromShared {
-    template <class T> static __device__ __forceinline__ T ld(const T* p) { return *p; }
-};
 
 // One group of the staged vector (StagedX) in registers.
 struct XGroup {
@@ -192,17 +179,14 @@ __device__ __forceinline__ int nibble_at(const unsigned char* q, int k) {
 
 struct Q8_0 {          // codes int8 [N][K], d f16 [N][K/32]
     static constexpr bool XSUM = false;
-    static constexpr int SECTIONS = 2;
-    static __host__ __device__ constexpr int section_bytes(int i) { return i == 0 ? 256 : 16; }   // per 256 weights
     struct Row { const unsigned char* q; const f16_t* d; };
     struct Group { uint4 a, b; f16_t d; };
     static __device__ __forceinline__ Row row(const unsigned char* w, int N, int K, int r) {
         return {w + (size_t)r * K, reinterpret_cast<const f16_t*>(w + (size_t)N * K) + (size_t)r * (K / 32)};
     }
-    template <class L = Streamed>
     static __device__ __forceinline__ Group load(const Row& r, int g) {
         const uint4* q = reinterpret_cast<const uint4*>(r.q) + 2 * g;
-        return {L::ld(q), L::ld(q + 1), L::ld(r.d + g)};
+        return {__ldcs(q), __ldcs(q + 1), __ldcs(r.d + g)};
     }
     static __device__ __forceinline__ float idot(const Group& g, const XGroup& x) {
         int s = 0;
@@ -233,16 +217,13 @@ struct Q8_0 {          // codes int8 [N][K], d f16 [N][K/32]
 
 struct Q4_0 {          // nibbles [N][K/2], d f16 [N][K/32]
     static constexpr bool XSUM = false;
-    static constexpr int SECTIONS = 2;
-    static __host__ __device__ constexpr int section_bytes(int i) { return i == 0 ? 128 : 16; }   // per 256 weights
     struct Row { const unsigned char* q; const f16_t* d; };
     struct Group { uint4 q; f16_t d; };
     static __device__ __forceinline__ Row row(const unsigned char* w, int N, int K, int r) {
         return {w + (size_t)r * (K / 2), reinterpret_cast<const f16_t*>(w + (size_t)N * (K / 2)) + (size_t)r * (K / 32)};
     }
-    template <class L = Streamed>
     static __device__ __forceinline__ Group load(const Row& r, int g) {
-        return {L::ld(reinterpret_cast<const uint4*>(r.q) + g), L::ld(r.d + g)};
+        return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.d + g)};
     }
     static __device__ __forceinline__ float idot(const Group& g, const XGroup& x) {
         return centred_idot<8>(idot_nibbles(g.q, x, NoHighBits{}), x, f16_to_f32(g.d));
@@ -266,16 +247,13 @@ struct Q4_0 {          // nibbles [N][K/2], d f16 [N][K/32]
 
 struct Q4_1 {          // nibbles [N][K/2], (d, m) f16 pairs [N][K/32]
     static constexpr bool XSUM = true;
-    static constexpr int SECTIONS = 2;
-    static __host__ __device__ constexpr int section_bytes(int i) { return i == 0 ? 128 : 32; }   // per 256 weights
     struct Row { const unsigned char* q; const unsigned* dm; };
     struct Group { uint4 q; unsigned dm; };
     static __device__ __forceinline__ Row row(const unsigned char* w, int N, int K, int r) {
         return {w + (size_t)r * (K / 2), reinterpret_cast<const unsigned*>(w + (size_t)N * (K / 2)) + (size_t)r * (K / 32)};
     }
-    template <class L = Streamed>
     static __device__ __forceinline__ Group load(const Row& r, int g) {
-        return {L::ld(reinterpret_cast<const uint4*>(r.q) + g), L::ld(r.dm + g)};
+        return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.dm + g)};
     }
     static __device__ __forceinline__ float idot(const Group& g, const XGroup& x) {
         return affine_idot(idot_nibbles(g.q, x, NoHighBits{}), x, f16_to_f32(g.dm & 0xffff), f16_to_f32(g.dm >> 16));
@@ -315,16 +293,13 @@ __device__ __forceinline__ void q4_k_scale_min(const uint4& h, int j, float& sca
 
 struct Q4_K {          // nibbles [N][K/2], 16-byte headers [N][K/256]
     static constexpr bool XSUM = true;
-    static constexpr int SECTIONS = 2;
-    static __host__ __device__ constexpr int section_bytes(int i) { return i == 0 ? 128 : 16; }   // per 256 weights
     struct Row { const unsigned char* q; const uint4* h; };
     struct Group { uint4 q, h; int j; };
     static __device__ __forceinline__ Row row(const unsigned char* w, int N, int K, int r) {
         return {w + (size_t)r * (K / 2), reinterpret_cast<const uint4*>(w + (size_t)N * (K / 2)) + (size_t)r * (K / 256)};
     }
-    template <class L = Streamed>
     static __device__ __forceinline__ Group load(const Row& r, int g) {
-        return {L::ld(reinterpret_cast<const uint4*>(r.q) + g), L::ld(r.h + g / 8), g % 8};
+        return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.h + g / 8), g % 8};
     }
     static __device__ __forceinline__ float idot(const Group& g, const XGroup& x) {
         float scale, min;
@@ -372,8 +347,6 @@ __device__ __forceinline__ int fifth_bit_at(const unsigned* bits, int k) {
 
 struct Q5_0 {          // nibbles [N][K/2], fifth bits [N][K/32] words, d f16 [N][K/32]
     static constexpr bool XSUM = false;
-    static constexpr int SECTIONS = 3;
-    static __host__ __device__ constexpr int section_bytes(int i) { return i == 0 ? 128 : i == 1 ? 32 : 16; }   // per 256 weights
     struct Row { const unsigned char* q; const unsigned* h; const f16_t* d; };
     struct Group { uint4 q; unsigned h; f16_t d; };
     static __device__ __forceinline__ Row row(const unsigned char* w, int N, int K, int r) {
@@ -381,9 +354,8 @@ struct Q5_0 {          // nibbles [N][K/2], fifth bits [N][K/32] words, d f16 [N
         return {w + (size_t)r * (K / 2), reinterpret_cast<const unsigned*>(h) + (size_t)r * (K / 32),
                 reinterpret_cast<const f16_t*>(h + (size_t)N * (K / 8)) + (size_t)r * (K / 32)};
     }
-    template <class L = Streamed>
     static __device__ __forceinline__ Group load(const Row& r, int g) {
-        return {L::ld(reinterpret_cast<const uint4*>(r.q) + g), L::ld(r.h + g), L::ld(r.d + g)};
+        return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.h + g), __ldcs(r.d + g)};
     }
     static __device__ __forceinline__ float idot(const Group& g, const XGroup& x) {
         return centred_idot<16>(idot_nibbles(g.q, x, FifthBits{g.h}), x, f16_to_f32(g.d));
@@ -409,8 +381,6 @@ struct Q5_0 {          // nibbles [N][K/2], fifth bits [N][K/32] words, d f16 [N
 
 struct Q5_1 {          // nibbles [N][K/2], fifth bits [N][K/32] words, (d, m) f16 pairs [N][K/32]
     static constexpr bool XSUM = true;
-    static constexpr int SECTIONS = 3;
-    static __host__ __device__ constexpr int section_bytes(int i) { return i == 0 ? 128 : i == 1 ? 32 : 32; }   // per 256 weights
     struct Row { const unsigned char* q; const unsigned* h; const unsigned* dm; };
     struct Group { uint4 q; unsigned h, dm; };
     static __device__ __forceinline__ Row row(const unsigned char* w, int N, int K, int r) {
@@ -418,9 +388,8 @@ struct Q5_1 {          // nibbles [N][K/2], fifth bits [N][K/32] words, (d, m) f
         return {w + (size_t)r * (K / 2), reinterpret_cast<const unsigned*>(h) + (size_t)r * (K / 32),
                 reinterpret_cast<const unsigned*>(h + (size_t)N * (K / 8)) + (size_t)r * (K / 32)};
     }
-    template <class L = Streamed>
     static __device__ __forceinline__ Group load(const Row& r, int g) {
-        return {L::ld(reinterpret_cast<const uint4*>(r.q) + g), L::ld(r.h + g), L::ld(r.dm + g)};
+        return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.h + g), __ldcs(r.dm + g)};
     }
     static __device__ __forceinline__ float idot(const Group& g, const XGroup& x) {
         return affine_idot(idot_nibbles(g.q, x, FifthBits{g.h}), x, f16_to_f32(g.dm & 0xffff), f16_to_f32(g.dm >> 16));
@@ -449,8 +418,6 @@ struct Q5_1 {          // nibbles [N][K/2], fifth bits [N][K/32] words, (d, m) f
 
 struct Q5_K {          // nibbles [N][K/2], fifth bits [N][K/32] words, Q4_K's headers [N][K/256]
     static constexpr bool XSUM = true;
-    static constexpr int SECTIONS = 3;
-    static __host__ __device__ constexpr int section_bytes(int i) { return i == 0 ? 128 : i == 1 ? 32 : 16; }   // per 256 weights
     struct Row { const unsigned char* q; const unsigned* h; const uint4* hdr; };
     struct Group { uint4 q, hdr; unsigned h; int j; };
     static __device__ __forceinline__ Row row(const unsigned char* w, int N, int K, int r) {
@@ -458,9 +425,8 @@ struct Q5_K {          // nibbles [N][K/2], fifth bits [N][K/32] words, Q4_K's h
         return {w + (size_t)r * (K / 2), reinterpret_cast<const unsigned*>(h) + (size_t)r * (K / 32),
                 reinterpret_cast<const uint4*>(h + (size_t)N * (K / 8)) + (size_t)r * (K / 256)};
     }
-    template <class L = Streamed>
     static __device__ __forceinline__ Group load(const Row& r, int g) {
-        return {L::ld(reinterpret_cast<const uint4*>(r.q) + g), L::ld(r.hdr + g / 8), L::ld(r.h + g), g % 8};
+        return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.hdr + g / 8), __ldcs(r.h + g), g % 8};
     }
     static __device__ __forceinline__ float idot(const Group& g, const XGroup& x) {
         float scale, min;
@@ -494,8 +460,6 @@ struct Q5_K {          // nibbles [N][K/2], fifth bits [N][K/32] words, Q4_K's h
 
 struct Q6_K {          // low nibbles [N][K/2], high pairs [N][K/4], int8 scales [N][K/16], d f16 [N][K/256]
     static constexpr bool XSUM = false;
-    static constexpr int SECTIONS = 4;
-    static __host__ __device__ constexpr int section_bytes(int i) { return i == 0 ? 128 : i == 1 ? 64 : i == 2 ? 16 : 2; }   // per 256 weights
     struct Row { const unsigned char* q; const uint2* h; const unsigned short* s; const f16_t* d; };
     struct Group { uint4 q; uint2 h; unsigned short s; f16_t d; };
     static __device__ __forceinline__ Row row(const unsigned char* w, int N, int K, int r) {
@@ -506,9 +470,8 @@ struct Q6_K {          // low nibbles [N][K/2], high pairs [N][K/4], int8 scales
                 reinterpret_cast<const unsigned short*>(s) + (size_t)r * (K / 32),
                 reinterpret_cast<const f16_t*>(d) + (size_t)r * (K / 256)};
     }
-    template <class L = Streamed>
     static __device__ __forceinline__ Group load(const Row& r, int g) {
-        return {L::ld(reinterpret_cast<const uint4*>(r.q) + g), L::ld(r.h + g), L::ld(r.s + g), L::ld(r.d + g / 8)};
+        return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.h + g), __ldcs(r.s + g), __ldcs(r.d + g / 8)};
     }
     // Word h of the pairs serves nibble words 2h and 2h + 1: per byte, from bit 0, the pairs of
     // the low half's weight, the high half's, then the next word's two (quant/layout.pack_pairs).
@@ -562,10 +525,9 @@ struct FP8 {           // e4m3 codes [N][K], float32 scale [N]
         // the scale is a weight, written by no kernel: __ldg before the grid wait is safe
         return {w + (size_t)r * K, __ldg(reinterpret_cast<const float*>(w + (size_t)N * K) + r)};
     }
-    template <class L = Streamed>
     static __device__ __forceinline__ Group load(const Row& r, int g) {
         const uint4* q = reinterpret_cast<const uint4*>(r.q) + 2 * g;
-        return {L::ld(q), L::ld(q + 1), r.scale};
+        return {__ldcs(q), __ldcs(q + 1), r.scale};
     }
     static __device__ __forceinline__ float dot(const Group& g, const float (&x)[16], int half, float) {
         float s = 0.0f;
@@ -618,16 +580,13 @@ __device__ __forceinline__ float e8m0_half(unsigned e) {
 
 struct MXFP4 {         // nibbles [N][K/2] in element order, e8m0 scales [N][K/32]
     static constexpr bool XSUM = false;
-    static constexpr int SECTIONS = 2;
-    static __host__ __device__ constexpr int section_bytes(int i) { return i == 0 ? 128 : 8; }   // per 256 weights
     struct Row { const unsigned char* q; const unsigned char* e; };
     struct Group { uint4 q; unsigned e; };
     static __device__ __forceinline__ Row row(const unsigned char* w, int N, int K, int r) {
         return {w + (size_t)r * (K / 2), w + (size_t)N * (K / 2) + (size_t)r * (K / 32)};
     }
-    template <class L = Streamed>
     static __device__ __forceinline__ Group load(const Row& r, int g) {
-        return {L::ld(reinterpret_cast<const uint4*>(r.q) + g), L::ld(r.e + g)};
+        return {__ldcs(reinterpret_cast<const uint4*>(r.q) + g), __ldcs(r.e + g)};
     }
     static __device__ __forceinline__ float idot(const Group& g, const XGroup& x) {
         int s = 0;
@@ -836,94 +795,6 @@ __device__ __forceinline__ void warp_dot_rows_q(const typename F::Row (&rows)[NR
             const int g = FULL + 32 * j + lane;
             if (g < GROUPS) src.template dot<F, NR>(q[j], g, acc, ss);
         }
-    }
-#pragma unroll
-    for (int r = 0; r < NR; r++) acc[r] = warp_sum(acc[r]);
-    sumsq = Source::NORMED ? warp_sum(ss) : 0.0f;
-}
-
-// The weight chunks of a GEMV warp's rows through shared memory (sm_90). The copy engine copies
-// chunks of CK weights of the warp's NR rows (cp.async.bulk, one copy per row and section) into
-// a ring of S slots of the warp's own, each slot laid out as format F's [NR][CK] matrix, so
-// F::row and F::load read it as they read the weights in global memory. The loads in flight
-// then no longer hold registers: a warp keeps S chunks in flight while it computes on one. Each
-// slot's barrier counts the bytes landed.
-struct WarpRing {
-    unsigned char* slots;          // [S][SLOT] this warp's slots
-    unsigned long long* bars;      // [S] a barrier per slot
-    unsigned phases;               // bit s: the parity of slot s's next fill
-};
-
-// Bytes of CK weights of one row in format F, all sections.
-template <class F, int CK>
-__device__ __forceinline__ constexpr int chunk_bytes() {
-    int bytes = 0;
-    for (int i = 0; i < F::SECTIONS; i++) bytes += F::section_bytes(i) * (CK / 256);
-    return bytes;
-}
-
-// Whether every section's bytes of CK weights are whole 16-byte units, as bulk copies need.
-template <class F, int CK>
-__device__ __forceinline__ constexpr bool whole_copies() {
-    for (int i = 0; i < F::SECTIONS; i++)
-        if (F::section_bytes(i) * (CK / 256) % 16) return false;
-    return true;
-}
-
-// Fill `slot` with weights [k, k + CK) of the warp's NR rows of F: lane l < NR x SECTIONS copies
-// section l / NR of the row l % NR, which is this lane's `row` of `w`, an [N][K] matrix of F;
-// lane 0 first arms `bar` for all the bytes.
-template <class F, int NR, int CK>
-__device__ __forceinline__ void fill_slot(unsigned char* slot, unsigned long long* bar, const unsigned char* w,
-                                          int N, int K, int row, int k) {
-    static_assert(NR * F::SECTIONS <= 32, "a lane a copy");
-    const int lane = threadIdx.x & 31;
-    if (lane == 0) mbar_arrive_expect_tx(bar, NR * chunk_bytes<F, CK>());
-    if (lane < NR * F::SECTIONS) {
-        const int r = lane % NR, section = lane / NR;
-        int before = 0;                      // bytes per 256 weights of the sections ahead
-#pragma unroll
-        for (int i = 0; i < F::SECTIONS; i++) before += i < section ? F::section_bytes(i) : 0;
-        const int bytes = F::section_bytes(section);
-        const unsigned char* src = w + (size_t)N * (K / 256) * before + ((size_t)row * (K / 256) + k / 256) * bytes;
-        bulk_copy_to_shared(slot + NR * (CK / 256) * before + r * (CK / 256) * bytes, src, (CK / 256) * bytes, bar);
-    }
-}
-
-// acc[r] = dot(row r's weights [k0, k0 + K), the staged vector) for the warp's NR rows of F, as
-// warp_dot_rows_q, with the weights through the warp's ring: this lane's `row` of `w` (an [N][KW]
-// matrix) is its row lane % NR. The first S chunks are asked for before the wait for the previous
-// kernel (src.wait()), each later one as soon as a slot is free.
-template <class F, int K, int CK, int S, int SLOT, int NR, class Source>
-__device__ __forceinline__ void warp_dot_rows_ring(WarpRing& ring, const unsigned char* w, int N, int KW, int row,
-                                                   int k0, const Source& src, float (&acc)[NR], bool& pending,
-                                                   float& sumsq) {
-    static_assert(CK % 1024 == 0 && K % CK == 0, "whole chunks of a group a lane or more");
-    static_assert(NR * chunk_bytes<F, CK>() <= SLOT, "a slot holds the chunk");
-    static_assert(whole_copies<F, CK>(), "each section's share of a chunk a multiple of 16 bytes (codegen picks CK)");
-    constexpr int CHUNKS = K / CK, AHEAD = S < CHUNKS ? S : CHUNKS;
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int c = 0; c < AHEAD; c++) fill_slot<F, NR, CK>(ring.slots + c * SLOT, ring.bars + c, w, N, KW, row, k0 + c * CK);
-    float ss = 0.0f;
-#pragma unroll
-    for (int r = 0; r < NR; r++) acc[r] = 0.0f;
-    if (pending) { src.wait(); pending = false; }   // the first chunks in flight meanwhile
-    for (int c = 0; c < CHUNKS; c++) {
-        const int s = c % S;
-        mbar_wait(ring.bars + s, (ring.phases >> s) & 1);
-        ring.phases ^= 1u << s;
-        const unsigned char* slot = ring.slots + s * SLOT;
-#pragma unroll
-        for (int u = 0; u < CK / 1024; u++) {
-            const int g = 32 * u + lane;                  // the lane's group of the chunk
-            typename F::Group q[NR];
-#pragma unroll
-            for (int r = 0; r < NR; r++) q[r] = F::template load<FromShared>(F::row(slot, NR, CK, r), g);
-            src.template dot<F, NR>(q, c * (CK / 32) + g, acc, ss);
-        }
-        __syncwarp();                                     // every lane is done with the slot
-        if (c + S < CHUNKS) fill_slot<F, NR, CK>(ring.slots + s * SLOT, ring.bars + s, w, N, KW, row, k0 + (c + S) * CK);
     }
 #pragma unroll
     for (int r = 0; r < NR; r++) acc[r] = warp_sum(acc[r]);
