@@ -159,8 +159,11 @@ ROUTERS = ("block_sparse_moe.gate.weight", "mlp.gate.weight", "mlp.router.weight
 
 
 # routing_margins: a row whose top-k router logits lead the next by less than this share of its
-# largest logit may take another expert under bf16 inputs (the comment above)
-ROUTING_MARGIN = 3e-2
+# largest logit may take another expert under bf16 inputs (the comment above). In the tiny MoE
+# configs (routers x 32, numpy), a random error of 1e-2 (2e-2) of the router input's norm, the
+# size of the GPU's differences past the first layer, moved that lead by up to 4.8e-2 (8.0e-2)
+# of the largest logit over 123 rows; 3e-2 let flipped rows through (0.4 to 0.9 off).
+ROUTING_MARGIN = 1e-1
 
 
 def routing_margins(graph, trace: dict) -> np.ndarray:
@@ -249,17 +252,24 @@ def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k
     tol = MOE_PREFILL_TOL if is_moe(cfg) else PREFILL_TOL
     assert all(np.isfinite(a[n]).all() for n in a) and cache_err < tol, f"caches differ: {cache_err:.2e}"
     out = next(iter(graph.outputs))
+    fed = prompt + rng.integers(0, cfg.vocab_size, 8).tolist()       # the prompt, then 8 decode steps
+    trace = {}
     with bf16_kv_cache():
-        ref = run_graph(graph, weights, {"ids": np.array(prompt, np.int32), "pos": np.arange(n, dtype=np.int32)},
-                        new_state(graph, 512))[out][-1]
-    errs = [rel(batched.logits(), ref), rel(batched.logits(), stepped.logits())]
-    for t in rng.integers(0, cfg.vocab_size, 8):
-        batched.decode(int(t), SamplingParams())
-        stepped.decode(int(t), SamplingParams())
-        errs.append(rel(batched.logits(), stepped.logits()))
+        ref = run_graph(graph, weights, {"ids": np.array(fed, np.int32), "pos": np.arange(len(fed), dtype=np.int32)},
+                        new_state(graph, 512), trace)[out][n - 1]
+    # a row whose routing is a near tie in the reference may take another expert in either engine
+    clear = routing_margins(graph, trace) >= ROUTING_MARGIN
+    errs = {n - 1: [rel(batched.logits(), ref), rel(batched.logits(), stepped.logits())]}
+    for position, t in enumerate(fed[n:], n):
+        batched.decode(t, SamplingParams())
+        stepped.decode(t, SamplingParams())
+        errs[position] = [rel(batched.logits(), stepped.logits())]
+    compared = [e for position, row in errs.items() if clear[position] for e in row]
     print(f"{arch} batched prefill: caches {cache_err:.2e} from one-token steps; last prompt token's logits "
-          f"{errs[0]:.2e} from the reference, {errs[1]:.2e} from one-token steps; next 8 steps at most {max(errs[2:]):.2e}")
-    assert max(errs) < tol, errs
+          f"{errs[n - 1][0]:.2e} from the reference, {errs[n - 1][1]:.2e} from one-token steps; next 8 steps at most "
+          f"{max(e for p in range(n, n + 8) for e in errs[p]):.2e} ({sum(not clear[p] for p in errs)} of 9 rows on near "
+          f"ties of the routing set aside)")
+    assert compared and max(compared) < tol, errs
 
 
 def test_batched_prefill_of_a_long_prompt_at_real_shapes():

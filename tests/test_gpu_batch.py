@@ -110,7 +110,7 @@ def test_mixed_batch_steps_on_shuffled_pages_match_each_sequence_alone(name, kv)
         assert err < tol and max(errs) < 2 * tol, f"{name}: sequence {i}: rel error {err:.2e}, rows {errs}"
         worst, worst_row, worst_cache = max(worst, err), max(worst_row, *errs), max(worst_cache, cache_err)
     compared = sum(map(len, got))
-    assert compared >= 2 * near_ties, f"{name}: {near_ties} of {compared + near_ties} rows route on near ties"
+    assert compared >= near_ties, f"{name}: {near_ties} of {compared + near_ties} rows route on near ties"
     print(f"batch steps {name} {kv} (pages of {batch.page} rows): caches {worst_cache:.2e} from the reference; "
           f"logits {worst:.2e} over a sequence's rows, {worst_row:.2e} at worst in one of {compared} rows "
           f"({near_ties} on near ties of the routing set aside)")
