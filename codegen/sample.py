@@ -21,3 +21,13 @@ def generate(vocab: int, tuning: Tuning) -> KernelSource:
 def scratch_words(tuning: Tuning) -> int:
     """uint32 words of the sampler's scratch: a value and an index per block, and a counter."""
     return 2 * tuning.sampler_blocks + 1
+
+
+def generate_row_picks() -> tuple[str, str]:
+    """(name, source) of the kernel that draws a batch step's sampled rows on the GPU, each row's
+    filters as runtime/sampling.sample_rows computes them (templates/row_picks.cuh: radix
+    selects instead of a sort); launched by sample_rows on CuPy rows, PICK_THREADS a block."""
+    return render("row_picks.cu.j2", "row_picks", "f64", hashed=False)
+
+
+PICK_THREADS = 1024   # templates/row_picks.cuh

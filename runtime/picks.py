@@ -16,9 +16,10 @@ def sampled_rows(draws: Sequence[Draw | None] | None) -> tuple[list[int], list[D
     return rows, [draws[i] for i in rows]
 
 
-# Sampled rows drawn at a time: sample_rows holds ~8 float64 or int64 copies of them, 1 GiB at
-# 64 rows of a 262k vocabulary; 16 bound that to a quarter.
-DRAWN_AT_ONCE = 16
+# Sampled rows drawn at a time: on the host sample_rows holds ~8 float64 or int64 copies of them,
+# 1 GiB at 64 rows of a 262k vocabulary, 16 bound that to a quarter; on the GPU two float64
+# copies (134 MB at 64 such rows), a block a row, so more rows at once fill more SMs.
+DRAWN_AT_ONCE = {"numpy": 16, "cupy": 64}
 
 
 def row_picks(rows, draws: Sequence[Draw | None] | None, params=None, index=None, latest=None):
@@ -31,8 +32,9 @@ def row_picks(rows, draws: Sequence[Draw | None] | None, params=None, index=None
     sampled, chosen = sampled_rows(draws)
     if sampled:
         index = xp.asarray(np.asarray(sampled)) if index is None else index
-        for a in range(0, len(sampled), DRAWN_AT_ONCE):
-            b = a + DRAWN_AT_ONCE
+        at_once = DRAWN_AT_ONCE[xp.__name__]
+        for a in range(0, len(sampled), at_once):
+            b = a + at_once
             best[index[a:b]] = sample_rows(rows[index[a:b]], chosen[a:b], None if params is None else params[:, a:b],
                                            None if latest is None else latest[index[a:b]])
     return best

@@ -9,7 +9,10 @@ the repetition penalty, as `transformers` does.
 
 sample_rows does the same arithmetic row by row, in float64, with the uniform number each row's
 Sampler drew (Sampler.draw), so a batch step's picks are the ones Sampler would make from the
-same logits, without copying the rows to the host.
+same logits, without copying the rows to the host. On CuPy rows a kernel draws them, a block a
+row (codegen/templates/row_picks.cuh): radix selects instead of a sort, and probabilities summed
+as integers of 2^-60, so its picks are Sampler's but where float64 sums in another order move a
+draw across a boundary, and are the same on every run.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from typing import Iterable
 
 import numpy as np
 
+from ..codegen.sample import PICK_THREADS
 from .engine import SamplingParams
 
 
@@ -185,12 +189,14 @@ def sample_rows(logits, draws: list[Draw], params=None, latest=None):
     sampled = [d.params for d in draws if not d.params.greedy]
     if not sampled:
         return best
+    if xp is not np:     # the same filters and draw on the GPU, a block a row, without a sort
+        picks = xp.empty(m, xp.int64)
+        row_picks_kernel(xp)((m,), (PICK_THREADS,), (xp.ascontiguousarray(x), xp.stack([temperature, top_k, top_p, min_p, u]),
+                                                      np.int32(m), np.int32(V), picks))
+        return xp.where(greedy > 0, best, picks)
     x = x / temperature[:, None]
     if any(0 < p.top_k < V or p.top_p < 1.0 for p in sampled):
-        # each row's ids by falling logit, ties in id order (cupy's sort is stable); the raw
-        # float32 logits sort as x does where nothing changed them, in half the bytes
-        changed = masked or any(d.params.penalizes_answer or d.params.repetition_penalty != 1.0 for d in draws)
-        order = falling_order(xp, x if changed else logits)
+        order = np.argsort(-x, axis=1, kind="stable")      # each row's ids by falling value, ties by id
         rank = xp.empty_like(order)
         rank[xp.arange(m)[:, None], order] = xp.arange(V)[None, :]      # each id's place in its row's order
         k = xp.where((top_k > 0) & (top_k < V), top_k, V)
@@ -210,6 +216,24 @@ def sample_rows(logits, draws: list[Draw], params=None, latest=None):
     above = (cdf > u[:, None] * cdf[:, -1:]) & (probs > 0)
     picked = xp.where(above.any(axis=1), xp.argmax(above, axis=1), V - 1)
     return xp.where(greedy > 0, best, picked)
+
+
+_ROW_PICKS: dict = {}      # CUDA device id -> the compiled row-picks kernel
+
+
+def row_picks_kernel(cp):
+    """The kernel that draws sampled rows on the current CUDA device (codegen/sample.py:
+    generate_row_picks), compiled and loaded once per device."""
+    device = cp.cuda.Device()
+    if device.id not in _ROW_PICKS:
+        from ..codegen.nvrtc import compile_cubin, options
+        from ..codegen.render import headers
+        from ..codegen.sample import generate_row_picks
+        from .launch import load_cubin
+        name, source = generate_row_picks()
+        cubin, _, _ = compile_cubin(source, headers(), options(f"sm_{device.compute_capability}"))
+        _ROW_PICKS[device.id] = load_cubin(cp, cubin).get_function(name)
+    return _ROW_PICKS[device.id]
 
 
 def _pending(xp, draws: list[Draw], latest, wanted):
@@ -261,32 +285,6 @@ def _penalize_repetition(xp, x, draws: list[Draw], latest) -> None:
         seen = _same(xp, rows, ids, (r, t)).any(axis=1) if known else xp.zeros(len(rows), bool)
         v, p = x[rows, ids], xp.asarray(rp)[rows]
         x[rows, ids] = xp.where(seen, v, xp.where(v > 0, v / p, v * p))
-
-
-def falling_order(xp, keys):
-    """[rows, V] each row's ids by falling key, ties in id order: a stable argsort of -keys along
-    the rows. CuPy sorts a 2-D array along its rows as (row, key) pairs by comparison, but a 1-D
-    array of integers by radix, so there the rows go flat (flat_falling_order); numpy sorts rows
-    faster as they are."""
-    return np.argsort(-keys, axis=1, kind="stable") if xp is np else flat_falling_order(xp, keys)
-
-
-def flat_falling_order(xp, keys):
-    """falling_order by two stable sorts of the flattened rows: by their keys' bits (ordered as
-    the floats), then by row index to regroup them."""
-    m, V = keys.shape
-    word = xp.uint32 if keys.dtype == xp.float32 else xp.uint64      # float32 keys: half the passes
-    keys = keys if word is xp.uint32 else keys.astype(xp.float64)
-    bits = (keys + keys.dtype.type(0)).ravel().view(word)               # + 0: -0.0 ties with 0.0
-    top = word(1 << (8 * bits.itemsize - 1))
-    rising = xp.where(bits >= top, ~bits, bits | top)     # unsigned order = the floats' order
-    by_key = _stable_argsort(xp, ~rising)
-    by_row = _stable_argsort(xp, (by_key // V).astype(xp.uint16 if m < 1 << 16 else xp.uint32))
-    return (by_key[by_row] % V).reshape(m, V)
-
-
-def _stable_argsort(xp, a):
-    return np.argsort(a, kind="stable") if xp is np else xp.argsort(a)   # cupy's sort is stable
 
 
 def _row_softmax(xp, x):

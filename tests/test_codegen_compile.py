@@ -13,6 +13,8 @@ generated kernels are shared between the two architectures through a module-scop
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from fuselm.codegen import Target, Tuning, generate, headers, module_source, sample
@@ -441,3 +443,16 @@ def test_batch_module_compiles_and_does_not_spill(name):
     spilling = {f: report[f] for f in functions if report[f] and not f.startswith("rowwise")}
     assert not spilling, f"{name}: batch kernels spill (bytes stored + loaded): {spilling}"
     assert_shared_memory_fits(step.kernels, log)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_row_picks_kernel_compiles_without_spills_at_its_block_size(arch):
+    """The batch steps' sampled picks (codegen/sample.py: generate_row_picks; launched by
+    runtime/sampling.sample_rows, PICK_THREADS a block): NVRTC builds it, without spills, within
+    the registers that let 1024 threads run (64 a thread)."""
+    from fuselm.codegen.sample import PICK_THREADS, generate_row_picks
+    name, source = generate_row_picks()
+    _, log, _ = compile_cubin(source, headers(), options(arch, verbose=True), use_cache=False)
+    assert spills(log)[name] == 0, log
+    registers = int(re.search(rf"Function properties for {name}.*?Used (\d+) registers", log, re.S).group(1))
+    assert registers * PICK_THREADS <= 65536, registers

@@ -201,15 +201,3 @@ def test_rows_drawn_before_the_last_pick_is_known_count_it_in_their_penalties(pa
         for h, t in zip(history, want):
             h.append(t)
         last = want
-
-
-@given(st.sampled_from([np.float32, np.float64]), st.integers(1, 4), st.integers(1, 40), st.data())
-def test_flat_falling_order_is_a_stable_argsort_of_the_negated_keys(dtype, rows, vocab, data):
-    """sample_rows' order of each row on the GPU (sorted flat by the keys' bits, regrouped by
-    row): ids by falling key, ties in id order, signed zeros tied, infinities and subnormals in
-    place."""
-    from fuselm.runtime.sampling import flat_falling_order
-    width = 32 if dtype == np.float32 else 64
-    values = st.one_of(st.floats(allow_nan=False, width=width), st.sampled_from([0.0, -0.0, 1.0, -1.0]))
-    keys = data.draw(arrays(dtype, (rows, vocab), elements=values))
-    np.testing.assert_array_equal(flat_falling_order(np, keys), np.argsort(-keys, axis=1, kind="stable"))

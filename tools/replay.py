@@ -5,7 +5,8 @@ which kernels it altered.
     python -m fuselm.tools.replay            compare with the checked-in manifest, list what differs
     python -m fuselm.tools.replay --write    refresh the manifest (a change that means to alter code)
 
-The manifest (tests/replay_manifest.json) holds, per preset and step (decode; prefill_T for a
+The manifest (tests/replay_manifest.json) holds the sha256 of the kernels the runtime launches
+outside the schedules (the batch steps' row picks) and, per preset and step (decode; prefill_T for a
 prefill step of T tokens; batch_T for a continuous-batching step of T tokens), the sha256 of each distinct kernel's source and of the launch schedule
 (functions, grids, blocks, arguments), and the sha256 of every .cuh header the kernels include.
 Generated at the default tuning (codegen's Tuning) for sm_90, with each preset's default context;
@@ -61,8 +62,12 @@ def manifest() -> dict:
     from ..models import ARCHITECTURES
     from ..models.presets import PRESETS
 
+    from ..codegen.sample import generate_row_picks
+
     presets = sorted(n for n, d in PRESETS.items() if d["architectures"][0] in ARCHITECTURES) + QUANTIZED
+    name, source = generate_row_picks()
     return {"headers": {n: _sha(t) for n, t in sorted(headers().items())},
+            "runtime": {name: _sha(source)},
             "presets": {n: {step: _step_record(ks) for step, ks in steps_of(n).items()} for n in presets}}
 
 
@@ -72,6 +77,10 @@ def differences(old: dict, new: dict) -> list[str]:
     for h in sorted(set(old["headers"]) | set(new["headers"])):
         if old["headers"].get(h) != new["headers"].get(h):
             out.append(f"header {h}: {old['headers'].get(h, 'absent')} -> {new['headers'].get(h, 'absent')}")
+    a, b = old.get("runtime", {}), new.get("runtime", {})
+    for k in sorted(set(a) | set(b)):
+        if a.get(k) != b.get(k):
+            out.append(f"runtime kernel {k}: {a.get(k, 'absent')} -> {b.get(k, 'absent')}")
     for p in sorted(set(old["presets"]) | set(new["presets"])):
         a, b = old["presets"].get(p, {}), new["presets"].get(p, {})
         for step in sorted(set(a) | set(b)):
