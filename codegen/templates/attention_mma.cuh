@@ -33,8 +33,10 @@
 // r / G, head r % G), so each cache row a block loads serves TOKENS tokens;
 // row r's scores are masked past its own token's position (and before its window), set_rows.
 // C: the cache layout (kv_cache.cuh). fp8 rows: a lane holds the codes of the same dims (half the
-// bytes), turned into bf16 words as the mma takes them (exact); the rows' scales multiply the
-// scores and, folded into P, the values.
+// bytes), turned into bf16 words as the mma takes them (e4m3x2_as_bf16x2: exact, times 2^-120);
+// the rows' scales multiply the scores and, folded into P, the values. The 2^120 comes back as
+// FP8_SHIFT twice: on the queries and the scales (the scores' sums stay far above float32's
+// subnormals), and on the scales and the outputs (P' = P x scale stays within bf16's range).
 template <int KV, int HD, int WARPS, int G, bool LATE_V = false, int TOKENS = 1, class C = KvBf16>
 struct MmaPass {
     static_assert(HD == 64 || HD == 128, "MmaPass: head size 64 or 128");
@@ -52,6 +54,8 @@ struct MmaPass {
     using Cache = C;                             // the KV rows' policy (kv_cache.cuh)
     using Elem = typename C::Elem;
     static constexpr int KW = C::FP8 ? HD / 64 : HD / 32, VW = C::FP8 ? 1 : HD / 64;   // 16-byte pieces
+    static constexpr float FP8_SHIFT = 0x1p60f;                // squared: 1 / E4M3_IN_BF16 (above)
+    static_assert(!C::FP8 || FP8_SHIFT * FP8_SHIFT * E4M3_IN_BF16 == 1.0f, "MmaPass: fp8 shifts undo the codes'");
     uint4 k[NT][KW];                             // K slice of position 8t + r: HD/4 dims
     uint4 v[NU][4][VW];                          // V slices of positions 16u + {2c, 2c+1, 2c+8, 2c+9}: HD/8 dims
     float ksc[NT][2], vsc[NT][2];                // fp8: scales of the score positions 8t + 2c + {0, 1}
@@ -76,8 +80,8 @@ struct MmaPass {
                 for (int e = 0; e < 2; e++) {
                     const int p = score_pos(t, e);
                     if (only ? p == skip : true)
-                        sc[t][e] = (only || (p >= start && p < end && p != skip)) ? C::template scale<W>(cache, p, blockIdx.x)
-                                                                                  : 0.0f;
+                        sc[t][e] = (only || (p >= start && p < end && p != skip))
+                                       ? C::template scale<W>(cache, p, blockIdx.x) * FP8_SHIFT : 0.0f;
                 }
         }
     }
@@ -168,6 +172,7 @@ struct MmaPass {
         split_bf16x2(x.z * scale, x.w * scale, qa[s][0][1], qa[s][1][1]);
     }
     __device__ __forceinline__ void load_queries(const float* q, float scale) {
+        if constexpr (C::FP8) scale *= FP8_SHIFT;
         if constexpr (!LATE_V) {
 #pragma unroll
             for (int s = 0; s < KSTEPS; s++) {   // query() and set_query() inline: so written, ptxas
@@ -207,8 +212,8 @@ struct MmaPass {
                 unsigned b0, b1;
                 if constexpr (C::FP8) {          // dims 4 ks .. 4 ks + 3: one word of codes
                     const unsigned w = word_of(k[t][ks / 4], ks % 4);
-                    b0 = e4m3x2_to_bf16x2(w);
-                    b1 = e4m3x2_to_bf16x2(w >> 16);
+                    b0 = e4m3x2_as_bf16x2(w);
+                    b1 = e4m3x2_as_bf16x2(w >> 16);
                 } else {
                     b0 = word_of(k[t][ks / 2], ks % 2 * 2);
                     b1 = word_of(k[t][ks / 2], ks % 2 * 2 + 1);
@@ -254,8 +259,8 @@ struct MmaPass {
                 unsigned b0, b1;
                 if constexpr (C::FP8) {          // byte w of two rows' codes, then to bf16
                     const unsigned sel = (w % 4) | (4 + w % 4) << 4;
-                    b0 = e4m3x2_to_bf16x2(__byte_perm(word_of(v[u][0][0], w / 4), word_of(v[u][1][0], w / 4), sel));
-                    b1 = e4m3x2_to_bf16x2(__byte_perm(word_of(v[u][2][0], w / 4), word_of(v[u][3][0], w / 4), sel));
+                    b0 = e4m3x2_as_bf16x2(__byte_perm(word_of(v[u][0][0], w / 4), word_of(v[u][1][0], w / 4), sel));
+                    b1 = e4m3x2_as_bf16x2(__byte_perm(word_of(v[u][2][0], w / 4), word_of(v[u][3][0], w / 4), sel));
                 } else {
                     const unsigned sel = w % 2 ? 0x7632u : 0x5410u;      // high or low halves of two words
                     const int q4 = w / 8, word = w % 8 / 2;
@@ -267,7 +272,10 @@ struct MmaPass {
             }
         }
 #pragma unroll
-        for (int w = 0; w < VDIMS; w++) { out.acc[2 * w] = o[w][0]; out.acc[2 * w + 1] = o[w][1]; }
+        for (int w = 0; w < VDIMS; w++) {
+            out.acc[2 * w] = C::FP8 ? o[w][0] * FP8_SHIFT : o[w][0];
+            out.acc[2 * w + 1] = C::FP8 ? o[w][1] * FP8_SHIFT : o[w][1];
+        }
     }
     // Lanes of rows r < ROWS hold row r's dims [c HD/4, (c+1) HD/4); emit(row, ...).
     template <class Emit>

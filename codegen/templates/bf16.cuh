@@ -64,16 +64,15 @@ __device__ __forceinline__ unsigned pack_bf16x2(float x0, float x1) {
     return r;
 }
 
-// An e4m3 pair (byte 0 in the low half) as a bf16 pair, exactly (every e4m3 value is a bf16
-// value): cvt to an f16 pair, each half to float32, the pair to bf16 (sm_89 on).
-__device__ __forceinline__ unsigned e4m3x2_to_bf16x2(unsigned w) {
-    unsigned r = 0;
-#if FUSELM_SM89
-    unsigned h;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)(w & 0xffffu)));
-    r = pack_bf16x2(f16_to_f32(h & 0xffffu), f16_to_f32(h >> 16));
-#endif
-    return r;
+// An e4m3 pair (byte 0 in the low half) as a bf16 pair of its values times 2^-120 (E4M3_IN_BF16),
+// exactly, subnormals included: each code's sign goes to bit 15 and its exponent and mantissa to
+// bits 4-10, so the exponent is read with bf16's bias (127) instead of e4m3's (7). Integer ops
+// only, any arch: the cvt route (e4m3 pair to f16 pair, each to float32, the pair to bf16) took
+// four conversion-pipe instructions a pair, which bound the fp8 cache's attention.
+constexpr float E4M3_IN_BF16 = 0x1p-120f;
+__device__ __forceinline__ unsigned e4m3x2_as_bf16x2(unsigned w) {
+    const unsigned x = __byte_perm(w, 0u, 0x4140u);               // byte 0 to bits 0-7, byte 1 to 16-23
+    return ((x & 0x00800080u) << 8) | ((x & 0x007f007fu) << 4);
 }
 
 // a * b + c on bf16 pairs, rounded to nearest (fma.rn.bf16x2, sm_80 on).
