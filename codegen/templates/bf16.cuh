@@ -64,13 +64,15 @@ __device__ __forceinline__ unsigned pack_bf16x2(float x0, float x1) {
     return r;
 }
 
+// What e4m3x2_as_bf16x2's words hold of each code's value: the exponent biases' difference.
+constexpr float E4M3_IN_BF16 = 0x1p-120f;
+
 // An e4m3 pair (byte 0 in the low half) as a bf16 pair of its values times 2^-120 (E4M3_IN_BF16),
 // exactly, subnormals included: each code's sign goes to bit 15 and its exponent and mantissa to
 // bits 4-10, so the exponent is read with bf16's bias (127) instead of e4m3's (7). Integer ops
 // only, any arch: the cvt route (e4m3 pair to f16 pair, each to float32, the pair to bf16) is
 // two F2FP and two HADD2.F32 a pair, suspected of bounding the fp8 cache's attention
 // (docs/performance.md, "fp8 cache reads").
-constexpr float E4M3_IN_BF16 = 0x1p-120f;
 __device__ __forceinline__ unsigned e4m3x2_as_bf16x2(unsigned w) {
     const unsigned x = __byte_perm(w, 0u, 0x4140u);               // byte 0 to bits 0-7, byte 1 to 16-23
     return ((x & 0x00800080u) << 8) | ((x & 0x007f007fu) << 4);
