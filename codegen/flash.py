@@ -11,6 +11,7 @@ import networkx as nx
 from . import cexpr
 from .attention import sinks_arg
 from .kernel import KernelSource, KernelSpec, Launch
+from .kv_cache import layout_of
 from .params import Params
 from .render import render
 
@@ -22,18 +23,17 @@ TILE_ROWS = 64              # cache rows a tile (flash.cuh FLASH_BN)
 def fits(G: nx.DiGraph, node: str, tokens: int) -> bool:
     """Whether this attention node's prefill steps of `tokens` tokens run as flash attention:
     head size 64 or 128 (rows of whole groups of 8 chunks: the swizzle stays inside them), at
-    most 64 query heads per KV head, bf16 caches (2-byte rows)."""
+    most 64 query heads per KV head; bf16 or fp8 caches (fp8 tiles made bf16 once each)."""
     if G.nodes[node]["op"] != "attention":   # paged attention: tokens of many sequences
         return False
     a = G.nodes[node]["attrs"]
-    kc = G.nodes[node]["inputs"][1]
     hd, group = a["head_dim"], a["n_heads"] // a["n_kv_heads"]
-    bf16_cache = G.nodes[kc].get("attrs", {}).get("kv", "bf16") == "bf16"   # kv_write's cache format
-    return tokens > 1 and hd in (64, 128) and group <= ROWS and bf16_cache
+    return tokens > 1 and hd in (64, 128) and group <= ROWS
 
 
 def smem_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of a block: two tiles of K and V rows in flight."""
+    """Dynamic shared memory of a block: two tiles of K and V rows in flight (fp8 caches: the
+    same bytes, one bf16 tile pair and two of codes)."""
     return 2 * 2 * TILE_ROWS * head_dim * 2
 
 
@@ -46,9 +46,10 @@ def generate(spec: KernelSpec) -> KernelSource:
     a = G.nodes[n]["attrs"]
     H, KV, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
     tok = ROWS // (H // KV)
+    cache = layout_of(G, kc)
     name, source = render(
-        "flash.cu.j2", "attention", f"h{H}_kv{KV}_d{hd}_flash", params=params.decls, H=H, KV=KV, HD=hd,
-        tok=tok, tokens=tokens, threads=32 * WARPS, window=int(a.get("window") or 0),
+        "flash.cu.j2", "attention", f"h{H}_kv{KV}_d{hd}{'_fp8' if cache.fp8 else ''}_flash", params=params.decls,
+        H=H, KV=KV, HD=hd, tok=tok, tokens=tokens, cache=cache.c_type, threads=32 * WARPS, window=int(a.get("window") or 0),
         scale=cexpr.float_literal(a["scale"]), softcap=cexpr.float_literal(a.get("softcap") or 0.0),
         q=params.ref(q), kc=params.ref(kc), vc=params.ref(vc), pos=params.ref(pos), out=params.ref(n, written=True),
         sinks=sinks_arg(G, n, params))

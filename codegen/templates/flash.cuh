@@ -10,10 +10,16 @@
 // window) per row, soft-capped; the running max and sum per row rescale the output, as in
 // flash attention; then O += P V. Q and P go to the tensor cores in bf16 with float32 sums (as
 // a bf16 transformers run has them), K and V through ldmatrix from XOR-swizzled rows.
+//
+// fp8 caches (C = KvFp8): the tiles' codes are copied into a staging pair of their own, and each
+// tile is made the bf16 tile of code x scale once (fp8_tile_to_bf16) for all the block's rows,
+// so the tensor-core part is the bf16 one's; that adds a bf16 rounding to K and V, as Q and P
+// have one.
 #pragma once
 #include "common.cuh"
 #include "cp_async.cuh"
 #include "attention_sinks.cuh"
+#include "kv_cache.cuh"
 #include "mma.cuh"
 
 constexpr int FLASH_WARPS = 4, FLASH_ROWS = 16 * FLASH_WARPS, FLASH_BN = 64;
@@ -24,13 +30,38 @@ constexpr int FLASH_WARPS = 4, FLASH_ROWS = 16 * FLASH_WARPS, FLASH_BN = 64;
 template <int HD>
 __device__ __forceinline__ int flash_offset(int r, int c) { return r * HD * 2 + ((c ^ (r & 7)) << 4); }
 
+// fp8 caches: the FLASH_BN rows of codes at `codes` ([rows][HD] bytes, rows p0 .. of KV head h of
+// `cache`, zeros past `last`) as the bf16 tile of code x the row's scale at `tile`.
+template <int HD, int W, class C>
+__device__ __forceinline__ void fp8_tile_to_bf16(const unsigned char* codes, unsigned char* tile, const unsigned char* cache,
+                                                 int p0, int last, int h) {
+    constexpr int CHUNKS = HD / 16;                  // 16 codes a chunk: two bf16 chunks of the tile
+    for (int e = threadIdx.x; e < FLASH_BN * CHUNKS; e += 32 * FLASH_WARPS) {
+        const int r = e / CHUNKS, c = e % CHUNKS;
+        const float scale = p0 + r <= last ? C::template scale<W>(cache, p0 + r, h) : 0.0f;
+        const uint4 q = *reinterpret_cast<const uint4*>(codes + r * HD + 16 * c);
+        const unsigned words[4] = {q.x, q.y, q.z, q.w};
+        unsigned out[8];
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            float v[4];
+            e4m3x4_to_f32(words[w], v);
+            out[2 * w] = pack_bf16x2(v[0] * scale, v[1] * scale);
+            out[2 * w + 1] = pack_bf16x2(v[2] * scale, v[3] * scale);
+        }
+        *reinterpret_cast<uint4*>(tile + flash_offset<HD>(r, 2 * c)) = make_uint4(out[0], out[1], out[2], out[3]);
+        *reinterpret_cast<uint4*>(tile + flash_offset<HD>(r, 2 * c + 1)) = make_uint4(out[4], out[5], out[6], out[7]);
+    }
+}
+
 // The attention of tokens TOK blockIdx.y .. (those below TT) for KV head blockIdx.x: q [TT][H HD]
-// float, caches [rows][KV HD] bf16 (this step's rows written by the previous kernel), pos_p [TT],
-// o [TT][H HD] float; smem: two tiles of K and V rows (4 FLASH_BN HD bf16), 16-byte aligned.
-template <int H, int KV, int HD, int TOK, int TT, class Sinks = NoSinks>
-__device__ __forceinline__ void flash_prefill(const float* q, const bf16_t* kc, const bf16_t* vc, const int* pos_p,
-                                              int window, float scale, float softcap, float* o, unsigned char* smem,
-                                              Sinks sinks = {}) {
+// float, caches [rows][KV HD] in layout C (this step's rows written by the previous kernel),
+// pos_p [TT], o [TT][H HD] float; smem (16-byte aligned): two tiles of K and V rows (4 FLASH_BN
+// HD bf16), or for fp8 one bf16 tile of each and two of their codes (the same bytes).
+template <int H, int KV, int HD, int TOK, int TT, class C = KvBf16, class Sinks = NoSinks>
+__device__ __forceinline__ void flash_prefill(const float* q, const typename C::Elem* kc, const typename C::Elem* vc,
+                                              const int* pos_p, int window, float scale, float softcap, float* o,
+                                              unsigned char* smem, Sinks sinks = {}) {
     constexpr int G = H / KV, W = KV * HD, CHUNKS = HD / 8, KSTEPS = HD / 16, NT = FLASH_BN / 8, DT = HD / 8;
     constexpr int TILE = FLASH_BN * HD * 2, THREADS = 32 * FLASH_WARPS;
     static_assert((HD == 64 || HD == 128) && TOK * G <= FLASH_ROWS && TOK >= 1, "flash prefill shape");
@@ -61,15 +92,27 @@ __device__ __forceinline__ void flash_prefill(const float* q, const bf16_t* kc, 
 
     const int lo = window > 0 ? max(0, first - window + 1) : 0, begin = lo / FLASH_BN * FLASH_BN;
     const int tiles = (last - begin) / FLASH_BN + 1;
+    constexpr int CODES = FLASH_BN * HD;                    // fp8: bytes of a tile's codes
     auto copy_tile = [&](int i) {   // rows past `last` are zeros (never read: the cache may end there)
-        unsigned char* k_tile = smem + (i % 2) * 2 * TILE;
         const int p0 = begin + i * FLASH_BN;
+        if constexpr (C::FP8) {
+            unsigned char* k_codes = smem + 2 * TILE + (i % 2) * 2 * CODES;
 #pragma unroll
-        for (int e = threadIdx.x; e < FLASH_BN * CHUNKS; e += THREADS) {
-            const int r = e / CHUNKS, c = e % CHUNKS, p = p0 + r;
-            const size_t at = (size_t)(p <= last ? p : 0) * W + blockIdx.x * HD + 8 * c;
-            cp_async_16_cg_or_zero(k_tile + flash_offset<HD>(r, c), kc + at, p <= last);
-            cp_async_16_cg_or_zero(k_tile + TILE + flash_offset<HD>(r, c), vc + at, p <= last);
+            for (int e = threadIdx.x; e < FLASH_BN * HD / 16; e += THREADS) {
+                const int r = e / (HD / 16), c = e % (HD / 16), p = p0 + r;
+                const size_t at = (size_t)(p <= last ? p : 0) * C::template STEP<W> + blockIdx.x * HD + 16 * c;
+                cp_async_16_cg_or_zero(k_codes + r * HD + 16 * c, kc + at, p <= last);
+                cp_async_16_cg_or_zero(k_codes + CODES + r * HD + 16 * c, vc + at, p <= last);
+            }
+        } else {
+            unsigned char* k_tile = smem + (i % 2) * 2 * TILE;
+#pragma unroll
+            for (int e = threadIdx.x; e < FLASH_BN * CHUNKS; e += THREADS) {
+                const int r = e / CHUNKS, c = e % CHUNKS, p = p0 + r;
+                const size_t at = (size_t)(p <= last ? p : 0) * W + blockIdx.x * HD + 8 * c;
+                cp_async_16_cg_or_zero(k_tile + flash_offset<HD>(r, c), kc + at, p <= last);
+                cp_async_16_cg_or_zero(k_tile + TILE + flash_offset<HD>(r, c), vc + at, p <= last);
+            }
         }
     };
 
@@ -82,9 +125,15 @@ __device__ __forceinline__ void flash_prefill(const float* q, const bf16_t* kc, 
         cp_async_commit();
         cp_async_wait_group<1>();   // tile i has landed (this thread's part) ...
         __syncthreads();            // ... and everyone's
-        const unsigned char* k_tile = smem + (i % 2) * 2 * TILE;
-        const unsigned char* v_tile = k_tile + TILE;
         const int p0 = begin + i * FLASH_BN;
+        if constexpr (C::FP8) {     // its codes into the one bf16 tile pair (free since the loop's end)
+            const unsigned char* k_codes = smem + 2 * TILE + (i % 2) * 2 * CODES;
+            fp8_tile_to_bf16<HD, W, C>(k_codes, smem, kc, p0, last, blockIdx.x);
+            fp8_tile_to_bf16<HD, W, C>(k_codes + CODES, smem + TILE, vc, p0, last, blockIdx.x);
+            __syncthreads();
+        }
+        const unsigned char* k_tile = C::FP8 ? smem : smem + (i % 2) * 2 * TILE;
+        const unsigned char* v_tile = k_tile + TILE;
 
         float s[NT][4] = {};        // scores: rows r, r + 8 x positions p0 + 8 j + 2 quad + {0, 1}
 #pragma unroll
