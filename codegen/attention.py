@@ -20,7 +20,7 @@ from ..dsl import get
 from ..errors import FuselmError
 from . import cexpr
 from .kernel import KernelSource, KernelSpec, Launch, Variant
-from .kv_cache import check_target, fixed_table, layout_of
+from .kv_cache import attention_cache, fixed_table
 from .params import Params, storage_of
 from .render import render
 from .tuning import SMEM_STATIC, Target, Tuning
@@ -200,11 +200,8 @@ def generate(spec: KernelSpec) -> KernelSource:
     q, kc, vc, pos = d["inputs"][:4]
     a = d["attrs"]
     H, KV, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
-    caches = layout_of(G, kc), layout_of(G, vc)
-    if caches[0].kv != caches[1].kv:
-        raise FuselmError(f"{n}: its K cache is {caches[0].kv} but its V cache {caches[1].kv}; both must be one dtype")
-    check_target(caches[0], spec.target, n)
-    layout = Layout(KV, hd, H // KV, spec.target, tuning, caches[0].c_type)
+    cache = attention_cache(G, n, spec.target)
+    layout = Layout(KV, hd, H // KV, spec.target, tuning, cache.c_type)
     if hd > 256:
         raise FuselmError(f"{n}: head_dim {hd} > 256 is not supported by the attention kernel")
     if G.nodes[storage_of(G, pos)]["op"] != "input":
@@ -228,7 +225,7 @@ def generate(spec: KernelSpec) -> KernelSource:
     single_until = min(layout.single_until, ctx)
     rows = prefill_rows(layout, tokens, tuning) if tokens > 1 else None
     name, source = render(
-        "attention.cu.j2", "attention", f"h{H}_kv{KV}_d{hd}" + ("_fp8" if caches[0].fp8 else ""), params=params.decls, H=H, KV=KV, HD=hd,
+        "attention.cu.j2", "attention", f"h{H}_kv{KV}_d{hd}" + ("_fp8" if cache.fp8 else ""), params=params.decls, H=H, KV=KV, HD=hd,
         chunk=split.chunk, split_pass=split.type, nchunk=nchunk, window=int(a.get("window") or 0),
         scale=cexpr.float_literal(a["scale"]), softcap=cexpr.float_literal(a.get("softcap") or 0.0),
         threads=threads, combine_warps=tuning.attn_combine_warps, combine_threads=combine_threads,

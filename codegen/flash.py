@@ -11,7 +11,7 @@ import networkx as nx
 from . import cexpr
 from .attention import sinks_arg
 from .kernel import KernelSource, KernelSpec, Launch
-from .kv_cache import layout_of
+from .kv_cache import attention_cache
 from .params import Params
 from .render import render
 
@@ -46,7 +46,7 @@ def generate(spec: KernelSpec) -> KernelSource:
     a = G.nodes[n]["attrs"]
     H, KV, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
     tok = ROWS // (H // KV)
-    cache = layout_of(G, kc)
+    cache = attention_cache(G, n, spec.target)
     name, source = render(
         "flash.cu.j2", "attention", f"h{H}_kv{KV}_d{hd}{'_fp8' if cache.fp8 else ''}_flash", params=params.decls,
         H=H, KV=KV, HD=hd, tok=tok, tokens=tokens, cache=cache.c_type, threads=32 * WARPS, window=int(a.get("window") or 0),

@@ -94,10 +94,16 @@ def fixed_table(G: nx.DiGraph, pages: str) -> int:
     return width
 
 
-def check_target(layout: CacheLayout, target, where: str) -> None:
-    """An fp8 cache needs the e4m3 conversions of sm_89 on."""
-    if layout.fp8 and target.capability < 89:
-        raise FuselmError(f"{where}: an fp8 KV cache needs sm_89 or later (e4m3 conversions), not {target.arch}")
+def attention_cache(G: nx.DiGraph, node: str, target) -> CacheLayout:
+    """The layout of attention `node`'s K and V caches, which must share one dtype; an fp8 cache
+    needs the e4m3 conversions of sm_89 on."""
+    kc, vc = G.nodes[node]["inputs"][1:3]
+    k, v = layout_of(G, kc), layout_of(G, vc)
+    if k.kv != v.kv:
+        raise FuselmError(f"{node}: its K cache is {k.kv} but its V cache {v.kv}; both must be one dtype")
+    if k.fp8 and target.capability < 89:
+        raise FuselmError(f"{node}: an fp8 KV cache needs sm_89 or later (e4m3 conversions), not {target.arch}")
+    return k
 
 
 @dataclass(frozen=True)

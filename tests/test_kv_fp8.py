@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fuselm.codegen import Target, headers
-from fuselm.codegen.build import build_program
+from fuselm.codegen import Target, Tuning, headers
+from fuselm.codegen.build import build_program, prefill_steps
 from fuselm.codegen.kv_cache import CacheLayout, graph_kv_bytes
 from fuselm.codegen.nvrtc import compile_cubins, options, spills
 from fuselm.dsl.kv_dtype import (KvDtypeError, e4m3_codes, e4m3_values, fp8_round_trip, quantize_heads,
@@ -192,8 +192,21 @@ def test_fp8_kernels_say_so_in_their_names_and_bf16_ones_do_not_change():
 
 
 def test_fp8_needs_sm89():
+    """Refused for older GPUs by the decode attention, and by the flash prefill built alone."""
     with pytest.raises(FuselmError, match="an fp8 KV cache needs sm_89 or later"):
         _program("smollm2-135m", target=Target(arch="sm_80"))
+    refused = prefill_steps(with_kv_dtype(build_graph(preset("smollm2-135m")), "fp8"), 512, Target(arch="sm_80"), Tuning())
+    assert isinstance(refused, str) and "an fp8 KV cache needs sm_89 or later" in refused, refused
+
+
+def test_fp8_prefill_takes_flash_attention():
+    """fp8 caches' prefill steps read the cache in flash attention's tiles (fp8_tile_to_bf16), as
+    bf16 caches' do, not in the decode-style pass."""
+    program = _program("llama-3.2-1b")
+    for step in program.prefill:
+        names = [k.name for k in step.kernels if k.family == "attention"]
+        assert names and all(n.startswith("attention_h32_kv8_d64_fp8_flash_") for n in names), names
+        assert all("KvFp8<" in k.source for k in step.kernels if k.name in names)
 
 
 SUPPORTED_PRESETS = [n for n, d in PRESETS.items() if d["architectures"][0] in ARCHITECTURES]
