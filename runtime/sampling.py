@@ -21,8 +21,11 @@ from typing import Iterable
 
 import numpy as np
 
-from ..codegen.sample import PICK_THREADS
+from ..codegen.nvrtc import compile_cubin, options
+from ..codegen.render import headers
+from ..codegen.sample import PICK_THREADS, generate_row_picks
 from .engine import SamplingParams
+from .launch import load_cubin
 
 
 class Sampler:
@@ -196,7 +199,10 @@ def sample_rows(logits, draws: list[Draw], params=None, latest=None):
         return xp.where(greedy > 0, best, picks)
     x = x / temperature[:, None]
     if any(0 < p.top_k < V or p.top_p < 1.0 for p in sampled):
-        order = np.argsort(-x, axis=1, kind="stable")      # each row's ids by falling value, ties by id
+        # each row's ids by falling value, ties by id; the raw float32 logits sort as x does where
+        # nothing changed them, in half the bytes
+        changed = masked or any(d.params.penalizes_answer or d.params.repetition_penalty != 1.0 for d in draws)
+        order = np.argsort(-(x if changed else logits), axis=1, kind="stable")
         rank = xp.empty_like(order)
         rank[xp.arange(m)[:, None], order] = xp.arange(V)[None, :]      # each id's place in its row's order
         k = xp.where((top_k > 0) & (top_k < V), top_k, V)
@@ -226,10 +232,6 @@ def row_picks_kernel(cp):
     generate_row_picks), compiled and loaded once per device."""
     device = cp.cuda.Device()
     if device.id not in _ROW_PICKS:
-        from ..codegen.nvrtc import compile_cubin, options
-        from ..codegen.render import headers
-        from ..codegen.sample import generate_row_picks
-        from .launch import load_cubin
         name, source = generate_row_picks()
         cubin, _, _ = compile_cubin(source, headers(), options(f"sm_{device.compute_capability}"))
         _ROW_PICKS[device.id] = load_cubin(cp, cubin).get_function(name)

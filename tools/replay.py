@@ -59,10 +59,9 @@ def steps_of(name: str) -> dict[str, list]:
 def manifest() -> dict:
     """The manifest of the tree as it is now (see the module docstring)."""
     from ..codegen import headers
+    from ..codegen.sample import generate_row_picks
     from ..models import ARCHITECTURES
     from ..models.presets import PRESETS
-
-    from ..codegen.sample import generate_row_picks
 
     presets = sorted(n for n, d in PRESETS.items() if d["architectures"][0] in ARCHITECTURES) + QUANTIZED
     name, source = generate_row_picks()
