@@ -13,7 +13,8 @@
 # BENCH_ARGS adds options to the bench (e.g. --decode-only); TESTS picks the GPU test files and
 # TEST_FILTER (pytest -k) the tests among them. LOAD_TIME=1 times loading a random Q4_K_M GGUF of
 # Llama-3.1-8B's shapes (scripts/load_time.py, the carried fixture's tokenizer) into $OUT/load.log;
-# SAMPLING_TIME=1 times the GPU picks of sampled rows (scripts/sampling_time.py) into $OUT/sampling.log.
+# SAMPLING_TIME=1 times the GPU picks of sampled rows (scripts/sampling_time.py) into $OUT/sampling.log
+# (and ALT's into alt_sampling.log).
 # AB="FUSELM_TUNE=gemv_unroll=8;FUSELM_TUNE=attn_wide_warps=0" adds decode-only runs of $AB_MODELS, one
 # per setting (A/B), printed to $OUT/ab.log and recorded as abN.json in $OUT/ab.tgz (whose "tuning"
 # lists the values each ran under; one archive because the device tool brings back only a few files).
@@ -40,7 +41,7 @@ if [ -n "${ALT:-}" ]; then   # the other tree, imported as fuselm ahead of this 
   alt=$(mktemp -d); mkdir -p "$alt/src" && tar xf "$ALT" -C "$alt/src" && ln -s "$alt/src" "$alt/fuselm"
   if [ "${SKIP_TESTS:-0}" != 1 ] && [ "${ALT_TESTS:-1}" != 0 ]; then
     (cd "$alt/src" && PYTHONPATH="$alt:${PYTHONPATH:-}" python3 -m pytest ${TESTS:-tests/test_gpu.py tests/test_gpu_quant.py} \
-      -m gpu -q -s -p no:cacheprovider) > "$OUT/alt_tests.log" 2>&1
+      -m gpu -q -s -p no:cacheprovider ${TEST_FILTER:+-k "$TEST_FILTER"}) > "$OUT/alt_tests.log" 2>&1
     tests_rc=$(( tests_rc | $? ))
   fi
   if [ "${SKIP_BENCH:-0}" != 1 ]; then
@@ -72,9 +73,12 @@ if [ -n "${AB:-}" ]; then
   tar czf "$OUT/ab.tgz" -C "$records" .
 fi
 if [ "${LOAD_TIME:-0}" = 1 ]; then
-  python3 scripts/load_time.py --like .gpu_fixtures/smollm2-q4_1-6layers.gguf --json "$OUT/load.json" 2>&1 | tee "$OUT/load.log"
+  python3 scripts/load_time.py --like .gpu_fixtures/smollm2-q4_1-6layers.gguf --json "$OUT/load.json" --profile 2>&1 | tee "$OUT/load.log"
 fi
 if [ "${SAMPLING_TIME:-0}" = 1 ]; then
   python3 scripts/sampling_time.py 2>&1 | tee "$OUT/sampling.log"
+  if [ -n "${ALT:-}" ]; then   # the other tree's picks timed the same way
+    (cd "$alt/src" && PYTHONPATH="$alt:${PYTHONPATH:-}" python3 scripts/sampling_time.py) 2>&1 | tee "$OUT/alt_sampling.log"
+  fi
 fi
 exit $tests_rc

@@ -1,14 +1,15 @@
 """How long a quantized GGUF takes to load onto the GPU, and the host and GPU memory it takes.
 
     python scripts/load_time.py --like .gpu_fixtures/smollm2-q4_1-6layers.gguf [--preset llama-3.1-8b]
-        [--file /tmp/llama-3.1-8b-q4_k_m.gguf] [--json OUT]
+        [--file /tmp/llama-3.1-8b-q4_k_m.gguf] [--json OUT] [--profile]
 
 Writes (once) a GGUF of the preset's shapes in llama.cpp's Q4_K_M formats with random blocks,
 its tokenizer and chat template copied from the `--like` file (so its vocabulary, and the
 embedding and LM head rows, are that file's), then loads it with `fuselm.load(device="cuda")` in
 fresh processes: the first with the page cache and the kernel cache cold, the next ones warm. Each
 prints the load time, the file's GB/s, the process's peak resident memory and the GPU memory the
-engine holds. No file needs downloading, so it runs on the GPU machine.
+engine holds; `--profile` adds a warm run under cProfile and prints its costliest calls. No file
+needs downloading, so it runs on the GPU machine.
 """
 from __future__ import annotations
 
@@ -107,7 +108,13 @@ threading.Thread(target=sample, daemon=True).start()
 t0 = time.perf_counter()
 import cupy, fuselm
 t1 = time.perf_counter()
-model = fuselm.load(sys.argv[1], device="cuda", ctx=4096, progress=False)
+if sys.argv[3] == "1":   # where the load's time goes: the calls taking the most of it, to stderr
+    import cProfile, pstats
+    prof = cProfile.Profile()
+    model = prof.runcall(fuselm.load, sys.argv[1], device="cuda", ctx=4096, progress=False)
+    pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(40)
+else:
+    model = fuselm.load(sys.argv[1], device="cuda", ctx=4096, progress=False)
 cupy.cuda.Device().synchronize()
 t2 = time.perf_counter()
 done.set()
@@ -126,6 +133,7 @@ def main() -> None:
     p.add_argument("--file", default=None, help="where the GGUF goes (default /tmp/PRESET-q4_k_m.gguf)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", action="store_true", help="one more warm run under cProfile: its top calls")
     a = p.parse_args()
     path = a.file or f"/tmp/{a.preset}-q4_k_m.gguf"
     if not os.path.exists(path):
@@ -134,15 +142,20 @@ def main() -> None:
         print(f"wrote {path}: {os.path.getsize(path) / 1e9:.2f} GB in {time.perf_counter() - t:.1f} s", flush=True)
     size = os.path.getsize(path)
     runs = []
-    for i in range(a.runs):
+    for i in range(a.runs + a.profile):
+        profiled = i == a.runs
         try:
-            out = subprocess.run([sys.executable, "-c", MEASURE, path, str(RUN_LIMIT_S - 20)], capture_output=True,
+            out = subprocess.run([sys.executable, "-c", MEASURE, path, str(RUN_LIMIT_S - 20), str(int(profiled))],
+                                 capture_output=True,
                                  text=True, timeout=RUN_LIMIT_S)
         except subprocess.TimeoutExpired:
             sys.exit(f"run {i}: no load after {RUN_LIMIT_S} s")
         if out.returncode:
             sys.exit(f"run {i}: load failed:\n{out.stderr[-6000:]}")
         run = json.loads(out.stdout.strip().splitlines()[-1])
+        if profiled:
+            print(f"profiled warm run: load {run['load_s']:.2f} s\n{out.stderr[-12000:]}", flush=True)
+            continue
         runs.append(run)
         print(f"run {i} ({'cold' if i == 0 else 'warm'}): load {run['load_s']:.2f} s ({size / 1e9 / run['load_s']:.2f} GB/s "
               f"of the file), peak host memory {run['peak_rss_gib']:.2f} GiB "
