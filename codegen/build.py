@@ -12,6 +12,7 @@ the replay manifest hashes it.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 import time
@@ -30,6 +31,7 @@ from .attention import paged_pass
 from .emit import generate
 from .kernel import KernelSource
 from .nvrtc import compile_cubins, options
+from .program_cache import cached
 from .render import headers
 from .tuning import Target, Tuning
 
@@ -102,14 +104,16 @@ class Program:
 
 def build_program(graph: Graph, ctx: int, target: Target | None = None, tuning: Tuning | None = None,
                   fuse: bool = True, prefill: bool = True, trace: bool = False, compile: bool = True,
-                  pass_list=None, dump: str | Path | None = None, formats=None, kv: str = "bf16") -> Program:
+                  pass_list=None, dump: str | Path | None = None, formats=None, kv: str = "bf16",
+                  cache: bool = False) -> Program:
     """`graph` compiled, generated and (unless compile=False) built with NVRTC for a KV cache of
     `ctx` rows on `target` (default: the H200's sm_90, 132 SMs) with `tuning` (default: the
     defaults with $FUSELM_TUNE). A language model (inputs ids and pos, output logits) gets the
     sampler and, unless prefill=False, its batched prefill steps; pass_list replaces the
     compiler's passes and dump writes the graph after each (the decode graph only); `formats`
     maps weight names to the formats they are held in (quant/formats.py; bf16 otherwise); `kv`
-    is the KV cache's dtype, "bf16" or "fp8" (dsl/kv_dtype.py)."""
+    is the KV cache's dtype, "bf16" or "fp8" (dsl/kv_dtype.py). `cache` keeps the program on disk
+    before NVRTC and takes it from there next time (program_cache.py: what engines load)."""
     if ctx <= 0:
         raise FuselmError(f"context must be a positive number of tokens, got {ctx}")
     if is_paged(graph):
@@ -117,9 +121,24 @@ def build_program(graph: Graph, ctx: int, target: Target | None = None, tuning: 
     if any(n.op == "all_reduce" for n in graph.nodes.values()):
         raise FuselmError(f"graph '{graph.name}' is a tensor-parallel rank's: the GPU has no all-reduce for it yet "
                           "(NCCL); the numpy reference runs the ranks (runtime/reference.py: run_ranks)")
-    graph = with_kv_dtype(graph, kv)
     target = target or Target()
     tuning = tuning or Tuning.from_env()
+    build = functools.partial(_build_program, graph, ctx, target, tuning, fuse, prefill, trace, pass_list, dump,
+                              formats, kv)
+    if cache and pass_list is None and dump is None:
+        program = cached("program", (graph, ctx, target, tuning, fuse, prefill, trace, _sorted(formats), kv), build)
+    else:
+        program = build()
+    return program.compile() if compile else program
+
+
+def _sorted(formats) -> tuple:
+    """A weight-format mapping as a key that pickles the same whatever order it was built in."""
+    return tuple(sorted((formats or {}).items()))
+
+
+def _build_program(graph, ctx, target, tuning, fuse, prefill, trace, pass_list, dump, formats, kv) -> Program:
+    graph = with_kv_dtype(graph, kv)
     G = compile_graph(graph, fuse=fuse, tokens=1, pass_list=pass_list, dump=dump, formats=formats)
     kernels = generate(G, ctx=ctx, target=target, tuning=tuning)
     logits = G.graph["outputs"].get("logits")
@@ -137,7 +156,7 @@ def build_program(graph: Graph, ctx: int, target: Target | None = None, tuning: 
             program.prefill_refused = steps
         else:
             program.prefill = [PrefillStep(s.tokens, s.G, s.kernels, module_source(s.kernels, trace)) for s in steps]
-    return program.compile() if compile else program
+    return program
 
 
 def prefill_steps(graph: Graph, ctx: int, target: Target, tuning: Tuning, fuse: bool = True,
@@ -169,21 +188,32 @@ def batch_page(graph: Graph, target: Target, tuning: Tuning) -> int:
 
 def build_batch(graph: Graph, ctx: int, target: Target | None = None, tuning: Tuning | None = None,
                 formats=None, sizes: tuple[int, ...] | None = None, compile: bool = True,
-                kv: str = "bf16") -> list[BatchStep]:
+                kv: str = "bf16", cache: bool = False) -> list[BatchStep]:
     """`graph`'s batch steps (continuous batching), one per size of `sizes` tokens (default one
     token, for a sequence decoding alone, and tuning.prefill_tokens) that it has kernels for: its
     paged graph (dsl/paging.py; pages of batch_page rows, a table
     for sequences of at most `ctx` tokens) compiled with logits for every token, and (unless
     compile=False) built with NVRTC. The caches are the pool's, in `kv` ("bf16" or "fp8");
-    `formats` as build_program's."""
+    `formats` and `cache` as build_program's."""
     if ctx <= 0:
         raise FuselmError(f"context must be a positive number of tokens, got {ctx}")
     target = target or Target()
     tuning = tuning or Tuning.from_env()
+    sizes = tuple(sizes or (1, *tuning.prefill_tokens))
+    build = functools.partial(_build_batch, graph, ctx, target, tuning, formats, sizes, kv)
+    steps = cached("batch", (graph, ctx, target, tuning, _sorted(formats), sizes, kv), build) if cache else build()
+    if compile:
+        results = compile_cubins([s.source for s in steps], headers(), options(target.arch))
+        for step, (cubin, _, _) in zip(steps, results):
+            step.cubin = cubin
+    return steps
+
+
+def _build_batch(graph, ctx, target, tuning, formats, sizes, kv) -> list[BatchStep]:
     page = batch_page(graph, target, tuning)
     g = paged(with_kv_dtype(graph, kv), page, table=table_width(ctx, page))
     steps, why = [], None
-    for tokens, G in compile_graphs(g, list(sizes or (1, *tuning.prefill_tokens)), formats=formats).items():
+    for tokens, G in compile_graphs(g, list(sizes), formats=formats).items():
         logits = G.graph["outputs"].get("logits")
         if not logits:
             raise FuselmError(f"graph '{graph.name}' has no logits: batch steps are for language models")
@@ -195,10 +225,6 @@ def build_batch(graph: Graph, ctx: int, target: Target | None = None, tuning: Tu
         steps.append(BatchStep(tokens, page, G, kernels, logits, module_source(kernels)))
     if not steps:
         raise NoBatchSteps(f"graph '{graph.name}' has no batch steps: {why}")
-    if compile:
-        results = compile_cubins([s.source for s in steps], headers(), options(target.arch))
-        for step, (cubin, _, _) in zip(steps, results):
-            step.cubin = cubin
     return steps
 
 

@@ -149,7 +149,8 @@ class CudaEngine:
                         if isinstance(weights[n.name], QuantizedWeight)}
         # A forced variant runs only the decode graphs: prompts then go one token at a time.
         self.program = build_program(graph, ctx, target, tuning, fuse=fuse, trace=trace, pass_list=pass_list,
-                                     prefill=batched_prefill and variant is None, formats=self.formats, kv=kv)
+                                     prefill=batched_prefill and variant is None, formats=self.formats, kv=kv,
+                                     cache=True)
         self.G, self.kernels = self.program.decode.G, self.program.decode.kernels
         check_variant(self.kernels, variant)
         self.logits_value = self.program.decode.logits   # None: a graph without a sampler (tests, tools)
