@@ -47,7 +47,8 @@ class CudaBatchEngine:
         self.engine, self.cp, self.max_context = engine, cp, engine.max_context
         program = engine.program
         self.steps = build_batch(engine.graph, self.max_context, program.target, program.tuning,
-                                 formats=engine.formats, sizes=sizes, kv=engine.kv_dtype, cache=True)
+                                 formats=engine.formats, sizes=sizes, kv=engine.kv_dtype,
+                                 cache=engine.cache_program)
         self.page = self.steps[0].page
         if pages * self.page < self.max_context:
             raise FuselmError(f"a KV pool of {pages} pages of {self.page} rows cannot hold one sequence of "

@@ -131,7 +131,10 @@ class CudaEngine:
     def __init__(self, graph: Graph, weights: Mapping[str, object], ctx: int = 4096, fuse: bool = True,
                  use_graph: bool = True, pass_list=None, variant: str | None = None,
                  batched_prefill: bool = True, tuning: Tuning | None = None, trace: bool = False,
-                 kv: str = "bf16"):
+                 kv: str = "bf16", cache_program: bool = False):
+        """`cache_program` keeps the built program on disk and reads it from there next time
+        (codegen/program_cache.py), as loads from a checkpoint do; tests that patch the code
+        generators build afresh."""
         import cupy
         if ctx <= 0:
             raise FuselmError(f"context must be a positive number of tokens, got {ctx}")
@@ -150,7 +153,8 @@ class CudaEngine:
         # A forced variant runs only the decode graphs: prompts then go one token at a time.
         self.program = build_program(graph, ctx, target, tuning, fuse=fuse, trace=trace, pass_list=pass_list,
                                      prefill=batched_prefill and variant is None, formats=self.formats, kv=kv,
-                                     cache=True)
+                                     cache=cache_program)
+        self.cache_program = cache_program
         self.G, self.kernels = self.program.decode.G, self.program.decode.kernels
         check_variant(self.kernels, variant)
         self.logits_value = self.program.decode.logits   # None: a graph without a sampler (tests, tools)
@@ -211,7 +215,7 @@ class CudaEngine:
                 bar.update(weights[name].nbytes)
         cupy.get_default_memory_pool().free_all_blocks()          # the repacking's temporaries
         cupy.get_default_pinned_memory_pool().free_all_blocks()   # and the uploads' pinned buffers
-        return cls(graph, weights, ctx=ctx, fuse=fuse, kv=kv)
+        return cls(graph, weights, ctx=ctx, fuse=fuse, kv=kv, cache_program=True)
 
     # ---- memory ----
     def _allocate(self, weights: Mapping[str, object], vocab: int) -> None:
