@@ -50,12 +50,14 @@ class DecodeStep:
 
 @dataclass
 class PrefillStep:
-    """A prefill step of `tokens` prompt tokens: the graph cut down to what the KV caches need."""
+    """A prefill step of `tokens` prompt tokens: the graph cut down to what the KV caches need,
+    or (the step that ends a prompt) the whole graph with `logits` for every token."""
     tokens: int
     G: nx.DiGraph
     kernels: list[KernelSource]
     source: str = ""
     cubin: bytes | None = None
+    logits: str | None = None      # the graph value holding them, [tokens, vocab]
 
 
 class NoBatchSteps(FuselmError):
@@ -84,12 +86,13 @@ class Program:
     trace: bool                    # kernels record the block timeline (tools/trace.py)
     decode: DecodeStep
     prefill: list[PrefillStep] = field(default_factory=list)
+    prefill_last: PrefillStep | None = None   # the step ending a prompt, with logits (last_step)
     prefill_refused: str | None = None
     compile_seconds: float = 0.0
     cached: bool = False           # the decode module came from the disk cache
 
     def steps(self) -> list[DecodeStep | PrefillStep]:
-        return [self.decode, *self.prefill]
+        return [self.decode, *self.prefill, *([self.prefill_last] if self.prefill_last else [])]
 
     def compile(self) -> "Program":
         """Compile every module with NVRTC, side by side in threads (cached on disk by source)."""
@@ -156,7 +159,22 @@ def _build_program(graph, ctx, target, tuning, fuse, prefill, trace, pass_list, 
             program.prefill_refused = steps
         else:
             program.prefill = [PrefillStep(s.tokens, s.G, s.kernels, module_source(s.kernels, trace)) for s in steps]
+            program.prefill_last = last_step(graph, ctx, target, tuning, fuse, trace, formats)
     return program
+
+
+def last_step(graph: Graph, ctx: int, target: Target, tuning: Tuning, fuse: bool = True, trace: bool = False,
+              formats=None) -> PrefillStep | None:
+    """The step that ends a prompt: the smallest prefill size, compiled whole (not cut down to
+    the caches) with the logits of every token, so that the prompt's last token takes no decode
+    step (one more pass over every weight) before its pick. None where its kernels do not fit."""
+    tokens = min(tuning.prefill_tokens)
+    G = compile_graphs(graph, [tokens], fuse=fuse, formats=formats)[tokens]
+    try:
+        kernels = generate(G, ctx=ctx, target=target, tuning=tuning, tokens=tokens)
+    except FuselmError:
+        return None
+    return PrefillStep(tokens, G, kernels, module_source(kernels, trace), logits=G.graph["outputs"]["logits"])
 
 
 def prefill_steps(graph: Graph, ctx: int, target: Target, tuning: Tuning, fuse: bool = True,

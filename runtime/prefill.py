@@ -1,9 +1,11 @@
-"""Batched prefill: a prompt's tokens, many at a time, through CUDA graphs that only fill the KV
-caches.
+"""Batched prefill: a prompt's tokens, many at a time, through CUDA graphs that fill the KV caches
+and, in the step that ends the prompt, give its last token's logits.
 
-A prompt's tokens but the last are run for the cache rows they leave, not for logits, so the
-prefill graph is the model's graph compiled for steps of several tokens and cut down to what the
-caches need (compiler: state_only). Its GEMVs become GEMMs that stream each weight once per step
+A prompt's tokens are run for the cache rows they leave, not for logits, so the prefill graph is
+the model's graph compiled for steps of several tokens and cut down to what the caches need
+(compiler: state_only); its last 1 to 32 tokens go through the whole graph at 32 tokens a step
+(codegen/build.last_step), whose logits row of the last token the decode step's sampler picks
+from, so the first answer token costs no decode step (a pass over every weight) of its own. Its GEMVs become GEMMs that stream each weight once per step
 instead of once per token (codegen's gemm family), and attention runs one block per KV head and
 token. It shares the decode engine's weights, constants and caches; it has its own arena and its
 own ids / positions.
@@ -73,16 +75,19 @@ class Prefill:
     buffers (see the module docstring); `steps` are its Program's, compiled. The steps run one
     after another on the engine's stream, so they share one arena and the runtime buffers."""
 
-    def __init__(self, engine, steps: list[PrefillStep]):
+    def __init__(self, engine, steps: list[PrefillStep], last: PrefillStep | None = None):
         cp = engine.cp
         # A weak reference: the engine holds this object, and a cycle would keep both (and every
         # weight) alive after the engine is dropped, until the garbage collector ran.
         self.engine = weakref.proxy(engine)
         self.sizes = tuple(s.tokens for s in steps)
-        self.arena = cp.empty(max([s.G.graph["arena_bytes"] for s in steps] + [256]), cp.uint8)
-        self.buffers = step_buffers(cp, steps)
+        every = [*steps, *([last] if last else [])]
+        self.arena = cp.empty(max([s.G.graph["arena_bytes"] for s in every] + [256]), cp.uint8)
+        self.buffers = step_buffers(cp, every)
         self.workspace = self.buffers["workspace"]
         self.steps = {s.tokens: _Step(self.engine, self.arena, self.buffers, s) for s in steps}
+        # the step that ends a prompt, with the logits of its tokens (codegen/build.last_step)
+        self.last = _Step(self.engine, self.arena, self.buffers, last) if last else None
 
     def plan(self, tokens: int, start: int) -> list[int]:
         """The step sizes that feed `tokens` prompt tokens from position `start` (step_sizes)."""
@@ -90,8 +95,29 @@ class Prefill:
 
     def capture(self) -> None:
         """Capture every step's CUDA graph now (run() otherwise does on first use)."""
-        for step in self.steps.values():
+        for step in [*self.steps.values(), *([self.last] if self.last else [])]:
             step.capture()
+
+    def split_last(self, n: int, start: int) -> int | None:
+        """How many of a prompt's `n` tokens from position `start` go through the cut-down steps
+        (a multiple of its size) before the step that ends it takes the rest (1 to its size), or
+        None where that step cannot end this prompt: a one-token prompt (a decode step costs
+        the same), no such step, or the cache ending too soon after the prompt for the steps'
+        padding."""
+        size = self.last.tokens if self.last else 0
+        if n < 2 or not size:
+            return None
+        head = n - ((n - 1) % size + 1)
+        if start + head + size > self.engine.max_context or sum(self.plan(head, start)) < head:
+            return None
+        return head
+
+    def last_logits(self, row: int):
+        """The logits [vocab] (float32, on the device) of token `row` of the last run of the
+        step that ends a prompt."""
+        last = self.last
+        vocab = last.G.nodes[last.logits]["shape"][-1]
+        return last.buffer(last.logits)[row * vocab:(row + 1) * vocab]
 
     def run(self, ids, start: int) -> None:
         """Queue the steps that put `ids` into the caches at positions start, start + 1, ..."""
@@ -116,6 +142,7 @@ class BoundStep:
         self.engine, self.arena, self.buffers = engine, arena, buffers
         tokens = step.tokens
         self.tokens, self.G, self.kernels = tokens, step.G, step.kernels
+        self.logits = step.logits      # the value of the logits of every token, where the step has them
         self.module = load_cubin(cp, step.cubin)
         self.ids = cp.zeros(tokens, cp.int32)         # [tokens] token ids of the step
         self.pos = cp.zeros(tokens, cp.int32)         # [tokens] their positions

@@ -456,3 +456,24 @@ def test_the_row_picks_kernel_compiles_without_spills_at_its_block_size(arch):
     assert spills(log)[name] == 0, log
     registers = int(re.search(rf"Function properties for {name}.*?Used (\d+) registers", log, re.S).group(1))
     assert registers * PICK_THREADS <= 65536, registers
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_step_ending_a_prompt_compiles_and_does_not_spill(name):
+    """The prefill step that ends a prompt (the whole graph at the smallest step size, with the
+    logits of every token: build.last_step) of every config compiles for sm_90 without spills in
+    its gemm and attention kernels, or names no step where its tiles do not fit."""
+    from fuselm.codegen.build import last_step
+    cfg = CONFIGS[name]()
+    step = last_step(build_graph(cfg), min(cfg.max_position_embeddings, 4096), Target(), Tuning())
+    if name in PREFILL_UNSUPPORTED:
+        assert step is None
+        return
+    assert step.logits and step.G.nodes[step.logits]["shape"][-1] == cfg.vocab_size
+    cubin, log, _ = compile_cubin(step.source, headers(), options("sm_90", verbose=True), use_cache=False)
+    functions = {launch.function for k in step.kernels for launch in k.all_launches()}
+    assert all(f.encode() in cubin for f in functions)
+    report = spills(log)
+    spilling = {f: report[f] for f in functions if report[f] and not f.startswith("rowwise")}
+    assert not spilling, f"{name}: the last prefill step's kernels spill: {spilling}"
+    assert_shared_memory_fits(step.kernels, log)

@@ -275,8 +275,8 @@ def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k
 def test_batched_prefill_of_a_long_prompt_at_real_shapes():
     """SmolLM2's shapes, a 700-token prompt: the per-token attention walks several passes of the
     cache, and three steps of the 256-token graph replay one CUDA graph (with split-K gemms);
-    caches and logits as one-token steps leave them, and a second run leaves the same bits (its
-    last token's decode step includes GEMVs whose rows four warps share). Before the second run the
+    caches and logits as one-token steps leave them, and a second run leaves the same bits (the
+    step ending the prompt gives its last token's logits). Before the second run the
     caches are poisoned with bf16 NaN, and the decode and prefill arenas (the logits among them) and
     runtime buffers with NaN: a cache row or logit it did not write shows."""
     import cupy as cp
@@ -312,11 +312,13 @@ def test_batched_prefill_of_a_long_prompt_at_real_shapes():
         batched.batched_prefill.buffers["gemm_slabs"].fill(cp.nan)
     batched.prefill(prompt, SamplingParams())
     again, again_logits = cache_bits(batched), batched.logits()
-    # Rows 0 .. 699 are the prompt's: the prefill steps write 0 .. 698 (and padding up to the end of
-    # their last step, which the last token's decode step overwrites at 699); rows from the end of
-    # the last step on are no step's, and stay poisoned. The padding's rows are not compared.
-    end = sum(batched.batched_prefill.plan(len(prompt) - 1, 0))
-    assert len(prompt) <= end < batched.max_context, end
+    # Rows 0 .. 699 are the prompt's: the cut-down steps write 0 .. 671 (and padding up to the end
+    # of their last step, 767), the step ending the prompt 672 .. 699 (and padding to 703); rows
+    # from 768 on are no step's, and stay poisoned. The padding's rows are not compared.
+    prefill = batched.batched_prefill
+    head = prefill.split_last(len(prompt), 0)
+    end = max(sum(prefill.plan(head, 0)), head + prefill.last.tokens)
+    assert head == 672 and end == 768, (head, end)
     assert all(bf16_finite(again[n][:len(prompt)]) for n in again), "the second prefill left poisoned cache rows"
     assert all(np.array_equal(bits[n], again[n][:len(prompt)]) for n in bits), "a second prefill of the same prompt differs"
     assert all((again[n][end:] == BF16_NAN).all() for n in again), f"the second prefill wrote cache rows past {end}"
