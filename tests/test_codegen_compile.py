@@ -436,12 +436,18 @@ def test_batch_module_compiles_and_does_not_spill(name):
     (step,) = build_batch(graph, min(cfg.max_position_embeddings, 4096), Target(), Tuning(), sizes=(32,),
                           compile=False)
     assert any(k.name.startswith("attention") and "_paged" in k.name for k in step.kernels)
+    assert_step_compiles_without_spills(step, f"{name}: batch kernels")
+
+
+def assert_step_compiles_without_spills(step, what: str) -> None:
+    """A step's module compiles for sm_90 with every launch's function in the cubin, no spills
+    but in row-wise kernels, and shared memory that fits."""
     cubin, log, _ = compile_cubin(step.source, headers(), options("sm_90", verbose=True), use_cache=False)
     functions = {launch.function for k in step.kernels for launch in k.all_launches()}
     assert all(f.encode() in cubin for f in functions)
     report = spills(log)
     spilling = {f: report[f] for f in functions if report[f] and not f.startswith("rowwise")}
-    assert not spilling, f"{name}: batch kernels spill (bytes stored + loaded): {spilling}"
+    assert not spilling, f"{what} spill (bytes stored + loaded): {spilling}"
     assert_shared_memory_fits(step.kernels, log)
 
 
@@ -470,10 +476,4 @@ def test_the_step_ending_a_prompt_compiles_and_does_not_spill(name):
         assert step is None
         return
     assert step.logits and step.G.nodes[step.logits]["shape"][-1] == cfg.vocab_size
-    cubin, log, _ = compile_cubin(step.source, headers(), options("sm_90", verbose=True), use_cache=False)
-    functions = {launch.function for k in step.kernels for launch in k.all_launches()}
-    assert all(f.encode() in cubin for f in functions)
-    report = spills(log)
-    spilling = {f: report[f] for f in functions if report[f] and not f.startswith("rowwise")}
-    assert not spilling, f"{name}: the last prefill step's kernels spill: {spilling}"
-    assert_shared_memory_fits(step.kernels, log)
+    assert_step_compiles_without_spills(step, f"{name}: the last prefill step's kernels")
