@@ -86,13 +86,13 @@ class Program:
     trace: bool                    # kernels record the block timeline (tools/trace.py)
     decode: DecodeStep
     prefill: list[PrefillStep] = field(default_factory=list)
-    prefill_last: PrefillStep | None = None   # the step ending a prompt, with logits (last_step)
+    prefill_ends: list[PrefillStep] = field(default_factory=list)   # steps ending a prompt (ending_steps)
     prefill_refused: str | None = None
     compile_seconds: float = 0.0
     cached: bool = False           # the decode module came from the disk cache
 
     def steps(self) -> list[DecodeStep | PrefillStep]:
-        return [self.decode, *self.prefill, *([self.prefill_last] if self.prefill_last else [])]
+        return [self.decode, *self.prefill, *self.prefill_ends]
 
     def compile(self) -> "Program":
         """Compile every module with NVRTC, side by side in threads (cached on disk by source)."""
@@ -159,22 +159,24 @@ def _build_program(graph, ctx, target, tuning, fuse, prefill, trace, pass_list, 
             program.prefill_refused = steps
         else:
             program.prefill = [PrefillStep(s.tokens, s.G, s.kernels, module_source(s.kernels, trace)) for s in steps]
-            program.prefill_last = last_step(graph, ctx, target, tuning, fuse, trace, formats)
+            program.prefill_ends = ending_steps(graph, ctx, target, tuning, [s.tokens for s in steps], fuse, trace,
+                                                formats)
     return program
 
 
-def last_step(graph: Graph, ctx: int, target: Target, tuning: Tuning, fuse: bool = True, trace: bool = False,
-              formats=None) -> PrefillStep | None:
-    """The step that ends a prompt: the smallest prefill size, compiled whole (not cut down to
-    the caches) with the logits of every token, so that the prompt's last token takes no decode
-    step (one more pass over every weight) before its pick. None where its kernels do not fit."""
-    tokens = min(tuning.prefill_tokens)
-    G = compile_graphs(graph, [tokens], fuse=fuse, formats=formats)[tokens]
-    try:
-        kernels = generate(G, ctx=ctx, target=target, tuning=tuning, tokens=tokens)
-    except FuselmError:
-        return None
-    return PrefillStep(tokens, G, kernels, module_source(kernels, trace), logits=G.graph["outputs"]["logits"])
+def ending_steps(graph: Graph, ctx: int, target: Target, tuning: Tuning, sizes: list[int], fuse: bool = True,
+                 trace: bool = False, formats=None) -> list[PrefillStep]:
+    """The steps that end a prompt, one per size of `sizes` that has kernels: the whole graph
+    (not cut down to the caches) with the logits of every token, so that the prompt's last
+    token takes no decode step (one more pass over every weight) before its pick."""
+    ends = []
+    for tokens, G in compile_graphs(graph, sizes, fuse=fuse, formats=formats).items():
+        try:
+            kernels = generate(G, ctx=ctx, target=target, tuning=tuning, tokens=tokens)
+        except FuselmError:
+            continue
+        ends.append(PrefillStep(tokens, G, kernels, module_source(kernels, trace), logits=G.graph["outputs"]["logits"]))
+    return ends
 
 
 def prefill_steps(graph: Graph, ctx: int, target: Target, tuning: Tuning, fuse: bool = True,

@@ -171,7 +171,7 @@ class CudaEngine:
         self.stream = cupy.cuda.Stream(non_blocking=True)
         # why prompts go one token at a time, or None
         self.prefill_refused = self.program.prefill_refused
-        self.batched_prefill = (Prefill(self, self.program.prefill, self.program.prefill_last)
+        self.batched_prefill = (Prefill(self, self.program.prefill, self.program.prefill_ends)
                                 if self.program.prefill else None)
         cupy.cuda.Device().synchronize()   # zero-filled buffers (counters) ready before any launch
         self._sampling: SamplingParams | None = None
@@ -395,9 +395,9 @@ class CudaEngine:
         seen = self.seen.get(stream=self.stream)
         self.stream.synchronize()
         seen[np.asarray(ids, np.int64)] = 1
-        head = self.batched_prefill.split_last(len(ids), self.position) if self.batched_prefill else None
-        if head is not None:
-            return self._prefill_to_logits(list(ids), head, seen)
+        sizes = self.batched_prefill.plan_to_logits(len(ids), self.position) if self.batched_prefill else None
+        if sizes:
+            return self._prefill_to_logits(list(ids), sizes, seen)
         rest = list(ids[:-1])
         if self.batched_prefill and rest:
             # steps of the prefill graphs, the last one padded, as far as the context holds them
@@ -413,21 +413,16 @@ class CudaEngine:
         self.feed(int(ids[-1]))
         return self.next_token()
 
-    def _prefill_to_logits(self, ids: list[int], head: int, seen) -> int:
-        """prefill() through the steps whose last one gives logits: the first `head` tokens
-        through the cut-down steps, the rest through the step ending the prompt, and the decode
-        step's sampler on its last token's row, as if a decode step at that position had made
-        it (its marks of what was seen, its step counter)."""
-        prefill = self.batched_prefill
-        if head:
-            prefill.run(ids[:head], self.position)
-        prefill.last.run(ids[head:], self.position + head)
+    def _prefill_to_logits(self, ids: list[int], sizes: list[int], seen) -> int:
+        """prefill() through steps `sizes`, the last of them giving logits, and the decode step's
+        sampler on the last token's row, as if a decode step at that position had made it (its
+        marks of what was seen, its step counter)."""
+        row = self.batched_prefill.run_to_logits(ids, self.position, sizes)
         self.position += len(ids) - 1          # the position of the prompt's last token
         self._on_device = None
         self._upload_sampling()
         self.seen.set(seen, stream=self.stream)
         with self.stream:
-            row = prefill.last_logits(len(ids) - head - 1)
             self.buffer("logits")[:row.size] = row
             self.pos.set(np.array([self.position], np.int32), stream=self.stream)
             for kernel, _, call in self.schedule_at(self.position):

@@ -3,9 +3,10 @@ and, in the step that ends the prompt, give its last token's logits.
 
 A prompt's tokens are run for the cache rows they leave, not for logits, so the prefill graph is
 the model's graph compiled for steps of several tokens and cut down to what the caches need
-(compiler: state_only); its last 1 to 32 tokens go through the whole graph at 32 tokens a step
-(codegen/build.last_step), whose logits row of the last token the decode step's sampler picks
-from, so the first answer token costs no decode step (a pass over every weight) of its own. Its GEMVs become GEMMs that stream each weight once per step
+(compiler: state_only), but for the step that ends the prompt: the whole graph with the logits
+of every token (codegen/build.ending_steps), whose row of the last token the decode step's
+sampler picks from, so the first answer token costs no decode step (a pass over every weight)
+of its own. Its GEMVs become GEMMs that stream each weight once per step
 instead of once per token (codegen's gemm family), and attention runs one block per KV head and
 token. It shares the decode engine's weights, constants and caches; it has its own arena and its
 own ids / positions.
@@ -75,19 +76,19 @@ class Prefill:
     buffers (see the module docstring); `steps` are its Program's, compiled. The steps run one
     after another on the engine's stream, so they share one arena and the runtime buffers."""
 
-    def __init__(self, engine, steps: list[PrefillStep], last: PrefillStep | None = None):
+    def __init__(self, engine, steps: list[PrefillStep], ends: list[PrefillStep] = ()):
         cp = engine.cp
         # A weak reference: the engine holds this object, and a cycle would keep both (and every
         # weight) alive after the engine is dropped, until the garbage collector ran.
         self.engine = weakref.proxy(engine)
         self.sizes = tuple(s.tokens for s in steps)
-        every = [*steps, *([last] if last else [])]
+        every = [*steps, *ends]
         self.arena = cp.empty(max([s.G.graph["arena_bytes"] for s in every] + [256]), cp.uint8)
         self.buffers = step_buffers(cp, every)
         self.workspace = self.buffers["workspace"]
         self.steps = {s.tokens: _Step(self.engine, self.arena, self.buffers, s) for s in steps}
-        # the step that ends a prompt, with the logits of its tokens (codegen/build.last_step)
-        self.last = _Step(self.engine, self.arena, self.buffers, last) if last else None
+        # by size, the steps that end a prompt, with the logits of their tokens (build.ending_steps)
+        self.ends = {s.tokens: _Step(self.engine, self.arena, self.buffers, s) for s in ends}
 
     def plan(self, tokens: int, start: int) -> list[int]:
         """The step sizes that feed `tokens` prompt tokens from position `start` (step_sizes)."""
@@ -95,29 +96,26 @@ class Prefill:
 
     def capture(self) -> None:
         """Capture every step's CUDA graph now (run() otherwise does on first use)."""
-        for step in [*self.steps.values(), *([self.last] if self.last else [])]:
+        for step in [*self.steps.values(), *self.ends.values()]:
             step.capture()
 
-    def split_last(self, n: int, start: int) -> int | None:
-        """How many of a prompt's `n` tokens from position `start` go through the cut-down steps
-        (a multiple of its size) before the step that ends it takes the rest (1 to its size), or
-        None where that step cannot end this prompt: a one-token prompt (a decode step costs
-        the same), no such step, or the cache ending too soon after the prompt for the steps'
-        padding."""
-        size = self.last.tokens if self.last else 0
-        if n < 2 or not size:
-            return None
-        head = n - ((n - 1) % size + 1)
-        if start + head + size > self.engine.max_context or sum(self.plan(head, start)) < head:
-            return None
-        return head
+    def plan_to_logits(self, n: int, start: int) -> list[int] | None:
+        """The steps (plan) of a whole prompt of `n` tokens from position `start` whose last
+        step gives their logits, or None where that cannot be: a one-token prompt (a decode step
+        costs less than a step of 32), a prompt the steps cannot hold to its end (the cache ends
+        too soon), or a last step size without a form that ends a prompt."""
+        sizes = self.plan(n, start)
+        return sizes if n > 1 and sum(sizes) >= n and sizes[-1] in self.ends else None
 
-    def last_logits(self, row: int):
-        """The logits [vocab] (float32, on the device) of token `row` of the last run of the
-        step that ends a prompt."""
-        last = self.last
-        vocab = last.G.nodes[last.logits]["shape"][-1]
-        return last.buffer(last.logits)[row * vocab:(row + 1) * vocab]
+    def run_to_logits(self, ids, start: int, sizes: list[int]):
+        """Queue the steps `sizes` (plan_to_logits) over `ids` from position `start`; the logits
+        [vocab] (float32, on the device) of the last of them, once the steps have run."""
+        first = sum(sizes[:-1])
+        self._run_steps(ids[:first], start, sizes[:-1])
+        end = self.ends[sizes[-1]]
+        end.run(ids[first:], start + first)
+        vocab, row = end.G.nodes[end.logits]["shape"][-1], len(ids) - first - 1
+        return end.buffer(end.logits)[row * vocab:(row + 1) * vocab]
 
     def run(self, ids, start: int) -> None:
         """Queue the steps that put `ids` into the caches at positions start, start + 1, ..."""
@@ -125,6 +123,9 @@ class Prefill:
         if sum(sizes) < len(ids):
             raise FuselmError(f"prefill of {len(ids)} tokens from position {start} does not fit the context "
                               f"of {self.engine.max_context} in steps of {' or '.join(map(str, self.sizes))}")
+        self._run_steps(ids, start, sizes)
+
+    def _run_steps(self, ids, start: int, sizes: list[int]) -> None:
         first = 0
         for size in sizes:
             self.steps[size].run(ids[first:first + size], start + first)

@@ -465,15 +465,17 @@ def test_the_row_picks_kernel_compiles_without_spills_at_its_block_size(arch):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_the_step_ending_a_prompt_compiles_and_does_not_spill(name):
-    """The prefill step that ends a prompt (the whole graph at the smallest step size, with the
-    logits of every token: build.last_step) of every config compiles for sm_90 without spills in
-    its gemm and attention kernels, or names no step where its tiles do not fit."""
-    from fuselm.codegen.build import last_step
+def test_the_steps_ending_a_prompt_compile_and_do_not_spill(name):
+    """The prefill steps that end a prompt (the whole graph at each step size, with the logits of
+    every token: build.ending_steps) of every config compile for sm_90 without spills in their
+    gemm and attention kernels; a MoE has none above 128 tokens, a config without prefill none."""
+    from fuselm.codegen.build import ending_steps
     cfg = CONFIGS[name]()
-    step = last_step(build_graph(cfg), min(cfg.max_position_embeddings, 4096), Target(), Tuning())
-    if name in PREFILL_UNSUPPORTED:
-        assert step is None
-        return
-    assert step.logits and step.G.nodes[step.logits]["shape"][-1] == cfg.vocab_size
-    assert_step_compiles_without_spills(step, f"{name}: the last prefill step's kernels")
+    graph = build_graph(cfg)
+    steps = ending_steps(graph, min(cfg.max_position_embeddings, 4096), Target(), Tuning(), list(SIZES))
+    moe = any(n.op == "moe_ffn" for n in graph.nodes.values())
+    expected = [] if name in PREFILL_UNSUPPORTED else [t for t in SIZES if not (moe and t > 128)]
+    assert [s.tokens for s in steps] == expected
+    for step in steps:
+        assert step.logits and step.G.nodes[step.logits]["shape"][-1] == cfg.vocab_size
+        assert_step_compiles_without_spills(step, f"{name}: the kernels of the {step.tokens}-token step ending a prompt")

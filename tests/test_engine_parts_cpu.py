@@ -176,22 +176,22 @@ def test_prefill_steps_fit_the_context():
         p.run(list(range(49)), 45)
 
 
-def test_a_prompt_ends_in_the_step_with_logits_where_it_fits():
-    """split_last: a prompt's tokens before the step that ends it (with logits) are whole steps
-    of the cut-down graphs; its last 1 to 32 tokens go to that step; a one-token prompt, or one
-    whose last step's padding would pass the cache, takes the decode step instead."""
+def test_a_prompt_ends_in_a_step_with_logits_where_it_can():
+    """plan_to_logits: a prompt goes in the steps plan() gives, the last of them in its form with
+    logits; a one-token prompt, a prompt the steps cannot hold to its end, or a last step size
+    without that form takes the decode step for its last token instead."""
     import types
 
     from fuselm.runtime.prefill import Prefill
     p = Prefill.__new__(Prefill)                   # the arithmetic alone: no GPU buffers
-    p.sizes, p.engine = (256, 64, 32), types.SimpleNamespace(max_context=1000)
-    p.last = types.SimpleNamespace(tokens=32)
-    assert p.split_last(1, 0) is None
-    assert [p.split_last(n, 0) for n in (2, 31, 32, 33, 64, 65, 512, 513)] == [0, 0, 0, 32, 32, 64, 480, 512]
-    assert p.split_last(40, 936) == 32             # 32 cut down, then 8 in a step of 32 ending at 1000
-    assert p.split_last(40, 937) is None           # that step would end at 1001
-    p.last = None
-    assert p.split_last(40, 0) is None
+    p.sizes, p.engine, p.ends = (256, 64, 32), types.SimpleNamespace(max_context=1000), {256: 0, 64: 0, 32: 0}
+    assert p.plan_to_logits(1, 0) is None
+    assert p.plan_to_logits(2, 0) == [32] and p.plan_to_logits(512, 0) == [256, 256]
+    assert p.plan_to_logits(700, 0) == [256, 256, 256]
+    assert p.plan_to_logits(40, 936) == [64]       # ends at 1000
+    assert p.plan_to_logits(40, 937) is None       # 63 rows left: a step of 32, then none holds 8
+    p.ends = {256: 0, 32: 0}                       # no 64-token form with logits
+    assert p.plan_to_logits(40, 0) is None and p.plan_to_logits(20, 0) == [32]
 
 
 def test_tuning_values_are_checked(monkeypatch):

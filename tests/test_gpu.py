@@ -210,8 +210,9 @@ PREFILL_ARCHS = {"LlamaForCausalLM": {}, **ARCH_TINY,
 @pytest.mark.parametrize("split_k", ["default", "every-tile"])
 @pytest.mark.parametrize("arch", sorted(PREFILL_ARCHS))
 def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k, sizes):
-    """A 289-token prompt through the batched prefill (a step of every size it has of `sizes`:
-    256 + 32 on Hopper's wgmma gemms, or 64s + 32; the last one padded; its arena and runtime
+    """A 280-token prompt through the batched prefill (a step of every size it has of `sizes`:
+    256 + 32 on Hopper's wgmma gemms, or 64s + 32; the last one padded, in its form with the
+    logits of its tokens, which give the prompt's last token's; its arena and runtime
     buffers poisoned with NaN first) leaves the caches that one-token decode steps leave (bf16
     vectors in the wgmma gemms, as a bf16 transformers run has them), and the logits of the prompt's last token match
     the numpy reference run over the whole prompt (bf16 KV cache on both sides); the decode steps
@@ -231,12 +232,12 @@ def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k
     for name in weights:   # routers' logits spread out, so that bf16 vectors rarely flip an expert
         if name.endswith(ROUTERS):
             weights[name] = weights[name] * 8
-    n = 289
+    n = 280
     prompt = rng.integers(0, cfg.vocab_size, n).tolist()
     batched = engine_for(graph, weights, ctx=512, tuning=tuning)
     stepped = engine_for(graph, weights, ctx=512, batched_prefill=False)
     assert batched.batched_prefill is not None and stepped.batched_prefill is None
-    assert set(batched.batched_prefill.plan(n - 1, 0)) == set(batched.batched_prefill.sizes)
+    assert set(batched.batched_prefill.plan_to_logits(n, 0)) == set(batched.batched_prefill.sizes)
     with batched.stream:
         batched.batched_prefill.arena.view(cp.float32).fill(cp.nan)
         batched.batched_prefill.workspace.fill(cp.nan)     # Mixtral's experts' activations
@@ -312,13 +313,11 @@ def test_batched_prefill_of_a_long_prompt_at_real_shapes():
         batched.batched_prefill.buffers["gemm_slabs"].fill(cp.nan)
     batched.prefill(prompt, SamplingParams())
     again, again_logits = cache_bits(batched), batched.logits()
-    # Rows 0 .. 699 are the prompt's: the cut-down steps write 0 .. 671 (and padding up to the end
-    # of their last step, 767), the step ending the prompt 672 .. 699 (and padding to 703); rows
-    # from 768 on are no step's, and stay poisoned. The padding's rows are not compared.
-    prefill = batched.batched_prefill
-    head = prefill.split_last(len(prompt), 0)
-    end = max(sum(prefill.plan(head, 0)), head + prefill.last.tokens)
-    assert head == 672 and end == 768, (head, end)
+    # Rows 0 .. 699 are the prompt's: two cut-down steps of 256 write 0 .. 511, the step ending the
+    # prompt 512 .. 699 and its padding to 767; rows from 768 on are no step's, and stay poisoned.
+    # The padding's rows are not compared.
+    end = sum(batched.batched_prefill.plan_to_logits(len(prompt), 0))
+    assert end == 768, end
     assert all(bf16_finite(again[n][:len(prompt)]) for n in again), "the second prefill left poisoned cache rows"
     assert all(np.array_equal(bits[n], again[n][:len(prompt)]) for n in bits), "a second prefill of the same prompt differs"
     assert all((again[n][end:] == BF16_NAN).all() for n in again), f"the second prefill wrote cache rows past {end}"

@@ -52,9 +52,8 @@ def steps_of(name: str) -> dict[str, list]:
     ctx, formats = min(cfg.max_position_embeddings, 4096), graph_formats(graph, scheme) if scheme else None
     program = build_program(graph, ctx, Target(), Tuning(), compile=False, formats=formats)
     batch = build_batch(graph, ctx, Target(), Tuning(), formats=formats, compile=False)
-    last = program.prefill_last
     return {"decode": program.decode.kernels, **{f"prefill_{s.tokens}": s.kernels for s in program.prefill},
-            **({f"prefill_last_{last.tokens}": last.kernels} if last else {}),
+            **{f"prefill_end_{s.tokens}": s.kernels for s in program.prefill_ends},
             **{f"batch_{s.tokens}": s.kernels for s in batch}}
 
 
