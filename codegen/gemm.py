@@ -139,11 +139,11 @@ def _wgmma_block_cost(slots: int, columns: int, tokens: int, split: int, tuning:
     slots, each the longer of its products (in proportion to its columns) and its copies (the
     share wgmma_copy_share of a 128 x 256 slot's products, in proportion to its bytes); the fill
     of the pipeline and the epilogue (wgmma_block_overhead); split-K's slabs of the tile (written
-    by each block, read all by the last: wgmma_slab_cost each for a tile of 256 columns, in
-    proportion to its columns, since a slab is the tile's floats)."""
+    by each block, read all by the last: wgmma_slab_cost each, whatever the columns: costed in
+    proportion to them, the 64-token batch step lost 5.6%, docs/performance.md)."""
     copy = tuning.wgmma_copy_share / 100
     slot = max(columns / 256, copy * (WGMMA_ROWS + columns) / (WGMMA_ROWS + 256))
-    slabs = (split + 1) * tuning.wgmma_slab_cost / 100 * columns / 256 if split > 1 else 0.0
+    slabs = (split + 1) * tuning.wgmma_slab_cost / 100 if split > 1 else 0.0
     return slots * slot + tuning.wgmma_block_overhead / 100 + slabs
 
 

@@ -24,6 +24,13 @@ from test_batch import feed_in_steps  # noqa: E402
 from test_gpu import (ARCH_TINY, MOE_PREFILL_TOL, PREFILL_TOL, ROUTERS, ROUTING_MARGIN, TINY,  # noqa: E402
                       bf16_kv_cache, engine_for, is_moe, random_weights, rel, routing_margins)
 
+# With fp8 pages a token's K and V differ from the reference's by up to an e4m3 step wherever the
+# GPU's bf16 values round to another code: the caches sit 4-5e-2 from the reference (against
+# ~1e-2 with bf16 pages), and by ROUTING_MARGIN's simulation (a router-input error of 2e-2 moved a
+# row's lead by up to 8e-2 of its largest logit) leads move up to ~2e-1. On an H100 one gpt-oss
+# row past ROUTING_MARGIN came out 0.8 off, the size of another expert taken.
+FP8_ROUTING_MARGIN = 2.5e-1
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU on this machine")]
 
@@ -95,7 +102,7 @@ def test_mixed_batch_steps_on_shuffled_pages_match_each_sequence_alone(name, kv)
             with bf16_kv_cache():
                 want = run_graph(graph, weights, feeds, state, trace)["logits"]
         # rows whose routing is a near tie in the reference may take another expert: not compared
-        clear = routing_margins(graph, trace) >= ROUTING_MARGIN
+        clear = routing_margins(graph, trace) >= (FP8_ROUTING_MARGIN if kv == "fp8" else ROUTING_MARGIN)
         near_ties += sum(not clear[position] for position, _ in got[i])
         got[i] = [(position, row) for position, row in got[i] if clear[position]]
         rows = page_rows(order[i], np.arange(fed[i]), batch.page)
