@@ -437,14 +437,26 @@ class CudaEngine:
         return self.next_token()
 
     def logits_of(self, ids: Sequence[int]) -> np.ndarray:
-        """Feed `ids` one step each from the current position; every position's logits [len,
-        vocab] (perplexity: the prefill graphs keep no logits)."""
+        """Feed `ids` from the current position; every position's logits [len, vocab]
+        (perplexity). They go through the prefill's forms that end a prompt (the logits of
+        every token of a step) where the plan's every step size has one, else one decode step
+        each."""
         if self.position + len(ids) > self.max_context:
             raise FuselmError(f"{len(ids)} tokens at position {self.position} do not fit the context of {self.max_context}")
         self._set_sampling(SamplingParams())
+        prefill, ids = self.batched_prefill, [int(t) for t in ids]
+        sizes = prefill.plan(len(ids), self.position) if prefill and len(ids) > 1 else []
+        if sum(sizes) >= len(ids) > 1 and all(size in prefill.ends for size in sizes):
+            out, first = [], 0
+            for size in sizes:
+                out.append(prefill.logits_of_step(ids[first:first + size], self.position + first, size))
+                first += size
+            self.position += len(ids)
+            self._on_device = None
+            return np.concatenate(out)
         out = []
         for t in ids:
-            self.feed(int(t))
+            self.feed(t)
             out.append(self.logits())
         return np.stack(out)
 

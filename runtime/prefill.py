@@ -114,8 +114,14 @@ class Prefill:
         self._run_steps(ids[:first], start, sizes[:-1])
         end = self.ends[sizes[-1]]
         end.run(ids[first:], start + first)
-        vocab, row = end.G.nodes[end.logits]["shape"][-1], len(ids) - first - 1
-        return end.buffer(end.logits)[row * vocab:(row + 1) * vocab]
+        return end.logits_rows(len(ids) - first)[-1]
+
+    def logits_of_step(self, ids, start: int, size: int) -> np.ndarray:
+        """Run `ids` (at most `size`) from position `start` through the form of step `size` that
+        ends a prompt; their logits [len(ids), vocab], copied to the host (waits for the step)."""
+        end = self.ends[size]
+        end.run(ids, start)
+        return end.logits_rows(len(ids)).get(stream=self.engine.stream)
 
     def run(self, ids, start: int) -> None:
         """Queue the steps that put `ids` into the caches at positions start, start + 1, ..."""
@@ -143,7 +149,7 @@ class BoundStep:
         self.engine, self.arena, self.buffers = engine, arena, buffers
         tokens = step.tokens
         self.tokens, self.G, self.kernels = tokens, step.G, step.kernels
-        self.logits = step.logits      # the value of the logits of every token, where the step has them
+        self.logits_value = step.logits   # the graph value of every token's logits, where the step has them
         self.module = load_cubin(cp, step.cubin)
         self.ids = cp.zeros(tokens, cp.int32)         # [tokens] token ids of the step
         self.pos = cp.zeros(tokens, cp.int32)         # [tokens] their positions
@@ -164,6 +170,12 @@ class BoundStep:
         if op in ("weight", "constant", "state"):
             return engine.buffer(store)
         return arena_view(engine.cp, self.arena, G, store)
+
+    def logits_rows(self, n: int):
+        """The logits [n, vocab] (float32, on the device) of the first `n` tokens of the step's
+        last run, where the step has logits."""
+        vocab = self.G.nodes[self.logits_value]["shape"][-1]
+        return self.buffer(self.logits_value)[:n * vocab].reshape(n, vocab)
 
     def capture(self) -> None:
         engine = self.engine

@@ -326,6 +326,28 @@ def test_batched_prefill_of_a_long_prompt_at_real_shapes():
         "the last prompt token's logits differ the second time"
 
 
+def test_logits_of_a_text_through_the_steps_ending_a_prompt():
+    """logits_of (perplexity) over 300 tokens goes through the prefill's forms with logits (steps
+    of 256 and 64): every position's logits, and the caches, as one-token steps leave them; a
+    text whose steps the cache cannot hold goes one token at a time."""
+    rng = np.random.default_rng()
+    cfg = DecoderConfig.from_hf(TINY)
+    graph = build_graph(cfg)
+    weights = random_weights(graph, rng)
+    text = rng.integers(0, cfg.vocab_size, 300).tolist()
+    batched = engine_for(graph, weights, ctx=512)
+    stepped = engine_for(graph, weights, ctx=512, batched_prefill=False)
+    assert batched.batched_prefill.plan(len(text), 0) == [256, 64]
+    a, b = batched.logits_of(text), stepped.logits_of(text)
+    assert a.shape == b.shape == (300, cfg.vocab_size) and batched.position == stepped.position == 300
+    caches = max(rel(x, y) for x, y in zip(cache_rows(batched, 300).values(), cache_rows(stepped, 300).values()))
+    print(f"logits_of 300 tokens through the ending steps: logits {rel(a, b):.2e}, caches {caches:.2e} from one-token steps")
+    assert rel(a, b) < PREFILL_TOL and caches < PREFILL_TOL
+    near_end = engine_for(graph, weights, ctx=320)          # 300 tokens from 0: a step of 64 would end at 320 ...
+    near_end.position = 10                                  # ... but from 10 at 330: one token at a time
+    assert near_end.logits_of(text).shape == a.shape and near_end.position == 310
+
+
 def test_batched_prefill_of_a_second_turn_near_the_context_end():
     """A conversation's second prompt starts at a position that is no multiple of the step, and
     its steps reach the end of a 100-row cache, so part of it goes one token at a time: caches,
