@@ -444,16 +444,12 @@ class CudaEngine:
         if self.position + len(ids) > self.max_context:
             raise FuselmError(f"{len(ids)} tokens at position {self.position} do not fit the context of {self.max_context}")
         self._set_sampling(SamplingParams())
-        prefill, ids = self.batched_prefill, [int(t) for t in ids]
-        sizes = prefill.plan(len(ids), self.position) if prefill and len(ids) > 1 else []
-        if sum(sizes) >= len(ids) > 1 and all(size in prefill.ends for size in sizes):
-            out, first = [], 0
-            for size in sizes:
-                out.append(prefill.logits_of_step(ids[first:first + size], self.position + first, size))
-                first += size
+        ids = [int(t) for t in ids]
+        rows = self.batched_prefill.logits_of(ids, self.position) if self.batched_prefill and len(ids) > 1 else None
+        if rows is not None:
             self.position += len(ids)
             self._on_device = None
-            return np.concatenate(out)
+            return rows
         out = []
         for t in ids:
             self.feed(t)

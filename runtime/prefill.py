@@ -116,12 +116,20 @@ class Prefill:
         end.run(ids[first:], start + first)
         return end.logits_rows(len(ids) - first)[-1]
 
-    def logits_of_step(self, ids, start: int, size: int) -> np.ndarray:
-        """Run `ids` (at most `size`) from position `start` through the form of step `size` that
-        ends a prompt; their logits [len(ids), vocab], copied to the host (waits for the step)."""
-        end = self.ends[size]
-        end.run(ids, start)
-        return end.logits_rows(len(ids)).get(stream=self.engine.stream)
+    def logits_of(self, ids, start: int) -> np.ndarray | None:
+        """Every token's logits [len(ids), vocab] of `ids` from position `start`, each step of the
+        plan run in its form with logits and its rows copied to the host (perplexity); None where
+        the steps cannot hold them to the end of the cache or a size has no such form."""
+        sizes = self.plan(len(ids), start)
+        if sum(sizes) < len(ids) or not all(size in self.ends for size in sizes):
+            return None
+        out, first = [], 0
+        for size in sizes:
+            end, chunk = self.ends[size], ids[first:first + size]
+            end.run(chunk, start + first)
+            out.append(end.logits_rows(len(chunk)).get(stream=self.engine.stream))
+            first += size
+        return np.concatenate(out)
 
     def run(self, ids, start: int) -> None:
         """Queue the steps that put `ids` into the caches at positions start, start + 1, ..."""
