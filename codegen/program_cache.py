@@ -1,5 +1,6 @@
 """Built programs kept on disk, so a warm load skips the compiler passes and code generation
-(about two seconds of Python for the 8B with its prefill steps) when nothing they read changed.
+(about a second of Python for the 8B with its prefill and batch steps) when nothing they read
+changed.
 
 The key is the SHA-256 of fuselm's own source (every module, template and header of the package)
 and of the pickled arguments of the build; the value is the pickled result, before NVRTC (whose

@@ -109,7 +109,7 @@ class Prefill:
 
     def run_to_logits(self, ids, start: int, sizes: list[int]):
         """Queue the steps `sizes` (plan_to_logits) over `ids` from position `start`; the logits
-        [vocab] (float32, on the device) of the last of them, once the steps have run."""
+        [vocab] (float32, on the device) of the last token, once the steps have run."""
         first = sum(sizes[:-1])
         self._run_steps(ids[:first], start, sizes[:-1])
         end = self.ends[sizes[-1]]
