@@ -12,16 +12,13 @@ runs to its max_tokens; the engine's clock is the only thing it shares with a re
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import numpy as np
-import uvicorn
-
 import fuselm
 from fuselm.runtime.picks import StepLogits
 from fuselm.server import batcher, create_app
-from fuselm.server.cli import listen, url_of
+from fuselm.server.cli import listen, serve
 
 
 class HostOnlyEngine:
@@ -76,9 +73,7 @@ def main() -> int:
         "beside": staticmethod(lambda eng, pages: engine), "page_rows": HostOnlyEngine.page_rows,
         "row_bytes": HostOnlyEngine.row_bytes})
     sock = listen("127.0.0.1", args.port)
-    app = create_app(model, max_seqs=args.max_seqs)
-    print(f"serving a host-only engine ({args.step_ms} ms a step) at {url_of(sock)}", file=sys.stderr, flush=True)
-    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    serve(create_app(model, max_seqs=args.max_seqs), sock, f"a host-only engine ({args.step_ms} ms a step)")
     return 0
 
 

@@ -10,10 +10,7 @@ Answers are noise; what it measures is throughput and latency (`fuselm bench-ser
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
-
-import uvicorn
 
 from fuselm.api import Model
 from fuselm.loading.checkpoint import open_checkpoint
@@ -22,7 +19,7 @@ from fuselm.models.presets import PRESETS
 from fuselm.runtime.cuda_engine import CudaEngine
 from fuselm.runtime.random_weights import random_gpu_weights
 from fuselm.server import create_app
-from fuselm.server.cli import listen, url_of
+from fuselm.server.cli import listen, serve
 
 
 class _Borrowed:
@@ -48,9 +45,7 @@ def main() -> int:
     engine = CudaEngine(graph, random_gpu_weights(graph), ctx=args.ctx)
     model = Model(_Borrowed(cfg, source), engine, path=Path(f"{args.preset}-random"))
     sock = listen("127.0.0.1", args.port)
-    app = create_app(model, max_seqs=args.max_seqs)
-    print(f"serving {args.preset} (random weights) at {url_of(sock)}", file=sys.stderr, flush=True)
-    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    serve(create_app(model, max_seqs=args.max_seqs), sock, f"{args.preset} (random weights)")
     return 0
 
 

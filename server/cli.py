@@ -55,6 +55,14 @@ def url_of(sock: socket.socket) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
 
 
+def serve(app, sock: socket.socket, what: str) -> None:
+    """Serve `app` on `sock` until interrupted, once "serving {what} at URL" is printed."""
+    import uvicorn
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    print(f"serving {what} at {url_of(sock)} (Ctrl-C stops)", file=sys.stderr, flush=True)
+    server.run(sockets=[sock])
+
+
 def main(args: argparse.Namespace) -> int:
     """Bind, load the model, print the URL, serve until interrupted."""
     if args.max_waiting < 1:
@@ -66,8 +74,6 @@ def main(args: argparse.Namespace) -> int:
     if args.ctx is not None and args.ctx <= 0:
         raise FuselmError(f"--ctx must be a positive number of tokens, got {args.ctx}")
     sock = listen(args.host, args.port)
-    import uvicorn
-
     from ..api import load
     from .app import create_app, served_name
     from .batcher import batches, pages_in
@@ -76,8 +82,5 @@ def main(args: argparse.Namespace) -> int:
         model = load(args.model, device=args.device, ctx=args.ctx, kv=args.kv)
         pages = None if args.kv_memory is None or not batches(model) else pages_in(model, args.kv_memory)
         app = create_app(model, max_waiting=args.max_waiting, max_seqs=args.max_seqs, kv_pages=pages)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-        print(f"serving {served_name(model)} on {model.device} at {url_of(sock)} (Ctrl-C stops)",
-              file=sys.stderr, flush=True)
-        server.run(sockets=[sock])
+        serve(app, sock, f"{served_name(model)} on {model.device}")
     return 0
