@@ -423,6 +423,24 @@ def test_prefill_shows_the_batched_prefill_graph(capsys, tmp_path):
                           "--prefill-tokens needs --prefill")
 
 
+def test_prefill_end_shows_the_step_that_ends_a_prompt(capsys):
+    """--prefill --prefill-end: the step's form with every token's logits: the whole last layer,
+    and the LM head (its final norm as prologue) as the last gemm over the step's tokens."""
+    rc, out, _ = run_main(capsys, "inspect", "smollm2-135m", "--prefill", "--prefill-tokens", "32", "--prefill-end",
+                          "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    launches = doc["launches"]
+    assert doc["tokens"] == 32 and len(launches) == 1 + 30 * (5 + 4) + 2
+    assert launches[-2]["function"] == launches[-1]["kernel"] + "_stage"
+    assert launches[-1]["function"].startswith("gemm_norm_k576_1x49152_t32")
+    assert any(n.startswith("rmsnorm_") for n in launches[-1]["nodes"])
+    rc, out, _ = run_main(capsys, "inspect", "smollm2-135m", "--prefill", "--prefill-end")
+    assert rc == 0 and "a prefill step of 256 tokens ending a prompt" in out
+    assert_one_line_error(*run_main(capsys, "inspect", "smollm2-135m", "--prefill-end"),
+                          "--prefill-end needs --prefill")
+
+
 def test_prefill_of_a_model_without_one_is_one_error_line(capsys, tmp_path):
     config = tmp_path / "config.json"      # rows of 36 weights: no gemm form
     config.write_text(json.dumps(dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=36,

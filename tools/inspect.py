@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..codegen import Target, Tuning, build_program, headers, module_source
 from ..codegen.attention import Pass
-from ..codegen.build import prefill_steps
+from ..codegen.build import ending_steps, prefill_steps
 from ..codegen.nvrtc import compile_cubin, options, spills, static_smem
 from ..codegen.tuning import PREFILL_STEP_RANGE
 from ..errors import FuselmError
@@ -99,10 +99,11 @@ def formats_text(cfg, formats: dict[str, str]) -> str:
 
 
 def build(cfg, fuse: bool = True, ctx: int | None = None, dump: str | Path | None = None, prefill: int = 0,
-          target: Target | None = None, tuning: Tuning | None = None, formats=None):
+          target: Target | None = None, tuning: Tuning | None = None, formats=None, ending: bool = False):
     """(compiled graph, kernels in launch order with the sampler last, ctx) as the runtime has them
     (codegen.build_program, nothing compiled); with `prefill` > 0, the batched-prefill graph's for
-    steps of that many tokens, or a one-line error saying why the model has none."""
+    steps of that many tokens (`ending`: its form that ends a prompt, with logits), or a one-line
+    error saying why the model has none."""
     from ..models import build_graph
 
     ctx = ctx or min(cfg.max_position_embeddings, DEFAULT_CTX)
@@ -111,6 +112,10 @@ def build(cfg, fuse: bool = True, ctx: int | None = None, dump: str | Path | Non
         steps = prefill_steps(build_graph(cfg), ctx, target, tuning, fuse, sizes=(prefill,), formats=formats)
         if isinstance(steps, str):
             raise FuselmError(f"{cfg.architecture} has no batched prefill (prompts go one token at a time): {steps}")
+        if ending:
+            steps = ending_steps(build_graph(cfg), ctx, target, tuning, [prefill], fuse, formats=formats)
+            if not steps:
+                raise FuselmError(f"{cfg.architecture} has no step of {prefill} tokens that ends a prompt")
         return steps[0].G, steps[0].kernels, ctx
     program = build_program(build_graph(cfg), ctx, target, tuning, fuse=fuse, prefill=False, compile=False,
                             dump=dump, formats=formats)
@@ -347,6 +352,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "prompt's tokens, what the KV caches need) instead of the decode step")
     p.add_argument("--prefill-tokens", type=int, metavar="N", help="with --prefill: a step of N tokens "
                    "(default: the largest step size)")
+    p.add_argument("--prefill-end", action="store_true", help="with --prefill: the step's form that ends "
+                   "a prompt (the whole graph, with every token's logits)")
 
 
 def add_tune_argument(p: argparse.ArgumentParser) -> None:
@@ -431,6 +438,8 @@ def main(args: argparse.Namespace) -> int:
     tokens, prefill = 1, args.prefill
     if args.prefill_tokens is not None and not prefill:
         raise FuselmError("--prefill-tokens needs --prefill")
+    if args.prefill_end and not prefill:
+        raise FuselmError("--prefill-end needs --prefill")
     if prefill:
         tokens = tuning.prefill_tokens[0] if args.prefill_tokens is None else args.prefill_tokens
         low, high = PREFILL_STEP_RANGE
@@ -444,10 +453,12 @@ def main(args: argparse.Namespace) -> int:
         print("\n".join(tp_lines(cfg, source, args.tp)))
         return 0
     G, kernels, ctx = build(cfg, fuse=not args.no_fuse, ctx=args.ctx, dump=args.dump,
-                            prefill=tokens if prefill else 0, target=target, tuning=tuning, formats=formats)
+                            prefill=tokens if prefill else 0, target=target, tuning=tuning, formats=formats,
+                            ending=args.prefill_end)
     rows = schedule_rows(kernels, args.position, tokens)
     at = f" at position {args.position}" if args.position is not None else ""
-    step = f"a prefill step of {tokens} tokens" if prefill else "one decode token"
+    step = (f"a prefill step of {tokens} tokens{' ending a prompt' if args.prefill_end else ''}" if prefill
+            else "one decode token")
     title = (f"{source}: {cfg.architecture}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
              f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads of {cfg.head_dim}, vocab {cfg.vocab_size}; "
              f"{'fused' if not args.no_fuse else 'unfused'}, ctx {ctx}; {step}{at}; "
