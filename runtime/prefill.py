@@ -11,9 +11,10 @@ instead of once per token (codegen's gemm family), and attention runs one block 
 token. It shares the decode engine's weights, constants and caches; it has its own arena and its
 own ids / positions.
 
-The graph is compiled once per step size (codegen's Tuning.prefill_tokens: 64 and 32). A step
-costs about the same however few of its tokens are real, and a step of 64 costs less than two of
-32 (each weight streams once for all of them), so a prompt goes in steps of the largest size
+The graph is compiled once per step size (codegen's Tuning.prefill_tokens: 256, 64 and 32), and
+once more per size in its form that ends a prompt. A step costs about the same however few of
+its tokens are real, and a step of 64 costs less than two of 32 (each weight streams once for
+all of them), so a prompt goes in steps of the largest size
 while more remain, then in the smallest step that holds the rest (step_sizes). The last step is
 padded: the padding's cache rows lie past the prompt, where the decode steps overwrite each row
 before any step reads it.
