@@ -28,7 +28,7 @@ SOURCE_SUFFIXES = {".py", ".j2", ".cuh", ".cu", ".json"}
 def source_digest() -> str:
     """SHA-256 over the package's source files, names and contents: its top-level modules and
     every file of its subpackages (folders with an __init__.py: not tests, scripts or a venv)."""
-    files = [p for p in PACKAGE.glob("*.py")]
+    files = list(PACKAGE.glob("*.py"))
     for sub in PACKAGE.iterdir():
         if (sub / "__init__.py").exists():
             files += [p for p in sub.rglob("*") if p.suffix in SOURCE_SUFFIXES and "__pycache__" not in p.parts]

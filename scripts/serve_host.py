@@ -25,11 +25,16 @@ class HostOnlyEngine:
     """A batch engine with the CUDA engine's interface (launch, warm_up, page) whose steps take
     `step_s` and pick uniform ids in [low, high)."""
     page = 32
+    current: "HostOnlyEngine | None" = None    # the one the server takes (beside)
 
     def __init__(self, step_s: float, low: int, high: int, max_context: int):
         self.step_s, self.low, self.high, self.max_context = step_s, low, high, max_context
         self.rng = np.random.default_rng(0)
         self.free_at = time.perf_counter()     # when the queued steps end, as a stream's would
+
+    @classmethod
+    def beside(cls, engine, pages: int) -> "HostOnlyEngine":
+        return cls.current
 
     @classmethod
     def page_rows(cls, engine) -> int:
@@ -68,10 +73,9 @@ def main() -> int:
     args = p.parse_args()
     model = fuselm.load(args.tokenizer_from, device="cpu", ctx=args.ctx, progress=False)
     vocab = model.config.vocab_size
-    engine = HostOnlyEngine(args.step_ms / 1e3, min(1000, vocab // 4), vocab // 2, model.engine.max_context)
-    batcher._engine_class = lambda model: type("Beside", (), {      # the batch engine beside any engine
-        "beside": staticmethod(lambda eng, pages: engine), "page_rows": HostOnlyEngine.page_rows,
-        "row_bytes": HostOnlyEngine.row_bytes})
+    HostOnlyEngine.current = HostOnlyEngine(args.step_ms / 1e3, min(1000, vocab // 4), vocab // 2,
+                                            model.engine.max_context)
+    batcher._engine_class = lambda model: HostOnlyEngine      # the batch engine beside any engine
     sock = listen("127.0.0.1", args.port)
     serve(create_app(model, max_seqs=args.max_seqs), sock, f"a host-only engine ({args.step_ms} ms a step)")
     return 0

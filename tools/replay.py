@@ -7,7 +7,8 @@ which kernels it altered.
 
 The manifest (tests/replay_manifest.json) holds the sha256 of the kernels the runtime launches
 outside the schedules (the batch steps' row picks) and, per preset and step (decode; prefill_T for a
-prefill step of T tokens; batch_T for a continuous-batching step of T tokens), the sha256 of each distinct kernel's source and of the launch schedule
+prefill step of T tokens; prefill_end_T for its form that ends a prompt, with logits; batch_T for
+a continuous-batching step of T tokens), the sha256 of each distinct kernel's source and of the launch schedule
 (functions, grids, blocks, arguments), and the sha256 of every .cuh header the kernels include.
 Generated at the default tuning (codegen's Tuning) for sm_90, with each preset's default context;
 QUANTIZED adds presets with weights in a quantization scheme's formats ("preset@scheme").
