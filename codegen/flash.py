@@ -1,6 +1,7 @@
 """Causal flash attention for prefill steps (templates/flash.cuh): the attention family's prefill
-kernel where the head layout allows (head size 64 or 128). A block takes one KV head and as many consecutive tokens
-as their query heads fill its 64 rows (16 an mma warp), and walks the cache once for all of them
+kernel where the head layout allows (head size 64 or 128). A block takes one KV head and as many
+consecutive tokens as their query heads fill its rows (16 an mma warp, tuning flash_warps warps),
+and walks the cache once for all of them
 in tiles of 64 rows through shared memory, where the decode-style passes re-read it for every
 few tokens (codegen/attention.py: prefill_rows). Q and P reach the tensor cores in bf16, as
 in a bf16 transformers run."""
@@ -15,8 +16,7 @@ from .kv_cache import attention_cache
 from .params import Params
 from .render import render
 
-WARPS = 4                   # flash.cuh FLASH_WARPS
-ROWS = 16 * WARPS           # query rows a block: (token, head) pairs
+ROWS = 64                   # query rows ((token, head) pairs) of the smallest block: 4 warps
 TILE_ROWS = 64              # cache rows a tile (flash.cuh FLASH_BN)
 
 
@@ -45,14 +45,15 @@ def generate(spec: KernelSpec) -> KernelSource:
     q, kc, vc, pos = G.nodes[n]["inputs"][:4]
     a = G.nodes[n]["attrs"]
     H, KV, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
-    tok = ROWS // (H // KV)
+    warps = spec.tuning.flash_warps
+    tok = 16 * warps // (H // KV)
     cache = attention_cache(G, n, spec.target)
     name, source = render(
         "flash.cu.j2", "attention", f"h{H}_kv{KV}_d{hd}{'_fp8' if cache.fp8 else ''}_flash", params=params.decls,
-        H=H, KV=KV, HD=hd, tok=tok, tokens=tokens, cache=cache.c_type, threads=32 * WARPS, window=int(a.get("window") or 0),
+        H=H, KV=KV, HD=hd, tok=tok, tokens=tokens, cache=cache.c_type, threads=32 * warps, warps=warps, window=int(a.get("window") or 0),
         scale=cexpr.float_literal(a["scale"]), softcap=cexpr.float_literal(a.get("softcap") or 0.0),
         q=params.ref(q), kc=params.ref(kc), vc=params.ref(vc), pos=params.ref(pos), out=params.ref(n, written=True),
         sinks=sinks_arg(G, n, params))
     grid = (KV, -(-tokens // tok))
     return KernelSource(name, "attention", source, launch.nodes,
-                        [Launch(f"{name}_prefill", grid, 32 * WARPS, params.values, smem=smem_bytes(hd))], launch.layer)
+                        [Launch(f"{name}_prefill", grid, 32 * warps, params.values, smem=smem_bytes(hd))], launch.layer)

@@ -45,7 +45,7 @@ STAGE_THREADS = 256
 WGMMA_ROWS = 128            # weight rows per wgmma tile: two warpgroups of 64
 WGMMA_THREADS = 384         # two consumer warpgroups (the epilogue's 256 threads) and a producer
 WGMMA_CONSUMERS = 256       # (gemm_wgmma.cuh: WGMMA_CONSUMERS)
-WGMMA_MAX_TOKENS = 256      # the widest wgmma (m64n256k16)
+WGMMA_MAX_TOKENS = 256      # the widest wgmma (m64n256k16): a block's tokens at most
 WGMMA_MAX_STAGES = 8
 # the widest column tile of quantized rows: their codes and weights in registers beside 64 tokens'
 # accumulators more would spill (ptxas, 168 registers a thread at 384 threads)
@@ -101,15 +101,15 @@ def _routes_experts(G: nx.DiGraph, launch: ScheduledKernel) -> bool:
 
 def wgmma_form(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, target: Target, tuning: Tuning) -> bool:
     """Whether this gemv kernel takes the wgmma form for steps of `tokens` tokens: on sm_90, with
-    rows of whole 16-byte chunks, a multiple of 32 tokens up to 256, and each zip set's members
-    dividing the 128 rows of a tile evenly (1, 2 or 4); its weights all bf16, or (gemm_quant_wgmma)
-    all quantized, one format a zip set, in rows of whole 64-weight slots (quantized_wgmma). A MoE
-    router keeps the float32-accurate mma.sync form: bf16 vectors flip the top-k choice of near
-    ties, and with it the token's whole FFN."""
+    rows of whole 16-byte chunks, a multiple of 32 tokens (at most 256 a block: wgmma_plan), and
+    each zip set's members dividing the 128 rows of a tile evenly (1, 2 or 4); its weights all
+    bf16, or (gemm_quant_wgmma) all quantized, one format a zip set, in rows of whole 64-weight
+    slots (quantized_wgmma). A MoE router keeps the float32-accurate mma.sync form: bf16 vectors
+    flip the top-k choice of near ties, and with it the token's whole FFN."""
     return (target.capability == 90 and not _routes_experts(G, launch)
             and (not grouped(G, launch) or tuning.gemm_quant_wgmma and quantized_wgmma(G, launch))
             and _input_width(G, launch) % 8 == 0
-            and tokens % 32 == 0 and tokens <= WGMMA_MAX_TOKENS
+            and tokens % 32 == 0
             and all(len(z.linears) in (1, 2, 4) for z in zip_sets(G, launch.nodes)))
 
 
@@ -121,6 +121,14 @@ def quantized_wgmma(G: nx.DiGraph, launch: ScheduledKernel) -> bool:
     formats = [weight_format(G, G.nodes[l]["inputs"][1]) for l in linears]
     return (all(f.name != "bf16" for f in formats) and _input_width(G, launch) % 64 == 0
             and all(len(format_groups(G, z.linears)) == 1 for z in zip_sets(G, launch.nodes)))
+
+
+def vector_copy(tiles: int, tuning: Tuning) -> int:
+    """How a wgmma kernel of `tiles` row tiles copies the step's vectors into its slots
+    (gemm_wgmma.cuh, wgmma_tile's COPY): tuning.wgmma_vector_copy, clusters only where their
+    size divides the row tiles (else one bulk copy a block)."""
+    copy = tuning.wgmma_vector_copy
+    return copy if copy <= 1 or tiles % copy == 0 else 1
 
 
 def wgmma_stages(columns: int, tokens: int, target: Target, exchanges: int = 0, rows: int = WGMMA_ROWS) -> int:
@@ -215,10 +223,11 @@ def generate(spec: KernelSpec) -> KernelSource:
     group_order = grouped(G, launch)
     widest = WGMMA_QUANT_MAX_TOKENS if group_order else WGMMA_MAX_TOKENS
     columns, split = wgmma_plan(K, grid, tokens, target, tuning, widest) if wgmma else (tokens, splits(K, grid, tuning))
+    copy = vector_copy(grid, tuning) if wgmma else 0
     slabs = counts = None
     if split > 1:
         slabs, counts = params.extra("float*", "gemm_slabs"), params.extra("unsigned*", "gemm_counts")
-    stride = tokens + 1 if wgmma else tokens             # floats between a tile's rows (gemm.cu.j2: TS)
+    stride = columns + 1 if wgmma else tokens            # floats between a tile's rows (gemm.cu.j2: TS)
     tile_floats = split * (max_tile * stride + tokens)    # a tile's slabs: dot products and sums of squares
     staged_x = params.extra("float*", "gemm_x")
     if wgmma:   # the slots, which the tile of dot products takes over; the 1024-byte alignment
@@ -226,7 +235,7 @@ def generate(spec: KernelSpec) -> KernelSource:
         stages = wgmma_stages(columns, tokens, target, sum(z.exchanges for z in zips), a_rows)
         threads = WGMMA_THREADS
         smem = max(stages * (a_rows + columns) * 128, WGMMA_ROWS * stride * 4) + 1024
-        staged = tokens * K // 2 + tokens
+        staged = tokens * (-(-K // 64) * 64 if copy else K) // 2 + tokens   # StagedBf16: slotted where copied in bulk
     else:
         stages, threads, smem = 0, tuning.gemm_warps * 32, 0
         staged = tokens * K + tokens + (tokens * K // 32 if group_order else 0)
@@ -234,7 +243,7 @@ def generate(spec: KernelSpec) -> KernelSource:
                           zips=zips, threads=threads, tokens=tokens, kc=0 if wgmma else chunk(K), max_tile=max_tile,
                           grid=grid, splits=split, slabs=slabs, counts=counts, tile_slab_floats=tile_floats,
                           staged_x=staged_x, stage_threads=STAGE_THREADS, grouped=str(group_order).lower(),
-                          wgmma=wgmma, stages=stages, columns=columns)
+                          wgmma=wgmma, stages=stages, columns=columns, copy=copy)
     launches = [Launch(f"{name}_stage", (tokens, 1), STAGE_THREADS, params.values),
                 Launch(name, (grid, tokens // columns * split), threads, params.values, smem=smem)]
     return KernelSource(name, "gemm", source, launch.nodes, launches, launch.layer,

@@ -229,12 +229,12 @@ def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False, pr
               paired: bool = False) -> str:
     """C statements run by thread `s` < R for its slot `row`: every epilogue op, then the writes.
     `batched` (the gemm family, tokens > 1): for token `t` of the step, whose dot products
-    tile_out holds as [member][slot][token] (TT tokens, rows TS floats apart) and whose partner slot s ^ 1 sits in the
+    tile_out holds as [member][slot][token] (the block's tokens from t0, rows TS floats apart) and whose partner slot s ^ 1 sits in the
     neighbouring thread. Otherwise the row operands the launch may read before its wait
     (launch.early, compiler/plan_early_reads.py) are loaded by declarations appended to
     `preload`, which the template places before the dot products."""
     def tile(i, slot):
-        return f"tile_out[({i} * R + {slot}) * TS + t]" if batched else f"slices_sum(tile_out, {i} * R + {slot})"
+        return f"tile_out[({i} * R + {slot}) * TS + t - t0]" if batched else f"slices_sum(tile_out, {i} * R + {slot})"
 
     token = "t" if batched else "0"
     var = {l: f"({tile(i, 's')} * pscale)" for i, l in enumerate(linears)}

@@ -81,6 +81,8 @@ _RANGES = {
     "wgmma_block_overhead": (0, 10000, "a wgmma block's pipeline fill and epilogue, in percent of such a slot"),
     "wgmma_slab_cost": (0, 100000, "a split-K slab's write or read, in percent of such a slot"),
     "wgmma_min_columns": (16, 256, "fewest of a step's tokens a wgmma block takes (a column tile)"),
+    "wgmma_vector_copy": (0, 4, "how wgmma producers copy the vectors: 0 cp.async, 1 a bulk copy a slot, "
+                                "2 or 4 one multicast to a cluster of that many row tiles"),
     "attn_warps": (1, 32, "warps per attention split block"),
     "attn_rows": (1, 32, "cache rows per lane of the split's CUDA-core pass, at most"),
     "attn_combine_warps": (1, 32, "warps per attention combine block"),
@@ -89,11 +91,12 @@ _RANGES = {
     "attn_single_passes": (0, 64, "longest walk of the one-launch attention, in passes (0: never)"),
     "attn_single_rows": (1, 32, "cache rows per lane of the one-launch CUDA-core pass, at most"),
     "attn_wide_warps": (0, 32, "warps per block of the wide split (0: none)"),
+    "flash_warps": (4, 8, "warps per block of the flash prefill: 16 query rows each, one pass over the cache for all"),
     "attn_paged_warps": (1, 32, "warps per block of the paged (batch) attention; its chunk sets the KV page"),
     "sampler_blocks": (1, 1024, "blocks sharing the sampler's pass over the vocabulary"),
 }
-POWERS_OF_TWO = {"gemv_warps"}
-PREFILL_STEP_RANGE = (8, 256)   # tokens a prefill step may take, a multiple of 8 (the mma's token tile)
+POWERS_OF_TWO = {"gemv_warps", "wgmma_vector_copy"}   # (0 passes as one)
+PREFILL_STEP_RANGE = (8, 1024)  # tokens a prefill step may take, a multiple of 8 (the mma's token tile)
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,7 @@ class Tuning:
     wgmma_block_overhead: int = 200
     wgmma_slab_cost: int = 1100
     wgmma_min_columns: int = 32
+    wgmma_vector_copy: int = 0      # not yet measured against cp.async (docs/performance.md)
     attn_warps: int = 8
     attn_rows: int = 8
     attn_combine_warps: int = 8
@@ -125,6 +129,7 @@ class Tuning:
     attn_single_passes: int = 2
     attn_single_rows: int = 4
     attn_wide_warps: int = 9
+    flash_warps: int = 4            # not yet measured at 8 (docs/performance.md)
     attn_paged_warps: int = 2       # chunks of 32 (head size 128) or 64 rows: pages of 64 hold whole ones
     sampler_blocks: int = 32        # one block took 26 us a token
     prefill_tokens: tuple[int, ...] = (256, 64, 32)   # prefill step sizes, largest first: a module each

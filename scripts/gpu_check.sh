@@ -19,6 +19,7 @@
 # per setting (A/B), printed to $OUT/ab.log and recorded as abN.json in $OUT/ab.tgz (whose "tuning"
 # lists the values each ran under; one archive because the device tool brings back only a few files).
 # AB_ARGS replaces the A/B runs' bench options (default --decode-only), e.g. "--prompts 512,4096".
+# RUN="COMMAND" runs a command of its own after the rest (e.g. a script under ncu), into $OUT/cmd.log.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FUSELM_CACHE=${FUSELM_CACHE:-/tmp/fuselm-cache}
@@ -83,5 +84,8 @@ if [ "${SAMPLING_TIME:-0}" = 1 ]; then
   if [ -n "${ALT:-}" ]; then   # the other tree's picks timed the same way
     (cd "$alt/src" && PYTHONPATH="$alt:${PYTHONPATH:-}" python3 scripts/sampling_time.py) 2>&1 | tee "$OUT/alt_sampling.log"
   fi
+fi
+if [ -n "${RUN:-}" ]; then
+  bash -c "$RUN" 2>&1 | tee "$OUT/cmd.log"
 fi
 exit $tests_rc

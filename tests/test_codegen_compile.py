@@ -151,6 +151,32 @@ def test_prefill_module_compiles_and_does_not_spill(name, fuse, tokens):
     assert_shared_memory_fits(ks, log)
 
 
+@pytest.mark.parametrize("copy", [1, 2, 4])
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "smollm2-135m", "tiny-headdim40"])
+def test_prefill_with_vectors_copied_a_slot_at_a_time_compiles(name, copy):
+    """With wgmma_vector_copy (the step's vectors staged in slot order, copied by one bulk copy a
+    slot, or multicast within clusters of `copy` row tiles) every prefill module compiles for
+    sm_90 without spills; a gemm kernel is a cluster of `copy` blocks where that divides its row
+    tiles, else it copies in bulk alone; rows of 200 weights (tiny-headdim40) stage a
+    zero-padded last slot."""
+    cfg = CONFIGS[name]()
+    tuning = Tuning(wgmma_vector_copy=copy)
+    G = compile_graph(build_graph(cfg), tokens=256, state_only=True)
+    ks = generate(G, ctx=4096, tokens=256, tuning=tuning)
+    gemms = [k for k in ks if k.family == "gemm" and k.launches[-1].block == 384]    # the wgmma form
+    assert gemms
+    for k in gemms:
+        tiles = k.launches[-1].grid[0]
+        clustered = f"__cluster_dims__({copy}, 1, 1)" in k.source
+        assert clustered == (copy > 1 and tiles % copy == 0), (k.name, tiles)
+        assert "COPY = 1;" in k.source if not clustered else f"COPY = {copy};" in k.source
+    cubin, log, _ = compile_cubin(module_source(ks), headers(), options("sm_90", verbose=True), use_cache=False)
+    functions = {launch.function for k in ks for launch in k.all_launches()}
+    report = spills(log)
+    assert not {f: report[f] for f in functions if report[f] and not f.startswith("rowwise")}
+    assert_shared_memory_fits(ks, log)
+
+
 def assert_shared_memory_fits(kernels, log: str) -> None:
     """Every launch's dynamic shared memory beside its function's static arrays (ptxas' report)
     fits what the H200 lets a block opt into: more fails at launch, not here."""

@@ -206,15 +206,16 @@ PREFILL_ARCHS = {"LlamaForCausalLM": {}, **ARCH_TINY,
                  "MistralForCausalLM": dict(sliding_window=8, head_dim=64, num_attention_heads=4, num_key_value_heads=1)}
 
 
-@pytest.mark.parametrize("sizes", [(64, 32), (256, 32)], ids=["64+32", "256+32"])
+@pytest.mark.parametrize("sizes", [(64, 32), (256, 32), (512, 32)], ids=["64+32", "256+32", "512+32"])
 @pytest.mark.parametrize("split_k", ["default", "every-tile"])
 @pytest.mark.parametrize("arch", sorted(PREFILL_ARCHS))
 def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k, sizes):
-    """A 280-token prompt through the batched prefill (a step of every size it has of `sizes`:
-    256 + 32 on Hopper's wgmma gemms, or 64s + 32; the last one padded, in its form with the
-    logits of its tokens, which give the prompt's last token's; its arena and runtime
-    buffers poisoned with NaN first) leaves the caches that one-token decode steps leave (bf16
-    vectors in the wgmma gemms, as a bf16 transformers run has them), and the logits of the prompt's last token match
+    """A 280-token prompt (530 with steps of 512) through the batched prefill (a step of every
+    size it has of `sizes`: 512 or 256, then 32 on Hopper's wgmma gemms, or 64s + 32; the last
+    one padded, in its form with the logits of its tokens, which give the prompt's last token's;
+    its arena and runtime buffers poisoned with NaN first) leaves the caches that one-token
+    decode steps leave (bf16 vectors in the wgmma gemms, as a bf16 transformers run has them),
+    and the logits of the prompt's last token match
     the numpy reference run over the whole prompt (bf16 KV cache on both sides); the decode steps
     after it agree too. "every-tile": every gemm kernel splits its K as far as it goes, a wgmma
     block taking all of a step's tokens and its slabs costed as free (the default cuts these few
@@ -227,15 +228,18 @@ def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k
                                               if split_k == "every-tile" else {}))
     rng = np.random.default_rng()
     cfg = DecoderConfig.from_hf({**TINY, "architectures": [arch], **PREFILL_ARCHS[arch]})
+    if max(sizes) == 512 and (split_k == "every-tile" or is_moe(cfg)):
+        pytest.skip("steps of 512 have no split-K plans (a wgmma block takes at most 256 tokens) "
+                    "and no MoE router tiles (mma.sync's do not fit 512 tokens)")
     graph = build_graph(cfg)
     weights = random_weights(graph, rng)
     for name in weights:   # routers' logits spread out, so that bf16 vectors rarely flip an expert
         if name.endswith(ROUTERS):
             weights[name] = weights[name] * 8
-    n = 280
+    n = 530 if max(sizes) == 512 else 280
     prompt = rng.integers(0, cfg.vocab_size, n).tolist()
-    batched = engine_for(graph, weights, ctx=512, tuning=tuning)
-    stepped = engine_for(graph, weights, ctx=512, batched_prefill=False)
+    batched = engine_for(graph, weights, ctx=1024, tuning=tuning)
+    stepped = engine_for(graph, weights, ctx=1024, batched_prefill=False)
     assert batched.batched_prefill is not None and stepped.batched_prefill is None
     assert set(batched.batched_prefill.plan_to_logits(n, 0)) == set(batched.batched_prefill.sizes)
     with batched.stream:
@@ -257,7 +261,7 @@ def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k
     trace = {}
     with bf16_kv_cache():
         ref = run_graph(graph, weights, {"ids": np.array(fed, np.int32), "pos": np.arange(len(fed), dtype=np.int32)},
-                        new_state(graph, 512), trace)[out][n - 1]
+                        new_state(graph, 1024), trace)[out][n - 1]
     # a row whose routing is a near tie in the reference may take another expert in either engine
     clear = routing_margins(graph, trace) >= ROUTING_MARGIN
     errs = {n - 1: [rel(batched.logits(), ref), rel(batched.logits(), stepped.logits())]}
@@ -271,6 +275,47 @@ def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k
           f"{max(e for p in range(n, n + 8) for e in errs[p]):.2e} ({sum(not clear[p] for p in errs)} of 9 rows on near "
           f"ties of the routing set aside)")
     assert compared and max(compared) < tol, errs
+
+
+@pytest.mark.parametrize("copy", [1, 2, 4])
+@pytest.mark.parametrize("shape", ["whole-slots", "part-slot", "every-tile"])
+def test_vectors_copied_a_slot_at_a_time_leave_the_bits_of_per_thread_copies(copy, shape):
+    """The wgmma gemms with the step's vectors staged in slot order and copied a slot at a time
+    (wgmma_vector_copy 1: one bulk copy a block; 2 and 4: each block's part multicast to a
+    cluster of that many row tiles) put the same bf16 values in the slots as the producers'
+    16-byte copies: a 280-token prompt leaves the same cache bits and last-token logits as with
+    wgmma_vector_copy=0, the staged vectors, slabs and arenas poisoned with NaN first. Rows of
+    200 weights end in a part slot (its zeros staged); "every-tile" splits every gemm's K."""
+    import cupy as cp
+
+    from fuselm.codegen import Tuning
+    rng = np.random.default_rng()
+    hf = {**TINY, "hidden_size": 512, "intermediate_size": 1024}        # 4 to 16 row tiles a gemm
+    if shape == "part-slot":
+        hf = {**TINY, "hidden_size": 200, "num_attention_heads": 5, "num_key_value_heads": 1}
+    split = dict(gemm_blocks=1 << 16, gemm_min_chunks=1, wgmma_min_columns=256, wgmma_slab_cost=0) \
+        if shape == "every-tile" else {}
+    cfg = DecoderConfig.from_hf(hf)
+    graph = build_graph(cfg)
+    weights = random_weights(graph, rng)
+    prompt = rng.integers(0, cfg.vocab_size, 280).tolist()
+    engines = [engine_for(graph, weights, ctx=512, tuning=Tuning(prefill_tokens=(256, 32), wgmma_vector_copy=c,
+                                                                  **split)) for c in (0, copy)]
+    kernels = [k for step in engines[1].batched_prefill.steps.values() for k in step.kernels if k.family == "gemm"]
+    assert copy == 1 or any(f"__cluster_dims__({copy}, 1, 1)" in k.source for k in kernels)
+    assert shape != "every-tile" or any(l.grid[1] > 1 for k in kernels for l in k.launches)
+    out = []
+    for eng in engines:
+        with eng.stream:
+            for buf in ("gemm_x", "gemm_slabs"):
+                eng.batched_prefill.buffers[buf].fill(cp.nan)
+            eng.batched_prefill.arena.view(cp.float32).fill(cp.nan)
+        eng.prefill(prompt, SamplingParams())
+        out.append((cache_bits(eng, len(prompt)), eng.logits()))
+    (bits0, logits0), (bits1, logits1) = out
+    assert all(bf16_finite(b) for b in bits0.values()) and np.isfinite(logits0).all()
+    assert all(np.array_equal(bits0[n], bits1[n]) for n in bits0), "the caches differ"
+    assert np.array_equal(logits0.view(np.uint32), logits1.view(np.uint32)), "the last token's logits differ"
 
 
 def test_batched_prefill_of_a_long_prompt_at_real_shapes():
@@ -678,14 +723,16 @@ def test_attention_at_long_context(heads, kv_heads, head_dim, window, softcap, c
 @pytest.mark.parametrize("heads,kv_heads,head_dim,window,softcap,sinks", [
     (32, 8, 128, 0, 0.0, False), (32, 8, 64, 0, 2.0, False), (28, 4, 128, 0, 0.0, False), (9, 3, 64, 1000, 0.0, False),
     (8, 2, 64, 37, 50.0, False), (64, 8, 64, 128, 0.0, True)])   # the last: gpt-oss's heads, window and sinks
-def test_flash_prefill_kernel_matches_float64(heads, kv_heads, head_dim, window, softcap, sinks):
-    """The flash prefill kernel alone, launched on a 256-token step at positions 2900 .. 3155 of
-    caches of random bf16 rows (the step's own rows among them), its output poisoned with NaN:
-    against the float64 reference. Covers idle query rows (7 and 3 heads per KV head leave 1
-    of 64), windows starting mid-tile, and soft-capping (2 bends most scores)."""
+@pytest.mark.parametrize("warps", [4, 8])
+def test_flash_prefill_kernel_matches_float64(heads, kv_heads, head_dim, window, softcap, sinks, warps):
+    """The flash prefill kernel alone (blocks of 4 or 8 warps: flash_warps), launched on a
+    256-token step at positions 2900 .. 3155 of caches of random bf16 rows (the step's own rows
+    among them), its output poisoned with NaN: against the float64 reference. Covers idle query
+    rows (7 and 3 heads per KV head leave 1 of 64), windows starting mid-tile, and soft-capping
+    (2 bends most scores)."""
     import cupy as cp
 
-    from fuselm.codegen import Target, generate, headers, module_source
+    from fuselm.codegen import Target, Tuning, generate, headers, module_source
     from fuselm.codegen.nvrtc import compile_cubin, options
     from fuselm.compiler import compile_graph
     from fuselm.runtime.launch import load_cubin
@@ -694,7 +741,8 @@ def test_flash_prefill_kernel_matches_float64(heads, kv_heads, head_dim, window,
     g = attention_graph(heads, kv_heads, head_dim, window, softcap, sinks)
     weights = sink_logits(heads, rng) if sinks else {}
     G = compile_graph(g, tokens=T)
-    (flash,) = [k for k in generate(G, ctx=rows, target=Target.of_device(), tokens=T) if k.family == "attention"]
+    (flash,) = [k for k in generate(G, ctx=rows, target=Target.of_device(), tokens=T, tuning=Tuning(flash_warps=warps))
+                if k.family == "attention"]
     assert "flash_prefill<" in flash.source, "the kernel the test means to run"
     (launch,) = flash.launches
     cubin, _, _ = compile_cubin(module_source([flash]), headers(), options(Target.of_device().arch))

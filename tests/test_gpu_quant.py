@@ -231,6 +231,33 @@ def test_quantized_batched_prefill_matches_the_reference(mix, split_k):
     assert cache_vs_steps < tol and logits_vs_steps < tol
 
 
+@pytest.mark.parametrize("copy", [1, 2])
+@pytest.mark.parametrize("mix", ["q4_k", "q4_k+q6_k+bf16"])
+def test_quantized_prefill_with_vectors_copied_a_slot_at_a_time_leaves_the_same_bits(mix, copy):
+    """The quantized wgmma gemms with the step's vectors (in the codes' order) staged in slot
+    order and copied a slot at a time (wgmma_vector_copy 1, or 2: multicast to clusters of two
+    row tiles) leave the cache bits and last logits of the per-thread copies (0), arenas and
+    staged vectors poisoned with NaN first."""
+    import cupy as cp
+
+    from fuselm.codegen import Tuning
+    graph, weights, _ = quantized_model(PREFILL_MIXES[mix])
+    prompt = np.random.default_rng().integers(0, QCFG["vocab_size"], 77).tolist()
+    out = []
+    for c in (0, copy):
+        eng = engine_for(graph, weights, ctx=256, tuning=Tuning(wgmma_vector_copy=c))
+        with eng.stream:
+            eng.batched_prefill.arena.view(cp.float32).fill(cp.nan)
+            eng.batched_prefill.buffers["gemm_x"].fill(cp.nan)
+        eng.prefill(prompt, SamplingParams())
+        eng.stream.synchronize()
+        out.append(({n: cp.asnumpy(c[:len(prompt)]) for n, c in eng.states.items()}, eng.logits()))
+    (caches0, logits0), (caches1, logits1) = out
+    assert np.isfinite(logits0).all()
+    assert all(np.array_equal(caches0[n], caches1[n]) for n in caches0), "the caches differ"
+    assert np.array_equal(logits0.view(np.uint32), logits1.view(np.uint32)), "the last token's logits differ"
+
+
 MIXTRAL_QCFG = {**QCFG, "architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2}
 # gpt-oss's features (test_gpu.ARCH_TINY) at QCFG's sizes
 GPT_OSS_QCFG = {**QCFG, "architectures": ["GptOssForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 
-def _elapsed_us(cp, stream, fn, reps: int) -> float:
+def elapsed_us(cp, stream, fn, reps: int) -> float:
     """Mean microseconds of fn(), run `reps` times on `stream` after two warm-up runs."""
     for _ in range(2):
         fn()
@@ -33,7 +33,7 @@ def kernel_profile(engine, reps: int = 20) -> dict[str, dict]:
     with engine.stream:     # the sampler, timed too, advances the position: put its state back after
         saved = [(buf, buf.copy()) for buf in (engine.sampled, engine.pos, engine.seen, engine.sampler_scratch)]
     for k, _, call in engine.schedule_at(engine.position):
-        per[k.family]["us"] += _elapsed_us(cp, engine.stream, lambda: call(engine.stream), reps)
+        per[k.family]["us"] += elapsed_us(cp, engine.stream, lambda: call(engine.stream), reps)
         per[k.family]["launches"] += 1
         if id(k) not in counted:
             counted.add(id(k))
@@ -55,7 +55,7 @@ def step_ablation(engine, reps: int = 30) -> dict:
 
     def graph_us(keep) -> float:
         g = engine.capture([(k, launch, call) for k, launch, call in schedule if keep(k, launch)])
-        return _elapsed_us(cp, engine.stream, lambda: g.launch(engine.stream), reps)
+        return elapsed_us(cp, engine.stream, lambda: g.launch(engine.stream), reps)
 
     whole = graph_us(lambda k, launch: True)
     without = {}
@@ -88,7 +88,7 @@ def step_profile(engine, step, tokens: int, reps: int = 10) -> dict:
     """A step of several tokens (a prefill or batch step: its calls, kernels, G and replay, its
     inputs in place) replayed whole, then each launch alone (see prefill_profile)."""
     import cupy as cp
-    whole = _elapsed_us(cp, engine.stream, step.replay, reps)
+    whole = elapsed_us(cp, engine.stream, step.replay, reps)
     per = {}
     calls = iter(step.calls)
     with engine.stream:
@@ -98,7 +98,7 @@ def step_profile(engine, step, tokens: int, reps: int = 10) -> dict:
                 f = per.setdefault(launch.function, {"family": k.family, "launches": 0, "us": 0.0, "bytes": 0,
                                                      "flops": 0})
                 f["launches"] += 1
-                f["us"] += _elapsed_us(cp, engine.stream, lambda: call(engine.stream), reps)
+                f["us"] += elapsed_us(cp, engine.stream, lambda: call(engine.stream), reps)
             last = per[k.launches[-1].function]
             last["bytes"] += k.bytes_read + k.bytes_written
             if k.family == "gemm":

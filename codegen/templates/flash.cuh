@@ -1,10 +1,10 @@
 // Causal flash attention for a prefill step on tensor cores (mma.sync m16n8k16, sm_80 on): a
-// block of FLASH_WARPS warps takes one KV head and TOK consecutive tokens of the step, whose
-// TOK x G query heads are its 16 FLASH_WARPS query rows (row i: token i / G, head i % G; rows
-// past TOK G are idle), and walks the cache rows up to its last token's position in tiles of
-// FLASH_BN rows. Each tile's K and V rows are copied once into shared memory (cp.async, two
-// tiles in flight) and serve every query row of the block, where a decode-style pass re-reads
-// the cache for every few tokens.
+// block of WARPS warps takes one KV head and TOK consecutive tokens of the step, whose TOK x G
+// query heads are its 16 WARPS query rows (row i: token i / G, head i % G; rows past TOK G are
+// idle), and walks the cache rows up to its last token's position in tiles of FLASH_BN rows.
+// Each tile's K and V rows are copied once into shared memory (cp.async, two tiles in flight)
+// and serve every query row of the block, where a decode-style pass re-reads the cache for
+// every few tokens (so the more warps a block, the fewer times a step reads the cache).
 //
 // Per warp and tile: S = Q K^T (16 rows x FLASH_BN positions), masked causally (and by the
 // window) per row, soft-capped; the running max and sum per row rescale the output, as in
@@ -22,7 +22,7 @@
 #include "kv_cache.cuh"
 #include "mma.cuh"
 
-constexpr int FLASH_WARPS = 4, FLASH_ROWS = 16 * FLASH_WARPS, FLASH_BN = 64;
+constexpr int FLASH_BN = 64;
 
 // Byte offset of 16-byte chunk c of row r of a [rows][HD] bf16 tile (HD a multiple of 64: rows of
 // whole groups of 8 chunks): the chunks of 8 consecutive rows XOR-swizzled inside their groups,
@@ -32,11 +32,11 @@ __device__ __forceinline__ int flash_offset(int r, int c) { return r * HD * 2 + 
 
 // fp8 caches: the FLASH_BN rows of codes at `codes` ([rows][HD] bytes, rows p0 .. of KV head h of
 // `cache`, zeros past `last`) as the bf16 tile of code x the row's scale at `tile`.
-template <int HD, int W, class C>
+template <int HD, int W, int WARPS, class C>
 __device__ __forceinline__ void fp8_tile_to_bf16(const unsigned char* codes, unsigned char* tile, const unsigned char* cache,
                                                  int p0, int last, int h) {
     constexpr int CHUNKS = HD / 16;                  // 16 codes a chunk: two bf16 chunks of the tile
-    for (int e = threadIdx.x; e < FLASH_BN * CHUNKS; e += 32 * FLASH_WARPS) {
+    for (int e = threadIdx.x; e < FLASH_BN * CHUNKS; e += 32 * WARPS) {
         const int r = e / CHUNKS, c = e % CHUNKS;
         const float scale = p0 + r <= last ? C::template scale<W>(cache, p0 + r, h) : 0.0f;
         const uint4 q = *reinterpret_cast<const uint4*>(codes + r * HD + 16 * c);
@@ -58,13 +58,13 @@ __device__ __forceinline__ void fp8_tile_to_bf16(const unsigned char* codes, uns
 // float, caches [rows][KV HD] in layout C (this step's rows written by the previous kernel),
 // pos_p [TT], o [TT][H HD] float; smem (16-byte aligned): two tiles of K and V rows (4 FLASH_BN
 // HD bf16), or for fp8 one bf16 tile of each and two of their codes (the same bytes).
-template <int H, int KV, int HD, int TOK, int TT, class C = KvBf16, class Sinks = NoSinks>
+template <int H, int KV, int HD, int TOK, int TT, int WARPS, class C = KvBf16, class Sinks = NoSinks>
 __device__ __forceinline__ void flash_prefill(const float* q, const typename C::Elem* kc, const typename C::Elem* vc,
                                               const int* pos_p, int window, float scale, float softcap, float* o,
                                               unsigned char* smem, Sinks sinks = {}) {
     constexpr int G = H / KV, W = KV * HD, CHUNKS = HD / 8, KSTEPS = HD / 16, NT = FLASH_BN / 8, DT = HD / 8;
-    constexpr int TILE = FLASH_BN * HD * 2, THREADS = 32 * FLASH_WARPS;
-    static_assert((HD == 64 || HD == 128) && TOK * G <= FLASH_ROWS && TOK >= 1, "flash prefill shape");
+    constexpr int TILE = FLASH_BN * HD * 2, THREADS = 32 * WARPS;
+    static_assert((HD == 64 || HD == 128) && TOK * G <= 16 * WARPS && TOK >= 1, "flash prefill shape");
     static_assert(FUSELM_SM80, "flash prefill needs mma.sync and cp.async (sm_80 on)");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane % 4;
     const int t0 = blockIdx.y * TOK, tokens = min(TOK, TT - t0);
@@ -128,8 +128,8 @@ __device__ __forceinline__ void flash_prefill(const float* q, const typename C::
         const int p0 = begin + i * FLASH_BN;
         if constexpr (C::FP8) {     // its codes into the one bf16 tile pair (free since the loop's end)
             const unsigned char* k_codes = smem + 2 * TILE + (i % 2) * 2 * CODES;
-            fp8_tile_to_bf16<HD, W, C>(k_codes, smem, kc, p0, last, blockIdx.x);
-            fp8_tile_to_bf16<HD, W, C>(k_codes + CODES, smem + TILE, vc, p0, last, blockIdx.x);
+            fp8_tile_to_bf16<HD, W, WARPS, C>(k_codes, smem, kc, p0, last, blockIdx.x);
+            fp8_tile_to_bf16<HD, W, WARPS, C>(k_codes + CODES, smem + TILE, vc, p0, last, blockIdx.x);
             __syncthreads();
         }
         const unsigned char* k_tile = C::FP8 ? smem : smem + (i % 2) * 2 * TILE;

@@ -1,17 +1,22 @@
 // Prefill GEMM tiles on Hopper's warpgroup tensor cores (wgmma, sm_90a): the gemm family's
-// products where the weights are bf16, for steps of TT tokens (a multiple of 32, at most 256).
+// products where the weights are bf16, for steps of TT tokens (a multiple of 32), at most 256 a block.
 //
 // A block is three warpgroups over a tile of 128 weight rows (R slots of each of M members, M R =
 // 128, member-major: A row i is slot i % R of member i / R) and TN of the step's tokens (all of
 // them, or a column tile where a kernel has too few row tiles to fill the GPU: gemm.wgmma_plan).
 // Consumer warpgroup g computes rows 64 g .. 64 g + 63 against the block's tokens as one
 // m64nTNk16 wgmma per 16 k; the producer warpgroup copies both operands, K-major, into shared
-// memory with cp.async, in slots of 64 k (128-byte swizzled rows, wgmma.cuh), STAGES slots, all
-// in flight at once, handed back and forth on mbarriers (barrier.cuh).
+// memory, in slots of 64 k (128-byte swizzled rows, wgmma.cuh), STAGES slots, all in flight at
+// once, handed back and forth on mbarriers (barrier.cuh). It copies the weights 16 bytes a thread
+// (cp.async) and the tokens' vectors so too (COPY 0), or, where the stage launch leaves them in
+// slot order (StagedBf16, SLOTTED), as one bulk copy a slot (COPY 1), or a 1 / COPY part of it
+// multicast to the COPY blocks of its cluster, the row tiles beside it, which need the same
+// vectors (COPY 2, 4): each slot's vectors then leave L2 once for all of them.
 // The tokens' vectors come as bf16 from the stage launch (stage_bf16), so a product is one
 // multiply of bf16 values with float accumulation, as in a bf16 transformers run.
 #pragma once
 #include "cp_async.cuh"
+#include "bulk_copy.cuh"
 #include "barrier.cuh"
 #include "gemm.cuh"            // splitk_gather
 #include "gemv.cuh"            // slot_row, load_f32x8, apply_gain8
@@ -25,12 +30,23 @@ __device__ void wgmma_m64k16(float (&d)[N / 2], unsigned long long a, unsigned l
 template <int N>
 __device__ void wgmma_m64k16_ra(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long b);
 
-// Where stage_bf16 leaves a step's vectors: [TT][K] bf16, then TT floats, each token's sum of
-// x^2 over all of K (the norm prologue's).
-template <int K, int TT>
+// Where stage_bf16 leaves a step's vectors: [TT][K] bf16, each token's vector in order; or
+// SLOTTED, for each slot of 64 k (SLOTS of them, the last padded with zeros) the TT tokens' rows
+// of 128 bytes as a pipeline slot holds them (chunk c of token t at c ^ t % 8: the 128-byte
+// swizzle), so that a block's tokens of a slot are one run of bytes. Then TT floats, each token's
+// sum of x^2 over all of K (the norm prologue's).
+template <int K, int TT, bool SLOTTED = false>
 struct StagedBf16 {
-    static __device__ __forceinline__ float* sums(float* words) { return words + (size_t)TT * K / 2; }
-    static __device__ __forceinline__ const float* sums(const float* words) { return words + (size_t)TT * K / 2; }
+    static constexpr int SLOTS = (K + 63) / 64;
+    static constexpr size_t VALUES = SLOTTED ? (size_t)SLOTS * 64 * TT : (size_t)K * TT;   // bf16, before the sums
+    static __device__ __forceinline__ float* sums(float* words) { return words + VALUES / 2; }
+    static __device__ __forceinline__ const float* sums(const float* words) { return words + VALUES / 2; }
+    // The byte offset of 16-byte chunk g (k 8 g .. 8 g + 7) of token t.
+    static __device__ __forceinline__ size_t chunk(int t, int g) {
+        return SLOTTED ? ((size_t)(g / 8) * TT + t) * 128 + ((g % 8 ^ t % 8) << 4) : ((size_t)t * K + 8 * g) * 2;
+    }
+    // SLOTTED: the byte offset of slot s's row of token t0 (a multiple of 8), where its tokens' rows begin.
+    static __device__ __forceinline__ size_t slot_rows(int s, int t0) { return ((size_t)s * TT + t0) * 128; }
 };
 
 // 16-byte chunk g of a token's bf16 vector in the order of the quantized weights' codes within
@@ -43,13 +59,18 @@ __device__ __forceinline__ uint4 in_codes_order(const uint4& w, int g) {
 }
 
 // The stage kernel's block t: token t's vector times the norm gain (where NORMED) in bf16,
-// rounded to nearest (in the codes' order where PERMUTED: in_codes_order), and its sum of squares.
-template <int K, int TT, bool NORMED, int THREADS, bool PERMUTED = false>
+// rounded to nearest (in the codes' order where PERMUTED: in_codes_order), and its sum of squares,
+// where StagedBf16<K, TT, SLOTTED> says.
+template <int K, int TT, bool NORMED, int THREADS, bool PERMUTED = false, bool SLOTTED = false>
 __device__ __forceinline__ void stage_bf16(const float* x, const weight_t* gain, float gain_offset, float* words) {
+    using Staged = StagedBf16<K, TT, SLOTTED>;
     constexpr int PER = (K / 8 + THREADS - 1) / THREADS;
     static_assert(!PERMUTED || (K % 16 == 0 && THREADS % 32 == 0), "whole 16-value runs, whole warps");
     const int t = blockIdx.x;
-    uint4* out = reinterpret_cast<uint4*>(words) + (size_t)t * K / 8;
+    unsigned char* out = reinterpret_cast<unsigned char*>(words);
+    if constexpr (SLOTTED && K % 64 != 0)   // the last slot's chunks past K: zeros (bulk copies take whole slots)
+        for (int g = K / 8 + threadIdx.x; g < Staged::SLOTS * 8; g += THREADS)
+            *reinterpret_cast<uint4*>(out + Staged::chunk(t, g)) = make_uint4(0, 0, 0, 0);
     float v[PER][8];
     load_entries<K, THREADS>(x + (size_t)t * K, v);
     float sumsq = 0.0f;
@@ -61,11 +82,11 @@ __device__ __forceinline__ void stage_bf16(const float* x, const weight_t* gain,
         uint4 w = make_uint4(pack_bf16x2(v[i][0], v[i][1]), pack_bf16x2(v[i][2], v[i][3]),
                              pack_bf16x2(v[i][4], v[i][5]), pack_bf16x2(v[i][6], v[i][7]));
         if constexpr (PERMUTED) w = in_codes_order(w, g);
-        if (on) out[g] = w;
+        if (on) *reinterpret_cast<uint4*>(out + Staged::chunk(t, g)) = w;
     }
     if constexpr (NORMED) {
         sumsq = block_sum(sumsq);
-        if (threadIdx.x == 0) StagedBf16<K, TT>::sums(words)[t] = sumsq;
+        if (threadIdx.x == 0) Staged::sums(words)[t] = sumsq;
     }
 }
 
@@ -155,52 +176,79 @@ struct WgmmaSlot {
     static constexpr int A = BM * 128, BYTES = (BM + TT) * 128;
 };
 
-// tile_out[i (TT + 1) + t] = A row i . token t over k in [k0, k0 + KS) (KS a multiple of 8: the last
-// slot's chunks past k0 + KS are zeros) for the consumers and the block's TN tokens t0 .. t0 + TN,
-// from the tile's weights (Rows of W, tile) and the step's TT staged bf16 vectors `staged`
-// ([TT][K], StagedBf16), through `smem` (STAGES slots,
-// 1024-byte aligned, which tile_out may share: the slots are read no more once it is written).
-// Warp-specialized: the producer warpgroup fills slot kt % STAGES with cp.async and says so on
-// its `full` barrier as the copies land (cp_async_arrive_on); the consumers wait there, multiply,
-// and free the slot on its `empty` barrier once their products of it are done. So every slot is
-// in flight at once, and no barrier of the whole block stands in the k loop. The producer waits
-// for the previous kernel (grid_wait_then_release) once its first slots' weights are in flight:
-// they are no kernel's output, and their round trip then overlaps the previous kernel's tail.
-// The producer returns from here; the consumers come back with tile_out written.
-template <int K, int KS, int TT, int TN, int STAGES, class Rows, class Weights>
+// tile_out[i (TN + 1) + t - t0] = A row i . token t over k in [k0, k0 + KS) (KS a multiple of 8: the
+// last slot's chunks past k0 + KS are zeros) for the consumers and the block's TN tokens t0 .. t0 +
+// TN, from the tile's weights (Rows of W, tile) and the step's TT staged bf16 vectors `staged`
+// (StagedBf16, SLOTTED where COPY > 0), through `smem` (STAGES slots, 1024-byte aligned, which
+// tile_out may share: the slots are read no more once it is written), with the pipeline's
+// barriers `full` and `empty` (STAGES each, at the same place in every block of a cluster).
+// Warp-specialized: the producer warpgroup fills slot kt % STAGES and says so on its `full`
+// barrier as the copies land (cp_async_arrive_on; a bulk copy's bytes count there too); the
+// consumers wait there, multiply, and free the slot on its `empty` barrier once their products of
+// it are done (where the vectors are multicast, on the barrier of every block of the cluster:
+// each block's producer writes its part of the slot into all of them). So every slot is in flight
+// at once, and no barrier of the whole block stands in the k loop. The producer waits for the
+// previous kernel (grid_wait_then_release) once its first slots' weights are in flight: they are
+// no kernel's output, and their round trip then overlaps the previous kernel's tail. The
+// producer returns from here; the consumers come back with tile_out written, after (COPY > 1)
+// every block of the cluster is done with the slots of the others.
+template <int K, int KS, int TT, int TN, int STAGES, int COPY, class Rows, class Weights>
 __device__ __forceinline__ void wgmma_tile(const Weights& W, int tile, int k0, int t0, const float* staged,
-                                           unsigned char* smem, float* tile_out) {
+                                           unsigned char* smem, float* tile_out, unsigned long long* full,
+                                           unsigned long long* empty) {
     constexpr int KT = (KS + 63) / 64, X_PER = TN * 8 / WGMMA_PRODUCERS;
     constexpr int FIRST = STAGES < KT ? STAGES : KT;
+    constexpr bool BULK = COPY > 0;
+    constexpr int CLUSTER = COPY > 1 ? COPY : 1;
+    constexpr unsigned B_BYTES = TN * 128, PART = B_BYTES / CLUSTER;   // a slot's vectors; each block's part
     using Slot = WgmmaSlot<Rows::QUANT ? 0 : Rows::BM, TN>;   // quantized A rows skip shared memory
+    using Staged = StagedBf16<K, TT, BULK>;
     static_assert(FUSELM_SM90A || !FUSELM_SM90, "wgmma needs sm_90a (nvrtc.options compiles sm_90 as sm_90a)");
     static_assert(KS % 8 == 0 && K % KS == 0 && TT % TN == 0 && TN % 16 == 0 && TN <= 256 && STAGES >= 2,
                   "wgmma tile shape");
     static_assert(!Rows::QUANT || KS % 64 == 0, "quantized rows in whole slots of two groups");
-    __shared__ unsigned long long full[STAGES], empty[STAGES];
+    static_assert(!BULK || KS == K || KS % 64 == 0, "a split's slots are whole slots of the staged vectors");
+    static_assert(COPY == 0 || COPY == 1 || COPY == 2 || COPY == 4, "1, 2 or 4 blocks share a slot's copy");
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int s = 0; s < STAGES; s++) {
-            mbar_init(&full[s], WGMMA_PRODUCERS);   // every producer thread's copies
-            mbar_init(&empty[s], 2);                // both consumer warpgroups
+            mbar_init(&full[s], WGMMA_PRODUCERS + BULK);   // every producer thread's copies (+ the bulk copy's)
+            mbar_init(&empty[s], 2 * CLUSTER);             // both consumer warpgroups of each block
         }
         mbar_init_fence();
     }
-    __syncthreads();
+    if constexpr (CLUSTER > 1)
+        cluster_sync();    // every block's barriers set up before any copy counts on them
+    else
+        __syncthreads();
     if (threadIdx.x >= WGMMA_CONSUMERS) {
         const int p = threadIdx.x - WGMMA_CONSUMERS, c = p % 8, r0 = p / 8;
         const Rows rows(W, tile, p);
         const bf16_t* x = reinterpret_cast<const bf16_t*>(staged) + (size_t)(t0 + r0) * K + 8 * c;
+        const unsigned char* vectors = reinterpret_cast<const unsigned char*>(staged);
+        const unsigned rank = CLUSTER > 1 ? cluster_rank() : 0;
         auto copy_rows = [&](int kt) {
             rows.copy(smem + (kt % STAGES) * Slot::BYTES, k0 + 64 * kt, KS % 64 == 0 || 64 * kt + 8 * c < KS, p);
         };
-        auto copy_vectors = [&](int kt) {   // .cg: the stage launch's writes, through L2
+        auto copy_vectors = [&](int kt) {   // .cg / bulk: the stage launch's writes, through L2
             unsigned char* slot = smem + (kt % STAGES) * Slot::BYTES + Slot::A;
-            const bool whole = KS % 64 == 0 || 64 * kt + 8 * c < KS;
+            if constexpr (BULK) {
+                if (p == 0) {
+                    unsigned long long* bar = &full[kt % STAGES];
+                    mbar_expect_tx(bar, B_BYTES);    // the slot's vectors, from every block of the cluster
+                    const unsigned char* src = vectors + Staged::slot_rows(k0 / 64 + kt, t0) + rank * PART;
+                    if constexpr (CLUSTER > 1)
+                        bulk_copy_multicast(slot + rank * PART, src, PART, bar, (1u << CLUSTER) - 1);
+                    else
+                        bulk_copy(slot, src, B_BYTES, bar);
+                }
+            } else {
+                const bool whole = KS % 64 == 0 || 64 * kt + 8 * c < KS;
 #pragma unroll
-            for (int j = 0; j < X_PER; j++)
-                cp_async_16_cg_or_zero(slot + sw128_offset(r0 + 16 * j, c), x + (size_t)16 * j * K + k0 + 64 * kt,
-                                       whole);
+                for (int j = 0; j < X_PER; j++)
+                    cp_async_16_cg_or_zero(slot + sw128_offset(r0 + 16 * j, c), x + (size_t)16 * j * K + k0 + 64 * kt,
+                                           whole);
+            }
         };
 #pragma unroll
         for (int s = 0; s < FIRST; s++) copy_rows(s);
@@ -211,7 +259,7 @@ __device__ __forceinline__ void wgmma_tile(const Weights& W, int tile, int k0, i
             cp_async_arrive_on(&full[s]);
         }
         for (int kt = FIRST; kt < KT; kt++) {
-            mbar_wait(&empty[kt % STAGES], (kt / STAGES - 1) & 1);   // its last filling consumed
+            mbar_wait(&empty[kt % STAGES], (kt / STAGES - 1) & 1);   // its last filling consumed (in every block)
             copy_rows(kt);
             copy_vectors(kt);
             cp_async_arrive_on(&full[kt % STAGES]);
@@ -219,6 +267,16 @@ __device__ __forceinline__ void wgmma_tile(const Weights& W, int tile, int k0, i
         cp_async_wait_all();   // leave no copy behind
         return;
     }
+    // This warpgroup is done with slot s: one arrival on its `empty` barrier in each block of the cluster.
+    auto free_slot = [&](int s) {
+        const unsigned lane = threadIdx.x % 128;
+        if (lane < CLUSTER) {
+            if constexpr (CLUSTER > 1)
+                mbar_arrive_in(&empty[s], lane);
+            else
+                mbar_arrive(&empty[s]);
+        }
+    };
     float acc[TN / 2] = {};    // warpgroup g's rows 64 g .. 64 g + 63 x the TN tokens (wgmma's layout)
     const int wg = threadIdx.x / 128;
     if constexpr (Rows::QUANT) {
@@ -243,7 +301,7 @@ __device__ __forceinline__ void wgmma_tile(const Weights& W, int tile, int k0, i
             for (int kk = 0; kk < 4; kk++) wgmma_m64k16_ra<TN>(acc, w[kk], b + 2 * kk);
             wgmma_commit();
             wgmma_wait<0>();
-            if (threadIdx.x % 128 == 0) mbar_arrive(&empty[kt % STAGES]);
+            free_slot(kt % STAGES);
         };
         for (int kt = 0; kt < KT; kt += 2) {   // two at a time: f0 and f1 stay registers
             slot_products(kt, f0);
@@ -261,14 +319,18 @@ __device__ __forceinline__ void wgmma_tile(const Weights& W, int tile, int k0, i
             for (int kk = 0; kk < 4; kk++) wgmma_m64k16<TN>(acc, a + 2 * kk, b + 2 * kk);
             wgmma_commit();
             wgmma_wait<1>();       // the products of kt - 1 are done: its slot is free
-            if (kt > 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[(kt - 1) % STAGES]);
+            if (kt > 0) free_slot((kt - 1) % STAGES);
         }
+    }
+    if constexpr (CLUSTER > 1) {
+        wgmma_wait<0>();
+        cluster_sync();            // no block writes into another's slots or barriers after this
     }
     wgmma_wait<0>();
     named_sync<WGMMA_CONSUMERS>();   // both warpgroups are done with the slots
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-    constexpr int TS = TT + 1;       // rows one float apart: the epilogue reads down a token's column
-    float* out = tile_out + (wg * 64 + 16 * warp + lane / 4) * TS + t0 + 2 * (lane % 4);
+    constexpr int TS = TN + 1;       // rows one float apart: the epilogue reads down a token's column
+    float* out = tile_out + (wg * 64 + 16 * warp + lane / 4) * TS + 2 * (lane % 4);
 #pragma unroll
     for (int nt = 0; nt < TN / 8; nt++) {
         out[8 * nt] = acc[4 * nt];
