@@ -126,9 +126,17 @@ def quantized_wgmma(G: nx.DiGraph, launch: ScheduledKernel) -> bool:
 def vector_copy(tiles: int, tuning: Tuning) -> int:
     """How a wgmma kernel of `tiles` row tiles copies the step's vectors into its slots
     (gemm_wgmma.cuh, wgmma_tile's COPY): tuning.wgmma_vector_copy, clusters only where their
-    size divides the row tiles (else one bulk copy a block)."""
+    size divides the row tiles (else one bulk copy a block). A cluster may span two zip sets:
+    their slots are laid out alike, since a wgmma kernel's weights are all bf16 or all
+    quantized (wgmma_form), and multicast bytes land at the same offsets in each block."""
     copy = tuning.wgmma_vector_copy
     return copy if copy <= 1 or tiles % copy == 0 else 1
+
+
+def epilogue_batch(rounds: int, tuning: Tuning) -> int:
+    """Rounds of a gemm block's epilogue whose operand loads go out together (gemm.cu.j2's U):
+    tuning.gemm_epilogue_batch, or the largest power of two below it that divides the `rounds`."""
+    return min(tuning.gemm_epilogue_batch, rounds & -rounds)
 
 
 def wgmma_stages(columns: int, tokens: int, target: Target, exchanges: int = 0, rows: int = WGMMA_ROWS) -> int:
@@ -243,7 +251,9 @@ def generate(spec: KernelSpec) -> KernelSource:
                           zips=zips, threads=threads, tokens=tokens, kc=0 if wgmma else chunk(K), max_tile=max_tile,
                           grid=grid, splits=split, slabs=slabs, counts=counts, tile_slab_floats=tile_floats,
                           staged_x=staged_x, stage_threads=STAGE_THREADS, grouped=str(group_order).lower(),
-                          wgmma=wgmma, stages=stages, columns=columns, copy=copy)
+                          wgmma=wgmma, stages=stages, columns=columns, copy=copy,
+                          batches=[epilogue_batch(z.R * columns // (WGMMA_CONSUMERS if wgmma else threads), tuning)
+                                   for z in zips])
     launches = [Launch(f"{name}_stage", (tokens, 1), STAGE_THREADS, params.values),
                 Launch(name, (grid, tokens // columns * split), threads, params.values, smem=smem)]
     return KernelSource(name, "gemm", source, launch.nodes, launches, launch.layer,

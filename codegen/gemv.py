@@ -63,6 +63,7 @@ class ZipTile:
     preload: str              # declarations loading epilogue operands before the wait
     groups: list[FormatGroup] # its members by weight format
     exchanges: int = 0        # the epilogue's shared arrays of a float per thread (RoPE of an epilogue value)
+    loads: tuple = ()         # batched: (C type, array, expression) of each operand loaded ahead (_round_load)
 
     @property
     def formats(self) -> str:
@@ -203,13 +204,14 @@ def zip_contexts(G: nx.DiGraph, launch: ScheduledKernel, params: Params, slots, 
         tiles = _tiles(z.width, R, bool(hd))
         z_epi = [n for n in epilogue if _zip_of(G, n, z.linears, set(nodes))]
         preload: list[str] = []
+        loads: list[tuple[str, str, str]] | None = [] if batched else None
         members = [params.ref(G.nodes[l]["inputs"][1]) for l in z.linears]
-        body = _epilogue(G, launch, z.linears, z_epi, R, params, batched, preload, paired=bool(hd))
+        body = _epilogue(G, launch, z.linears, z_epi, R, params, batched, preload, paired=bool(hd), loads=loads)
         # _epilogue shares each RoPE source that is not a dot product itself (a biased one) once
         exchanges = len({G.nodes[n]["inputs"][0] for n in z_epi if G.nodes[n]["kind"] is Kind.ROW_LOCAL}
                         - set(z.linears))
         zips.append(ZipTile(z.width, R, hd, str(interleaved).lower(), start, start + tiles, members, body,
-                            "\n".join(preload), groups, exchanges))
+                            "\n".join(preload), groups, exchanges, tuple(loads or ())))
         start += tiles
     return zips, start
 
@@ -226,12 +228,14 @@ def _zip_of(G, node, linears, inside) -> bool:
 
 
 def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False, preload: list[str] | None = None,
-              paired: bool = False) -> str:
+              paired: bool = False, loads: list | None = None) -> str:
     """C statements run by thread `s` < R for its slot `row`: every epilogue op, then the writes.
-    `batched` (the gemm family, tokens > 1): for token `t` of the step, whose dot products
-    tile_out holds as [member][slot][token] (the block's tokens from t0, rows TS floats apart) and whose partner slot s ^ 1 sits in the
-    neighbouring thread. Otherwise the row operands the launch may read before its wait
-    (launch.early, compiler/plan_early_reads.py) are loaded by declarations appended to
+    `batched` (the gemm family, tokens > 1): for token `t` of the step (round `u` of a batch of
+    rounds), whose dot products tile_out holds as [member][slot][token] (the block's tokens from
+    t0, rows TS floats apart) and whose partner slot s ^ 1 sits in the neighbouring thread; the
+    operands earlier kernels wrote are read from arrays that the template fills for the whole
+    batch first (`loads`, _round_load). Otherwise the row operands the launch may read before
+    its wait (launch.early, compiler/plan_early_reads.py) are loaded by declarations appended to
     `preload`, which the template places before the dot products."""
     def tile(i, slot):
         return f"tile_out[({i} * R + {slot}) * TS + t - t0]" if batched else f"slices_sum(tile_out, {i} * R + {slot})"
@@ -254,13 +258,15 @@ def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False, pr
             at = cache_row(G, n, params, token)
             if d["op"] != "paged_kv_write":   # a paged row comes from the page table, after the wait
                 at = _ahead(at, [pos], "int", f"__ldcg({params.ref(pos)})", launch, preload, batched)
+            at = _round_load(at, "int", loads)
             body.append(f"if (active) {params.ref(cache, written=True)}[(size_t){at} * "
                         f"{width} + row] = f32_to_bf16({var[src]});")
             continue
         decls.append(f"float {v} = 0.0f;")
         if kind is Kind.ELEMENTWISE:
             ops = [var[i] if i in inside else _preloaded(G, i, params, launch, preload) if not batched
-                   else row_operand(G, i, params, batched) for i in d["inputs"]]
+                   else row_operand(G, i, params, batched) if not G.nodes[i]["shape"]
+                   else _round_load(row_operand(G, i, params, batched), "float", loads) for i in d["inputs"]]
             body.append(f"if (active) {v} = {cexpr.elementwise(G, n, ops)};")
         elif kind is Kind.ROW_LOCAL:   # RoPE: the only row-local op; its pair is in slot s ^ 1
             src, pos, inv_freq = d["inputs"]
@@ -272,6 +278,7 @@ def _epilogue(G, launch, linears, epilogue, R, params, batched: bool = False, pr
             angle = _ahead(f"(float){params.ref(pos)}[{token}] * {params.ref(inv_freq)}[pair]", [pos, inv_freq],
                            "float", f"(float)__ldcg({params.ref(pos)}) * {params.ref(inv_freq)}[pair]", launch,
                            preload, batched)
+            angle = _round_load(angle, "float", loads)
             body.append(f"if (active) {v} = rope_rotate({var[src]}, {partner[src]}, s & 1, {angle});")
         var[n] = v
     for n in launch.writes + launch.scratch:     # scratch: what the kernel's tail reads back
@@ -306,6 +313,21 @@ def _fp8_write(G, launch, node, value: str, R: int, params, batched: bool, paire
 def runtime_buffer(params, decl: str, key: str) -> str:
     """The C name of runtime buffer `key` among a kernel's arguments, added once."""
     return f"p{params.values.index(key)}" if key in params.values else params.extra(decl, key)
+
+
+def _round_load(expr: str, ctype: str, loads: list | None) -> str:
+    """`expr` (an operand that earlier kernels wrote, for round u's slot and token), or where
+    `loads` collects them (the gemm family's epilogue), the element u of an array that the
+    template fills for every round of a batch before any round's writes: the compiler cannot
+    move a load above a store to another pointer, so rounds loading in turn would each wait a
+    memory round trip."""
+    if loads is None:
+        return expr
+    name = next((n for _, n, e in loads if e == expr), None)
+    if name is None:
+        name = f"h{len(loads)}"
+        loads.append((ctype, name, expr))
+    return f"{name}[u]"
 
 
 def _ahead(expr: str, values: list[str], ctype: str, early_expr: str, launch, preload: list[str] | None,

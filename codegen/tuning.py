@@ -76,6 +76,7 @@ _RANGES = {
     "gemm_warps": (1, 8, "warps per gemm block, 16 rows of the tile each"),
     "gemm_quant_wgmma": (0, 1, "1: quantized prefill gemms on wgmma, dequantized to bf16 (0: float32-accurate mma.sync)"),
     "gemm_blocks": (1, 1 << 16, "blocks a gemm splits its k to reach"),
+    "gemm_epilogue_batch": (1, 16, "epilogue rounds of a gemm block whose operand loads go out together, at most"),
     "gemm_min_chunks": (1, 1 << 10, "chunks of k (wgmma: 64-k slots) a gemm's split slice keeps at least"),
     "wgmma_copy_share": (1, 1000, "percent of a 128x256x64 wgmma slot's product time its copies take (wgmma_plan)"),
     "wgmma_block_overhead": (0, 10000, "a wgmma block's pipeline fill and epilogue, in percent of such a slot"),
@@ -95,7 +96,7 @@ _RANGES = {
     "attn_paged_warps": (1, 32, "warps per block of the paged (batch) attention; its chunk sets the KV page"),
     "sampler_blocks": (1, 1024, "blocks sharing the sampler's pass over the vocabulary"),
 }
-POWERS_OF_TWO = {"gemv_warps", "wgmma_vector_copy"}   # (0 passes as one)
+POWERS_OF_TWO = {"gemv_warps", "wgmma_vector_copy", "gemm_epilogue_batch"}   # (0 passes as one)
 PREFILL_STEP_RANGE = (8, 1024)  # tokens a prefill step may take, a multiple of 8 (the mma's token tile)
 
 
@@ -114,6 +115,7 @@ class Tuning:
     gemm_quant_wgmma: int = 1       # 8B Q4_K_M TTFT 512 113.1 -> 39.5 ms on the H100 (0: mma.sync)
     gemm_blocks: int = 512
     gemm_min_chunks: int = 4
+    gemm_epilogue_batch: int = 8    # 1: a round's loads wait for the round before (not yet measured)
     # wgmma_plan's cost model, fitted to the H200's 8B profile (docs/kernels.md): copies of a
     # 128 x 256 slot take 1.2x its products (L2-bound, ~6 TB/s), a split-K slab 11 slots
     wgmma_copy_share: int = 120

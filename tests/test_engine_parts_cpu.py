@@ -196,11 +196,13 @@ def test_a_prompt_ends_in_a_step_with_logits_where_it_can():
 
 def test_tuning_values_are_checked(monkeypatch):
     """Every tuning value is range-checked where it is made (Tuning(), parse, $FUSELM_TUNE), with
-    a one-line error naming it; prefill step sizes are distinct multiples of 8 up to 256."""
+    a one-line error naming it; prefill step sizes are distinct multiples of 8 up to 1024, and the
+    values that must be powers of two are."""
     from fuselm.codegen import Tuning
     assert Tuning.parse("prefill_tokens=32/64/32").prefill_tokens == (64, 32)
     for bad, message in (("prefill_tokens=48/20", "prefill_tokens=48/20: distinct step sizes"),
-                         ("prefill_tokens=512", "prefill_tokens=512: distinct"),
+                         ("prefill_tokens=2048", "prefill_tokens=2048: distinct"),
+                         ("wgmma_vector_copy=3", "wgmma_vector_copy=3: how wgmma producers copy the vectors"),
                          ("attn_warps=64", "attn_warps=64: warps per attention split block must be an integer from 1 to 32"),
                          ("gemm_blocks=lots", "'gemm_blocks=lots': the value must be an integer"),
                          ("bogus=1", "'bogus=1': expected name=value"), ("gemv_warps", "'gemv_warps': expected")):

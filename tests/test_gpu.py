@@ -283,14 +283,31 @@ def test_vectors_copied_a_slot_at_a_time_leave_the_bits_of_per_thread_copies(cop
     """The wgmma gemms with the step's vectors staged in slot order and copied a slot at a time
     (wgmma_vector_copy 1: one bulk copy a block; 2 and 4: each block's part multicast to a
     cluster of that many row tiles) put the same bf16 values in the slots as the producers'
-    16-byte copies: a 280-token prompt leaves the same cache bits and last-token logits as with
-    wgmma_vector_copy=0, the staged vectors, slabs and arenas poisoned with NaN first. Rows of
-    200 weights end in a part slot (its zeros staged); "every-tile" splits every gemm's K."""
+    16-byte copies (0): the same cache and logit bits (assert_prefill_bits_equal). Rows of 200
+    weights end in a part slot (its zeros staged)."""
+    kernels = assert_prefill_bits_equal(shape, dict(wgmma_vector_copy=0), dict(wgmma_vector_copy=copy))
+    clustered = any(f"__cluster_dims__({copy}, 1, 1)" in k.source for k in kernels)
+    assert clustered == (copy > 1) or shape == "part-slot" and copy == 4    # its 2 to 10 row tiles: none in 4s
+
+
+@pytest.mark.parametrize("shape", ["whole-slots", "part-slot", "every-tile"])
+def test_the_gemm_epilogue_in_batches_of_rounds_leaves_the_bits_of_one_round_at_a_time(shape):
+    """The gemm epilogue loading its operands for 8 rounds before any round writes (its default,
+    gemm_epilogue_batch) leaves the cache and logit bits of rounds that load in turn (1)."""
+    assert_prefill_bits_equal(shape, dict(gemm_epilogue_batch=1), {})
+
+
+def assert_prefill_bits_equal(shape: str, a: dict, b: dict) -> list:
+    """A 280-token prompt through the batched prefill (steps of 256 and 32) of a tiny Llama of
+    `shape` under tunings `a` and `b`, the staged vectors, slabs and arena poisoned with NaN
+    first, leaves the same cache bits and last-token logits; returns b's gemm kernels.
+    "whole-slots": 4 to 16 row tiles a gemm; "part-slot": rows of 200 weights; "every-tile":
+    every gemm splits its K."""
     import cupy as cp
 
     from fuselm.codegen import Tuning
     rng = np.random.default_rng()
-    hf = {**TINY, "hidden_size": 512, "intermediate_size": 1024}        # 4 to 16 row tiles a gemm
+    hf = {**TINY, "hidden_size": 512, "intermediate_size": 1024}
     if shape == "part-slot":
         hf = {**TINY, "hidden_size": 200, "num_attention_heads": 5, "num_key_value_heads": 1}
     split = dict(gemm_blocks=1 << 16, gemm_min_chunks=1, wgmma_min_columns=256, wgmma_slab_cost=0) \
@@ -299,10 +316,8 @@ def test_vectors_copied_a_slot_at_a_time_leave_the_bits_of_per_thread_copies(cop
     graph = build_graph(cfg)
     weights = random_weights(graph, rng)
     prompt = rng.integers(0, cfg.vocab_size, 280).tolist()
-    engines = [engine_for(graph, weights, ctx=512, tuning=Tuning(prefill_tokens=(256, 32), wgmma_vector_copy=c,
-                                                                  **split)) for c in (0, copy)]
+    engines = [engine_for(graph, weights, ctx=512, tuning=Tuning(prefill_tokens=(256, 32), **split, **t)) for t in (a, b)]
     kernels = [k for step in engines[1].batched_prefill.steps.values() for k in step.kernels if k.family == "gemm"]
-    assert copy == 1 or any(f"__cluster_dims__({copy}, 1, 1)" in k.source for k in kernels)
     assert shape != "every-tile" or any(l.grid[1] > 1 for k in kernels for l in k.launches)
     out = []
     for eng in engines:
@@ -313,9 +328,10 @@ def test_vectors_copied_a_slot_at_a_time_leave_the_bits_of_per_thread_copies(cop
         eng.prefill(prompt, SamplingParams())
         out.append((cache_bits(eng, len(prompt)), eng.logits()))
     (bits0, logits0), (bits1, logits1) = out
-    assert all(bf16_finite(b) for b in bits0.values()) and np.isfinite(logits0).all()
+    assert all(bf16_finite(x) for x in bits0.values()) and np.isfinite(logits0).all()
     assert all(np.array_equal(bits0[n], bits1[n]) for n in bits0), "the caches differ"
     assert np.array_equal(logits0.view(np.uint32), logits1.view(np.uint32)), "the last token's logits differ"
+    return kernels
 
 
 def test_batched_prefill_of_a_long_prompt_at_real_shapes():

@@ -416,9 +416,9 @@ def test_prefill_shows_the_batched_prefill_graph(capsys, tmp_path):
     assert any(f.name.startswith("gemm_") for f in tmp_path.iterdir())
     rc, out, _ = run_main(capsys, "inspect", "--prefill", "--prefill-tokens", "16", "smollm2-135m", "--json")
     assert rc == 0 and json.loads(out)["tokens"] == 16
-    for bad in ("12", "264", "0"):
+    for bad in ("12", "1032", "0"):
         assert_one_line_error(*run_main(capsys, "inspect", "smollm2-135m", "--prefill", "--prefill-tokens", bad),
-                              f"--prefill-tokens takes a step of 8 to 256 tokens, a multiple of 8; got {bad}")
+                              f"--prefill-tokens takes a step of 8 to 1024 tokens, a multiple of 8; got {bad}")
     assert_one_line_error(*run_main(capsys, "inspect", "smollm2-135m", "--prefill-tokens", "32"),
                           "--prefill-tokens needs --prefill")
 

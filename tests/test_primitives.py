@@ -8,7 +8,8 @@ from pathlib import Path
 from fuselm.codegen import headers
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "codegen" / "templates"
-PRIMITIVES = {"arch.cuh", "bf16.cuh", "idp.cuh", "mma.cuh", "cp_async.cuh", "pdl.cuh", "sreg.cuh", "wgmma.cuh", "barrier.cuh"}
+PRIMITIVES = {"arch.cuh", "bf16.cuh", "idp.cuh", "mma.cuh", "cp_async.cuh", "bulk_copy.cuh", "pdl.cuh", "sreg.cuh",
+              "wgmma.cuh", "barrier.cuh"}
 ASM = re.compile(r"\basm\s*(volatile\s*)?\(")
 INCLUDE = re.compile(r'^#include\s+"([^"]+)"', re.M)
 

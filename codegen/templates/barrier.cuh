@@ -77,21 +77,30 @@ __device__ __forceinline__ void cluster_sync() {
 #endif
 }
 
-// Whether the phase of parity `parity` of `bar` has completed (waits a while in hardware first).
+// Whether the phase of parity `parity` of `bar` has completed (waits a while in hardware first);
+// CLUSTER: acquiring what threads of other blocks of the cluster released when they arrived.
+template <bool CLUSTER = false>
 __device__ __forceinline__ bool mbar_try_wait(unsigned long long* bar, unsigned parity) {
 #if FUSELM_SM90
     unsigned done;
-    asm volatile("{\n.reg .pred p;\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                 "selp.u32 %0, 1, 0, p;\n}"
-                 : "=r"(done) : "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
+    if constexpr (CLUSTER)
+        asm volatile("{\n.reg .pred p;\n"
+                     "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done) : "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
+    else
+        asm volatile("{\n.reg .pred p;\n"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done) : "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
     return done;
 #else
     return true;
 #endif
 }
 
-// Waits until the phase of parity `parity` of `bar` has completed.
+// Waits until the phase of parity `parity` of `bar` has completed (CLUSTER: as mbar_try_wait).
+template <bool CLUSTER = false>
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
-    while (!mbar_try_wait(bar, parity)) {}
+    while (!mbar_try_wait<CLUSTER>(bar, parity)) {}
 }

@@ -437,6 +437,7 @@ __device__ __forceinline__ bool splitk_gather(float* tile_out, float* ss, float*
     __syncthreads();
     if (!last) return false;
     __threadfence();
+#pragma unroll 4   // each pass's S loads do not wait for the pass before (its writes are shared memory)
     for (int i = 4 * threadIdx.x; i < FLOATS; i += 4 * THREADS) {
         float4 sum = __ldcg(reinterpret_cast<const float4*>(slabs + i));   // L2: the others' writes
 #pragma unroll

@@ -45,7 +45,8 @@ struct StagedBf16 {
     static __device__ __forceinline__ size_t chunk(int t, int g) {
         return SLOTTED ? ((size_t)(g / 8) * TT + t) * 128 + ((g % 8 ^ t % 8) << 4) : ((size_t)t * K + 8 * g) * 2;
     }
-    // SLOTTED: the byte offset of slot s's row of token t0 (a multiple of 8), where its tokens' rows begin.
+    // SLOTTED: the byte offset of slot s's row of token t0, where its tokens' rows begin: the swizzle
+    // of a row counts from there where t0 is a multiple of 8 (a block's first token: TN % 16 == 0).
     static __device__ __forceinline__ size_t slot_rows(int s, int t0) { return ((size_t)s * TT + t0) * 128; }
 };
 
@@ -259,7 +260,7 @@ __device__ __forceinline__ void wgmma_tile(const Weights& W, int tile, int k0, i
             cp_async_arrive_on(&full[s]);
         }
         for (int kt = FIRST; kt < KT; kt++) {
-            mbar_wait(&empty[kt % STAGES], (kt / STAGES - 1) & 1);   // its last filling consumed (in every block)
+            mbar_wait<(CLUSTER > 1)>(&empty[kt % STAGES], (kt / STAGES - 1) & 1);   // its last filling consumed, in every block
             copy_rows(kt);
             copy_vectors(kt);
             cp_async_arrive_on(&full[kt % STAGES]);
