@@ -237,7 +237,7 @@ def _build_batch(graph, ctx, target, tuning, formats, sizes, kv) -> list[BatchSt
         logits = G.graph["outputs"].get("logits")
         if not logits:
             raise FuselmError(f"graph '{graph.name}' has no logits: batch steps are for language models")
-        try:   # a size whose tiles do not fit is left out (MoE routing above 128 tokens)
+        try:   # a size whose tiles do not fit is left out
             kernels = generate(G, ctx=ctx, target=target, tuning=tuning, tokens=tokens)
         except FuselmError as e:
             why = why or str(e)

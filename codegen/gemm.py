@@ -62,13 +62,28 @@ def chunk(K: int) -> int:
     return next(kc for kc in (128, 64, 32) if K % kc == 0)
 
 
-def smem_bytes(K: int, members: int, tokens: int, tuning: Tuning, grouped: bool = False) -> int:
-    """Bytes of shared memory: the staged chunk (hi and lo words, StagedChunk, and `grouped`, a
-    sum per group of 32 and token) and the dot products of the tile share memory; then the
+def smem_bytes(K: int, members: int, tokens: int, tuning: Tuning, grouped: bool = False,
+               columns: int | None = None) -> int:
+    """Bytes of shared memory of a mma.sync block taking `columns` of the step's `tokens` (all of
+    them by default): the staged chunk (hi and lo words, StagedChunk, and `grouped`, a sum per
+    group of 32 and token) and the dot products of the tile share memory; then the step's
     per-token sums of squares."""
+    columns = columns or tokens
     entries = chunk(K) // 8
-    staged = 2 * tokens * (entries + (12 - entries % 8) % 8) * 16 + (4 * tokens * chunk(K) // 32 if grouped else 4)
-    return max(staged, members * slots(tuning) * tokens * 4) + 4 * tokens
+    staged = 2 * columns * (entries + (12 - entries % 8) % 8) * 16 + (4 * columns * chunk(K) // 32 if grouped else 4)
+    return max(staged, members * slots(tuning) * columns * 4) + 4 * tokens
+
+
+def mma_columns(K: int, members: int, tokens: int, tuning: Tuning, grouped: bool = False) -> int | None:
+    """The tokens a mma.sync block takes of a step of `tokens`: all of them where its tile and
+    staged chunk fit the static shared memory, else the widest half, quarter, ... (at least 8)
+    that fits; None where none does."""
+    columns = tokens
+    while smem_bytes(K, members, tokens, tuning, grouped, columns) > SMEM_STATIC:
+        if columns % 16:
+            return None
+        columns //= 2
+    return columns
 
 
 def splits(K: int, tiles: int, tuning: Tuning) -> int:
@@ -206,9 +221,10 @@ def unsupported(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, tuning: Tun
             return (f"the GEMVs of {', '.join(weights)} meet in one epilogue in formats "
                     f"{'/'.join(weight_format(G, w).name for w in weights)}: a tile reads one format")
     members = max(len(z.linears) for z in sets)
-    if (need := smem_bytes(K, members, tokens, tuning, grouped(G, launch))) > SMEM_STATIC:
+    if mma_columns(K, members, tokens, tuning, grouped(G, launch)) is None:
+        need = smem_bytes(K, members, tokens, tuning, grouped(G, launch), 8)
         return (f"{members} GEMVs meeting in one epilogue at {tokens} tokens per step need "
-                f"{need} bytes of shared memory; at most {SMEM_STATIC}")
+                f"{need} bytes of shared memory even 8 tokens a block; at most {SMEM_STATIC}")
     return None
 
 
@@ -230,12 +246,16 @@ def generate(spec: KernelSpec) -> KernelSource:
     max_tile = max(z.R * len(z.members) for z in zips)
     group_order = grouped(G, launch)
     widest = WGMMA_QUANT_MAX_TOKENS if group_order else WGMMA_MAX_TOKENS
-    columns, split = wgmma_plan(K, grid, tokens, target, tuning, widest) if wgmma else (tokens, splits(K, grid, tuning))
+    if wgmma:
+        columns, split = wgmma_plan(K, grid, tokens, target, tuning, widest)
+    else:
+        columns = mma_columns(K, max(len(z.members) for z in zips), tokens, tuning, group_order)
+        split = splits(K, grid * (tokens // columns), tuning)
     copy = vector_copy(grid, tuning) if wgmma else 0
     slabs = counts = None
     if split > 1:
         slabs, counts = params.extra("float*", "gemm_slabs"), params.extra("unsigned*", "gemm_counts")
-    stride = columns + 1 if wgmma else tokens            # floats between a tile's rows (gemm.cu.j2: TS)
+    stride = columns + 1 if wgmma else columns           # floats between a tile's rows (gemm.cu.j2: TS)
     tile_floats = split * (max_tile * stride + tokens)    # a tile's slabs: dot products and sums of squares
     staged_x = params.extra("float*", "gemm_x")
     if wgmma:   # the slots, which the tile of dot products takes over; the 1024-byte alignment
@@ -254,8 +274,9 @@ def generate(spec: KernelSpec) -> KernelSource:
                           wgmma=wgmma, stages=stages, columns=columns, copy=copy,
                           batches=[epilogue_batch(z.R * columns // (WGMMA_CONSUMERS if wgmma else threads), tuning)
                                    for z in zips])
+    tiles = grid * (tokens // columns)                   # (row tile, column tile) pairs: split-K's slabs
     launches = [Launch(f"{name}_stage", (tokens, 1), STAGE_THREADS, params.values),
                 Launch(name, (grid, tokens // columns * split), threads, params.values, smem=smem)]
     return KernelSource(name, "gemm", source, launch.nodes, launches, launch.layer,
-                        slab_floats=grid * tile_floats if split > 1 else 0, tile_counts=grid if split > 1 else 0,
+                        slab_floats=tiles * tile_floats if split > 1 else 0, tile_counts=tiles if split > 1 else 0,
                         staged_floats=staged)

@@ -1,6 +1,7 @@
 """The moe family: routed expert FFN in two launches (gate/up of the chosen experts, then down);
-for steps of several tokens, GEMMs per expert over the step's tokens (templates/moe_gemm.cuh) and
-a third launch that sums each token's weighted expert outputs in a fixed order.
+for steps of several tokens, a launch that routes the step's tokens, GEMMs per expert over the
+tokens that chose it (templates/moe_gemm.cuh) and a launch that sums each token's weighted expert
+outputs in a fixed order.
 A norm prologue (compiler/fuse_prologue.py) is applied by the gate/up kernel to the vector it
 reads, as the gemv family's is; an elementwise epilogue (the residual add) runs where each output
 row is finished: in _down for one token, in _sum for a step.
@@ -25,9 +26,10 @@ from .tuning import SMEM_STATIC, Tuning
 THREADS = 256    # one row per warp
 MAX_EXPERTS = 512   # decode routing keeps E / 32 logits a lane in registers (templates/moe.cuh)
 UNROLL = 4
-# Steps of quantized experts: at 64 tokens ptxas spills 332 bytes in the Q4_K gate/up kernel;
-# Mixtral's bf16 prefill measured the same with steps of 32 only (docs/performance.md).
-QUANT_MAX_TOKENS = 32
+# Tokens an expert's prefill GEMMs take at a time (more pass again over the tile's weights): at
+# 64, ptxas spills 332 bytes in the Q4_K gate/up kernel.
+PASS_TOKENS = 64
+QUANT_PASS_TOKENS = 32
 
 
 def _shapes(G: nx.DiGraph, launch: ScheduledKernel) -> tuple[str, int, int, int]:
@@ -37,24 +39,26 @@ def _shapes(G: nx.DiGraph, launch: ScheduledKernel) -> tuple[str, int, int, int]
     return n, E, I, D
 
 
+def pass_tokens(tokens: int, quantized: bool) -> int:
+    """How many of a step's tokens an expert's prefill GEMMs take at a time (their tile's columns):
+    the step's, up to PASS_TOKENS (QUANT_PASS_TOKENS for quantized experts)."""
+    return min(tokens, QUANT_PASS_TOKENS if quantized else PASS_TOKENS)
+
+
 def unsupported(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, tuning: Tuning, target=None) -> str | None:
     """Why this moe kernel has no form for steps of `tokens` tokens, or None: its GEMMs' rows must
     be whole 32-weight spans, and their staged chunks and tiles fit the static shared memory (on
     any `target`: the moe tiles are mma.sync's)."""
-    _, _, I, D = _shapes(G, launch)
-    if tokens > tuning.gemm_warps * 32:
-        return f"{tokens} tokens per step need a thread each to route them; its blocks have {tuning.gemm_warps * 32}"
-    n, *_ = _shapes(G, launch)
+    n, _, I, D = _shapes(G, launch)
     up_format, down_format = (f is not None for f in _formats(G, n))
-    if (up_format or down_format) and tokens > QUANT_MAX_TOKENS:
-        return (f"quantized experts take steps of at most {QUANT_MAX_TOKENS} tokens (at {tokens} their "
-                f"gate/up tiles spill registers)")
+    width = pass_tokens(tokens, up_format or down_format)
     for what, K, members, grouped in (("gate/up", D, 2, up_format), ("down", I, 1, down_format)):
         if K % 32:
             return f"its {what} rows of {K} weights are not a multiple of 32"
-        need = gemm.smem_bytes(K, members, tokens, tuning, grouped) + 8 * tokens   # + the routing weights, slots
+        need = gemm.smem_bytes(K, members, width, tuning, grouped) + 8 * tokens   # + the entries, tokens
         if need > SMEM_STATIC:
-            return f"its {what} GEMMs at {tokens} tokens per step need {need} bytes of shared memory; at most {SMEM_STATIC}"
+            return (f"its {what} GEMMs at {tokens} tokens per step ({width} at a time) need {need} bytes of "
+                    f"shared memory; at most {SMEM_STATIC}")
     return None
 
 
@@ -104,7 +108,7 @@ def _epilogue(G: nx.DiGraph, launch: ScheduledKernel, params: Params) -> str:
 
 
 def generate(spec: KernelSpec) -> KernelSource:
-    """The moe kernels (_up, _down; _sum for steps of several tokens) for steps of spec.tokens
+    """The moe kernels (_up, _down; _route and _sum for steps of several tokens) for steps of spec.tokens
     tokens; their activations go through the runtime's "workspace" (`workspace_floats`)."""
     G, launch, tokens, tuning = spec.G, spec.launch, spec.tokens, spec.tuning
     params = Params(G)
@@ -135,16 +139,19 @@ def generate(spec: KernelSpec) -> KernelSource:
                 "up_staged": integer[0] and staged_bytes(D) + 1024 <= SMEM_STATIC,
                 "down_staged": integer[1] and top_k * staged_bytes(I) + 1024 <= SMEM_STATIC}
         workspace = top_k * I
-    else:   # [E][tokens][I] activations, then [tokens][top_k][D] weighted outputs; every expert's
-        # tiles (those no token chose return at once)
-        ctx |= {"threads": tuning.gemm_warps * 32, "kc_up": gemm.chunk(D), "kc_down": gemm.chunk(I),
+    else:   # the routes' experts and weights [tokens top_k], then act [tokens top_k][I] and the
+        # weighted products [tokens top_k][D]; every expert's tiles (those no token chose return at once)
+        threads = tuning.gemm_warps * 32
+        ctx |= {"threads": threads, "kc_up": gemm.chunk(D), "kc_down": gemm.chunk(I),
+                "pass_tokens": pass_tokens(tokens, bool(up_format or down_format)),
+                "grid_route": -(-tokens // (threads // 32)),
                 "grid_up": E * -(-I // gemm.slots(tuning)), "grid_down": E * -(-D // gemm.slots(tuning)),
-                "grid_sum": -(-tokens * D // (tuning.gemm_warps * 32))}
-        workspace = E * tokens * I + tokens * top_k * D
+                "grid_sum": -(-tokens * D // threads)}
+        workspace = tokens * top_k * (2 + I + D)
     formats = "" if not (up_format or down_format) else f"_{(up_format or 'bf16').lower()}+{(down_format or 'bf16').lower()}"
     weights = "" if norm == "true" else "_probs"   # top-k probabilities not renormalised
     shape = ("norm_" if prologue else "") + f"e{E}_top{top_k}{weights}_d{D}_i{I}{formats}"
     name, source = render("moe.cu.j2", "moe", shape, params=params.decls, **ctx)
     launches = [Launch(f"{name}_{part}", (ctx[f"grid_{part}"], 1), ctx["threads"], params.values)
-                for part in ("up", "down", "sum") if f"grid_{part}" in ctx]
+                for part in ("route", "up", "down", "sum") if f"grid_{part}" in ctx]
     return KernelSource(name, "moe", source, launch.nodes, launches, launch.layer, workspace_floats=workspace)

@@ -234,34 +234,60 @@ def test_prefill_steps_say_why_a_model_has_none():
     assert isinstance(why, str) and "down rows of 48 weights are not a multiple of 32" in why, why
 
 
-def test_moe_prefill_refuses_more_tokens_than_threads_to_route_them():
-    """The moe prefill routes token t on thread t: steps longer than a block are refused by name."""
+def test_moe_prefill_takes_steps_longer_than_its_blocks_and_refuses_tiles_too_large():
+    """The moe prefill routes a step's tokens in a launch of its own (a warp a token), so a step
+    may hold more tokens than a block has threads; its experts take at most PASS_TOKENS of them
+    at a time, and a tile of those that does not fit shared memory is refused by name."""
     from fuselm.codegen import Tuning, moe
     from fuselm.codegen.emit import prefill_unsupported
     graph = build_graph(DecoderConfig.from_hf(dict(architectures=["MixtralForCausalLM"], vocab_size=64,
                                                    hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                                                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)))
-    G = compile_graph(graph, tokens=64, state_only=True)
-    assert prefill_unsupported(G, 64) is None                        # 4 warps: 128 threads
-    one_warp = Tuning(gemm_warps=1)
-    why = prefill_unsupported(G, 64, one_warp)
-    assert why and "moe" in why and "64 tokens per step need a thread each" in why and "have 32" in why
-    assert moe.unsupported(G, next(l for l in G.graph["schedule"] if l.family == "moe"), 32, one_warp) is None
+    G = compile_graph(graph, tokens=256, state_only=True)
+    launch = next(l for l in G.graph["schedule"] if l.family == "moe")
+    assert prefill_unsupported(G, 256) is None
+    assert moe.unsupported(G, launch, 256, Tuning(gemm_warps=1)) is None     # 32 threads, 256 tokens
+    assert (moe.pass_tokens(256, False), moe.pass_tokens(32, False), moe.pass_tokens(256, True)) == (64, 32, 32)
+    why = moe.unsupported(G, launch, 256, Tuning(gemm_warps=8))                # 128-row tiles of 64 tokens
+    assert why and "gate/up GEMMs at 256 tokens per step (64 at a time)" in why and "shared memory" in why, why
+
+
+def test_moe_prefill_routes_once_and_sizes_its_workspace_by_entries():
+    """A moe prefill kernel is four launches: _route (a warp a token), then _up and _down (a block
+    per expert and row tile) and _sum; its workspace holds each of the step's T K entries' route,
+    weight, act row [I] and weighted product [D], not every expert's rows for every token."""
+    from fuselm.codegen import Target, Tuning, moe
+    from fuselm.codegen.kernel import KernelSpec
+    graph = build_graph(DecoderConfig.from_hf(dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=64,
+                                                   hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                   num_experts=16, num_experts_per_tok=4)))
+    tokens, E, K, I, D = 256, 16, 4, 32, 64
+    G = compile_graph(graph, tokens=tokens, state_only=True)
+    launch = next(l for l in G.graph["schedule"] if l.family == "moe")
+    tuning = Tuning()
+    k = moe.generate(KernelSpec(G, launch, 64, tokens, Target(), tuning))
+    assert [l.function.rsplit("_", 1)[1] for l in k.launches] == ["route", "up", "down", "sum"]
+    assert k.launches[0].grid == (tokens // tuning.gemm_warps, 1)          # a warp a token
+    assert k.launches[1].grid[0] == E * -(-I // (16 * tuning.gemm_warps))
+    assert k.workspace_floats == tokens * K * (2 + I + D)
+    assert "route_step<16, 4," in k.source and "moe_up_tokens<16, 4, 32, 64, 256, 64," in k.source
 
 
 def test_prefill_steps_leave_out_the_step_sizes_a_model_cannot_take():
     """prefill_steps keeps each step size the model's kernels can take and drops the others (here:
-    a one-warp gemm block routes only 32 tokens of a moe step); with none left, the reason."""
+    8-warp gemm blocks, whose expert tiles of 64 tokens do not fit shared memory); with none left,
+    the reason."""
     from fuselm.codegen import Target, Tuning
     from fuselm.codegen.build import prefill_steps
     graph = build_graph(DecoderConfig.from_hf(dict(architectures=["MixtralForCausalLM"], vocab_size=64,
                                                    hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                                                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)))
-    assert [s.tokens for s in prefill_steps(graph, 128, Target(), Tuning())] == [64, 32]
-    one_warp = Tuning(gemm_warps=1)
-    assert [s.tokens for s in prefill_steps(graph, 128, Target(), one_warp)] == [32]
-    why = prefill_steps(graph, 128, Target(), Tuning(gemm_warps=1, prefill_tokens=(64,)))
-    assert isinstance(why, str) and "64 tokens per step need a thread each" in why, why
+    assert [s.tokens for s in prefill_steps(graph, 128, Target(), Tuning())] == [256, 64, 32]
+    eight_warps = Tuning(gemm_warps=8)
+    assert [s.tokens for s in prefill_steps(graph, 128, Target(), eight_warps)] == [32]
+    why = prefill_steps(graph, 128, Target(), Tuning(gemm_warps=8, prefill_tokens=(64,)))
+    assert isinstance(why, str) and "gate/up GEMMs at 64 tokens per step" in why, why
 
 
 def test_gemm_split_k_takes_the_fewest_slices_that_fill_the_gpu():

@@ -167,7 +167,7 @@ def table(rows: list[Row]) -> str:
 def _main_launch(k, launches) -> int:
     """The index of the launch that reads a kernel's weights: the one named after the kernel (a
     gemm after its vectors' stage), else the first (attention's split, a MoE's up)."""
-    return next((j for j, l in enumerate(launches) if l.function == k.name), 0)
+    return next((j for j, l in enumerate(launches) if l.function in (k.name, f"{k.name}_up")), 0)
 
 
 def _launch_label(function: str, kernel_name: str) -> str:

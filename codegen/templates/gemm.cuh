@@ -72,8 +72,9 @@ __device__ __forceinline__ float group_sum(const float (&v)[8], bool on) {
     return sum + __shfl_xor_sync(0xffffffffu, sum, 2);
 }
 
-// gemm_tile's chunks of the tokens' vectors, converted by the block itself from x [TT, K] (the
-// MoE kernels, whose vectors differ per expert): each of the tile's blocks converts them again.
+// gemm_tile's chunks of the tokens' vectors, converted by the block itself from rows of x [*, K]
+// (the MoE kernels, whose vectors differ per expert): each of the tile's blocks converts them
+// again. Vector t is row row_of[t] of x (row t where row_of is null) for t < count, zeros after.
 // GROUPED: in the quantized tiles' order, with the group sums (StagedChunk).
 template <int K, int TT, int KC, bool IS_NORMED, int THREADS, bool GROUPED = false>
 struct VectorsFromX {
@@ -84,6 +85,8 @@ struct VectorsFromX {
     const float* x;
     const weight_t* gain;
     float gain_offset;
+    const int* row_of = nullptr;
+    int count = TT;
     float sumsq[GROUPS] = {};
 
     __device__ __forceinline__ void stage(int kc, StagedChunk<TT, KC, GROUPED>& xs) {
@@ -91,10 +94,10 @@ struct VectorsFromX {
         for (int i = 0; i < GROUPS; i++) {   // every lane runs every round: group_sum's shuffles
             const int g = threadIdx.x + i * THREADS, t = g / ENTRIES, e = g % ENTRIES;
             const bool on = g < TT * ENTRIES;
-            float v[8];
+            float v[8] = {};
             if (on) {
                 uint4 h, l;
-                load_f32x8(x + (size_t)t * K, kc + 8 * e, v);
+                if (t < count) load_f32x8(x + (size_t)(row_of ? row_of[t] : t) * K, kc + 8 * e, v);
                 split_entry<NORMED>(v, gain, gain_offset, kc + 8 * e, sumsq[i], h, l);
                 store_entry<GROUPED>(xs.hi[t], e, h);
                 store_entry<GROUPED>(xs.lo[t], e, l);
@@ -136,30 +139,35 @@ struct StagedLayout {
 
 // The same chunks made once per kernel by stage_vectors (its own launch before the gemm's), which
 // every block copies as they are, all at once (cp.async: no registers, one round trip), instead
-// of each of a kernel's hundreds of blocks loading and converting them again.
-template <int K, int TT, int KC, bool IS_NORMED, int THREADS, bool GROUPED = false>
+// of each of a kernel's hundreds of blocks loading and converting them again. A block takes TN of
+// the step's TT tokens, t0 .. t0 + TN (column tiles: a tile of every token does not fit).
+template <int K, int TT, int KC, bool IS_NORMED, int THREADS, bool GROUPED = false, int TN = TT>
 struct StagedVectors {
     using Layout = StagedLayout<K, TT, KC>;
     static constexpr bool NORMED = IS_NORMED;
     static constexpr int ENTRIES = Layout::ENTRIES, CHUNK = Layout::CHUNK, SPANS = Layout::SPANS;
+    static constexpr int COPIES = 2 * TN * ENTRIES;   // the block's hi and lo entries of a chunk
     const float* words;
+    int t0 = 0;
 
-    __device__ __forceinline__ void stage(int kc, StagedChunk<TT, KC, GROUPED>& xs) const {
+    __device__ __forceinline__ void stage(int kc, StagedChunk<TN, KC, GROUPED>& xs) const {
         const uint4* chunk = reinterpret_cast<const uint4*>(words) + (size_t)(kc / KC) * CHUNK;
 #pragma unroll 1   // unrolled, the copies' addresses take registers that the weights need
-        for (int j = 0; j < (CHUNK + THREADS - 1) / THREADS; j++) {
-            const int i = j * THREADS + threadIdx.x, t = (i / ENTRIES) % TT, e = i % ENTRIES;
-            uint4* to = i < TT * ENTRIES ? &xs.hi[t][e] : &xs.lo[t][e];
-            if (CHUNK % THREADS == 0 || i < CHUNK) cp_async_16_cg(to, chunk + i);   // .cg: the stage kernel's writes
+        for (int j = 0; j < (COPIES + THREADS - 1) / THREADS; j++) {
+            const int i = j * THREADS + threadIdx.x, lo = i >= TN * ENTRIES, t = (i / ENTRIES) % TN, e = i % ENTRIES;
+            uint4* to = lo ? &xs.lo[t][e] : &xs.hi[t][e];
+            if (COPIES % THREADS == 0 || i < COPIES)     // .cg: the stage kernel's writes
+                cp_async_16_cg(to, chunk + (lo * TT + t0 + t) * ENTRIES + e);
         }
-        if constexpr (GROUPED) {
-            const uint4* sums = reinterpret_cast<const uint4*>(Layout::group_sums(words, kc / KC));
-            for (int i = threadIdx.x; i < TT * SPANS / 4; i += THREADS)
+        if constexpr (GROUPED) {   // the block's tokens' group sums: TN SPANS floats from token t0's
+            static_assert(TN * SPANS % 4 == 0, "group sums copied 16 bytes at a time");
+            const uint4* sums = reinterpret_cast<const uint4*>(Layout::group_sums(words, kc / KC) + t0 * SPANS);
+            for (int i = threadIdx.x; i < TN * SPANS / 4; i += THREADS)
                 cp_async_16_cg(reinterpret_cast<uint4*>(&xs.sum[0][0]) + i, sums + i);
         }
         cp_async_wait_all();
     }
-    __device__ __forceinline__ void sums(float* ss) const {   // over all of K: split-K adds none
+    __device__ __forceinline__ void sums(float* ss) const {   // every token's, over all of K: split-K adds none
         for (int t = threadIdx.x; t < TT; t += THREADS) ss[t] = Layout::sums(words)[t];
     }
 };
@@ -262,15 +270,17 @@ struct Bf16Tile {
                 q.b[m][s] = load8(b[m] + kc + 32 * s);
             }
     }
-    // acc[m][nt] += the chunk's products with tokens 8 nt .. 8 nt + 7 (hi and lo words from xs)
+    // acc[m][nt] += the chunk's products with tokens 8 nt .. 8 nt + 7 (hi and lo words from xs),
+    // for the first `nts` token tiles (the others hold no token)
     template <int SPANS, int NT, int TT, int KC>
     __device__ __forceinline__ void products(const Chunk<SPANS>& q, const StagedChunk<TT, KC, GROUPED>& xs,
-                                             float (&acc)[M][NT][4]) const {
+                                             float (&acc)[M][NT][4], int nts) const {
         const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
 #pragma unroll
         for (int s = 0; s < SPANS; s++)
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
+                if (nt >= nts) break;
                 const uint4 h = xs.hi[nt * 8 + r][4 * s + c], l = xs.lo[nt * 8 + r][4 * s + c];
 #pragma unroll
                 for (int m = 0; m < M; m++) {
@@ -319,7 +329,7 @@ struct QuantTile {
     }
     template <int SPANS, int NT, int TT, int KC>
     __device__ __forceinline__ void products(const Chunk<SPANS>& q, const StagedChunk<TT, KC, true>& xs,
-                                             float (&acc)[M][NT][4]) const {
+                                             float (&acc)[M][NT][4], int nts) const {
         const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
 #pragma unroll
         for (int s = 0; s < SPANS; s++) {
@@ -332,6 +342,7 @@ struct QuantTile {
             }
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
+                if (nt >= nts) break;
                 const uint4 h = xs.hi[nt * 8 + r][4 * s + c], l = xs.lo[nt * 8 + r][4 * s + c];
                 float x0 = 0.0f, x1 = 0.0f;   // the group's sums of x, tokens 8 nt + 2c + {0, 1}
                 if constexpr (F::XSUM) {
@@ -382,13 +393,14 @@ __device__ __forceinline__ void write_tile(const float (&acc)[M][NT][4], float* 
 // tile_out[(m R + s) TT + t] = dot product of slot s of member m with token t, and, where NORMED,
 // ss[t] = the sum of x[t]^2 that `vectors` gives (over the block's k, or over all of K where
 // staged). KS < K: one slice of a split-K tile (splitk_gather adds the slices). xs and tile_out
-// may share memory: xs is not read once tile_out is written.
+// may share memory: xs is not read once tile_out is written. `tokens`: how many of the TT vectors
+// hold a token (the MoE kernels' passes; the rest are zeros): token tiles past them are skipped.
 // EARLY: the block waits for the previous kernel (grid_wait_then_release) only once its first
 // chunk's weights are in flight: they are no kernel's output, and the chunk's round trip then
 // overlaps the previous kernel's tail.
 template <int K, int KS, int TT, int KC, int THREADS, bool EARLY, class Tile, class Vectors, class Staged>
 __device__ __forceinline__ void gemm_tile(const Tile& rows, int k0, Vectors& vectors, Staged& xs, float* tile_out,
-                                          float* ss) {
+                                          float* ss, int tokens = TT) {
     constexpr int M = Tile::M, R = Tile::R, SPANS = KC / 32, NT = TT / 8;
     static_assert(K % KS == 0 && KS % KC == 0 && KC % 32 == 0 && TT % 8 == 0 && R == 16 * (THREADS / 32),
                   "gemm tile shape");
@@ -402,7 +414,7 @@ __device__ __forceinline__ void gemm_tile(const Tile& rows, int k0, Vectors& vec
         __syncthreads();                    // the previous chunk's products are done with xs
         vectors.stage(kc, xs);
         __syncthreads();
-        rows.products(q, xs, acc);
+        rows.products(q, xs, acc, (tokens + 7) / 8);
     }
     __syncthreads();                        // xs is read no more: tile_out may take its place
     write_tile<M, NT, R, TT>(acc, tile_out);

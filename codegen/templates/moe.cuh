@@ -3,8 +3,8 @@
 // routing needs no extra launch and no host round trip, and only the chosen experts' weights are
 // streamed. For a step of TT tokens (batched prefill), nearly every expert has some token (8
 // experts, top 2, 32 tokens: all but (3/4)^32; 128 experts, top 8: 7 in 8), so each expert's
-// weights are streamed once for all the step's tokens, and each token's output takes only its
-// chosen experts' products, weighted by the router.
+// weights are streamed once for all the step's tokens; one launch routes the step's tokens, and
+// each expert multiplies only the tokens that chose it (on average TT K / E of the TT).
 #pragma once
 #include "gemv.cuh"
 
@@ -77,50 +77,50 @@ __device__ __forceinline__ void moe_route(const float* logits, int (&expert)[K],
     for (int k = 0; k < K; k++) { expert[k] = s_expert[k]; weight[k] = s_weight[k]; }
 }
 
-// Which of the top K of logits[0:E] expert `e` is (warp_route's order and weights), or -1, with
-// its router weight in `weight` (0 when not chosen), by the calling thread alone. Each pick is the
-// largest logit below the previous one in (value down, index up) order, so no mask of the chosen
-// is kept: a batched-prefill block routes a token per thread in few registers.
-template <int E, int K, bool NORM>
-__device__ __forceinline__ int route_token_to(const float* logits, int e, float& weight) {
-    float last = -NEG_INF, top = 0.0f, sum = 0.0f, mine = 0.0f;
-    int last_index = -1, slot = -1;
-    for (int k = 0; k < K; k++) {
-        int best = -1;
-        float value = NEG_INF;
-        for (int i = 0; i < E; i++) {
-            const float v = logits[i];
-            if ((v < last || (v == last && i > last_index)) && (best < 0 || v > value)) { best = i; value = v; }
+// A step's routes (the batched-prefill `_route` launch): warp w of the grid routes token w of TT
+// (logits [TT, E]) as warp_route does for decode, writing its K choices in pick order as entries
+// t K + k: expert[] the expert, weight[] its router weight. The experts' kernels then find their
+// tokens in these TT K entries instead of each block routing every token again.
+template <int E, int K, bool NORM, int TT>
+__device__ __forceinline__ void route_step(const float* logits, int* expert, float* weight) {
+    const int t = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (t >= TT) return;                           // whole warps leave together
+    int e[K];
+    float w[K];
+    warp_route<E, K, NORM>(logits + (size_t)t * E, e, w);
+    if ((threadIdx.x & 31) == 0)
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            expert[t * K + k] = e[k];
+            weight[t * K + k] = w[k];
         }
-        if (k == 0) top = value;
-        sum += __expf(value - top);
-        if (best == e) { slot = k; mine = value; }
-        last = value;
-        last_index = best;
-    }
-    if (!NORM) {   // the softmax's denominator over every expert
-        sum = 0.0f;
-        for (int i = 0; i < E; i++) sum += __expf(logits[i] - top);
-    }
-    weight = slot < 0 ? 0.0f : __expf(mine - top) / sum;
-    return slot;
 }
 
-// For each of TT tokens (logits [TT, E]): the weight of expert `e` in its output and which of its
-// K choices e is (slot_of -1 and weight 0 where e is not among them); thread t routes token t
-// (blockDim.x >= TT). Returns whether any token chose e.
-template <int E, int K, bool NORM, int TT>
-__device__ __forceinline__ bool route_tokens_to(const float* logits, int e, float (&weight_of)[TT], int (&slot_of)[TT]) {
-    __shared__ int chosen;
-    if (threadIdx.x == 0) chosen = 0;
-    __syncthreads();
-    if (threadIdx.x < TT) {
-        const int slot = route_token_to<E, K, NORM>(logits + threadIdx.x * E, e, weight_of[threadIdx.x]);
-        slot_of[threadIdx.x] = slot;
-        if (slot >= 0) chosen = 1;   // by choice, not weight: a weight may underflow to 0
+// The entries t K + k of route_step's `expert` [TT K] that chose expert e, in entry (so token)
+// order, into entry_of[0 : count]; returns count (every thread). A token chooses an expert at
+// most once, so count <= TT. THREADS: the block's threads, whole warps.
+template <int TT, int K, int THREADS>
+__device__ __forceinline__ int entries_routed_to(const int* expert, int e, int (&entry_of)[TT]) {
+    constexpr int WARPS = THREADS / 32;
+    __shared__ int warp_count[WARPS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int count = 0;                                 // entries found in the rounds before
+    for (int base = 0; base < TT * K; base += THREADS) {
+        const int i = base + threadIdx.x;
+        const bool chosen = i < TT * K && expert[i] == e;
+        const unsigned ballot = __ballot_sync(0xffffffffu, chosen);
+        if (lane == 0) warp_count[warp] = __popc(ballot);
+        __syncthreads();
+        int offset = count + __popc(ballot & ((1u << lane) - 1u));   // the chosen lanes before mine
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) {
+            if (w < warp) offset += warp_count[w];
+            count += warp_count[w];
+        }
+        if (chosen) entry_of[offset] = i;
+        __syncthreads();                           // warp_count is rewritten next round
     }
-    __syncthreads();
-    return chosen != 0;
+    return count;
 }
 
 // gpt-oss's expert product of gate a and up b: g sigmoid(alpha g) (u + 1), with g = min(a, limit)
