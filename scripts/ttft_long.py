@@ -2,7 +2,7 @@
 the prompt runs through the batched prefill in its largest steps, each attending to the cache
 rows the steps before it wrote. Prints the TTFT, prompt tokens/s and the GPU memory held.
 
-    python3 scripts/ttft_long.py llama-3.1-8b 32768
+    python3 scripts/ttft_long.py llama-3.1-8b 32768 [--kv fp8]
 """
 from __future__ import annotations
 
@@ -23,10 +23,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("preset")
     p.add_argument("tokens", type=int)
+    p.add_argument("--kv", choices=("bf16", "fp8"), default="bf16", help="the KV cache's dtype")
     a = p.parse_args()
     cfg = preset(a.preset)
     graph = build_graph(cfg)
-    engine = CudaEngine(graph, random_gpu_weights(graph), ctx=a.tokens + 64)
+    engine = CudaEngine(graph, random_gpu_weights(graph), ctx=a.tokens + 64, kv=a.kv)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, a.tokens).tolist()
     greedy = SamplingParams()
     for run in range(2):                       # the first run also captures the steps' graphs
@@ -34,7 +35,7 @@ def main() -> None:
         t0 = time.perf_counter()
         engine.prefill(prompt, greedy)
         ttft = time.perf_counter() - t0
-        print(f"{a.preset} {a.tokens}-token prompt, run {run}: TTFT {ttft * 1e3:.1f} ms "
+        print(f"{a.preset} {a.tokens}-token prompt, {a.kv} KV, run {run}: TTFT {ttft * 1e3:.1f} ms "
               f"({a.tokens / ttft:,.0f} tok/s), GPU memory pool {cp.get_default_memory_pool().total_bytes() / 2**30:.2f} GiB")
 
 

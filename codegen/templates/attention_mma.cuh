@@ -35,7 +35,7 @@
 // C: the cache layout (kv_cache.cuh). fp8 rows: a lane holds the codes of the same dims (half the
 // bytes), turned into bf16 words as the mma takes them (e4m3x2_as_bf16x2: exact, times 2^-120);
 // the rows' scales multiply the scores and, folded into P, the values. The 2^120 comes back as
-// FP8_SHIFT twice: on the queries and the scales (the scores' sums stay far above float32's
+// E4M3_SHIFT twice: on the queries and the scales (the scores' sums stay far above float32's
 // subnormals), and on the scales and the outputs (P' = P x scale stays within bf16's range).
 template <int KV, int HD, int WARPS, int G, bool LATE_V = false, int TOKENS = 1, class C = KvBf16>
 struct MmaPass {
@@ -54,8 +54,6 @@ struct MmaPass {
     using Cache = C;                             // the KV rows' policy (kv_cache.cuh)
     using Elem = typename C::Elem;
     static constexpr int KW = C::FP8 ? HD / 64 : HD / 32, VW = C::FP8 ? 1 : HD / 64;   // 16-byte pieces
-    static constexpr float FP8_SHIFT = 0x1p60f;                // squared: 1 / E4M3_IN_BF16 (above)
-    static_assert(!C::FP8 || FP8_SHIFT * FP8_SHIFT * E4M3_IN_BF16 == 1.0f, "MmaPass: fp8 shifts undo the codes'");
     uint4 k[NT][KW];                             // K slice of position 8t + r: HD/4 dims
     uint4 v[NU][4][VW];                          // V slices of positions 16u + {2c, 2c+1, 2c+8, 2c+9}: HD/8 dims
     float ksc[NT][2], vsc[NT][2];                // fp8: scales of the score positions 8t + 2c + {0, 1}
@@ -81,7 +79,7 @@ struct MmaPass {
                     const int p = score_pos(t, e);
                     if (only ? p == skip : true)
                         sc[t][e] = (only || (p >= start && p < end && p != skip))
-                                       ? C::template scale<W>(cache, p, blockIdx.x) * FP8_SHIFT : 0.0f;
+                                       ? C::template scale<W>(cache, p, blockIdx.x) * E4M3_SHIFT : 0.0f;
                 }
         }
     }
@@ -172,7 +170,7 @@ struct MmaPass {
         split_bf16x2(x.z * scale, x.w * scale, qa[s][0][1], qa[s][1][1]);
     }
     __device__ __forceinline__ void load_queries(const float* q, float scale) {
-        if constexpr (C::FP8) scale *= FP8_SHIFT;
+        if constexpr (C::FP8) scale *= E4M3_SHIFT;
         if constexpr (!LATE_V) {
 #pragma unroll
             for (int s = 0; s < KSTEPS; s++) {   // query() and set_query() inline: so written, ptxas
@@ -273,8 +271,8 @@ struct MmaPass {
         }
 #pragma unroll
         for (int w = 0; w < VDIMS; w++) {
-            out.acc[2 * w] = C::FP8 ? o[w][0] * FP8_SHIFT : o[w][0];
-            out.acc[2 * w + 1] = C::FP8 ? o[w][1] * FP8_SHIFT : o[w][1];
+            out.acc[2 * w] = C::FP8 ? o[w][0] * E4M3_SHIFT : o[w][0];
+            out.acc[2 * w + 1] = C::FP8 ? o[w][1] * E4M3_SHIFT : o[w][1];
         }
     }
     // Lanes of rows r < ROWS hold row r's dims [c HD/4, (c+1) HD/4); emit(row, ...).

@@ -66,6 +66,11 @@ __device__ __forceinline__ unsigned pack_bf16x2(float x0, float x1) {
 
 // What e4m3x2_as_bf16x2's words hold of each code's value: the exponent biases' difference.
 constexpr float E4M3_IN_BF16 = 0x1p-120f;
+// Half of the 2^120 those words lack: the fp8 attention kernels give it back twice, on the
+// queries and the rows' scales (the scores' sums stay far above float32's subnormals), and on
+// the scales and the outputs (P x scale stays within bf16's range).
+constexpr float E4M3_SHIFT = 0x1p60f;
+static_assert(E4M3_SHIFT * E4M3_SHIFT * E4M3_IN_BF16 == 1.0f, "the shifts undo the codes' 2^-120");
 
 // An e4m3 pair (byte 0 in the low half) as a bf16 pair of its values times 2^-120 (E4M3_IN_BF16),
 // exactly, subnormals included: each code's sign goes to bit 15 and its exponent and mantissa to

@@ -12,9 +12,10 @@
 // a bf16 transformers run has them), K and V through ldmatrix from XOR-swizzled rows.
 //
 // fp8 caches (C = KvFp8): the tiles' codes are copied into a staging pair of their own, and each
-// tile is made the bf16 tile of code x scale once (fp8_tile_to_bf16) for all the block's rows,
-// so the tensor-core part is the bf16 one's; that adds a bf16 rounding to K and V, as Q and P
-// have one.
+// tile is made a bf16 tile of the codes' values times 2^-120 once (fp8_tile_as_bf16: integer ops,
+// exact) for all the block's rows, so the tensor-core part is the bf16 one's. The rows' scales
+// (E4M3_SHIFT each way, bf16.cuh) multiply the scores and, folded into P, the values, as the
+// decode pass does (attention_mma.cuh): the conversion costs no float op and no scale load a code.
 #pragma once
 #include "common.cuh"
 #include "cp_async.cuh"
@@ -30,24 +31,20 @@ constexpr int FLASH_BN = 64;
 template <int HD>
 __device__ __forceinline__ int flash_offset(int r, int c) { return r * HD * 2 + ((c ^ (r & 7)) << 4); }
 
-// fp8 caches: the FLASH_BN rows of codes at `codes` ([rows][HD] bytes, rows p0 .. of KV head h of
-// `cache`, zeros past `last`) as the bf16 tile of code x the row's scale at `tile`.
-template <int HD, int W, int WARPS, class C>
-__device__ __forceinline__ void fp8_tile_to_bf16(const unsigned char* codes, unsigned char* tile, const unsigned char* cache,
-                                                 int p0, int last, int h) {
+// fp8 caches: the FLASH_BN rows of codes at `codes` ([rows][HD] bytes) as bf16 words of their
+// values times 2^-120 (e4m3x2_as_bf16x2), laid out as flash_offset lays a bf16 tile.
+template <int HD, int WARPS>
+__device__ __forceinline__ void fp8_tile_as_bf16(const unsigned char* codes, unsigned char* tile) {
     constexpr int CHUNKS = HD / 16;                  // 16 codes a chunk: two bf16 chunks of the tile
     for (int e = threadIdx.x; e < FLASH_BN * CHUNKS; e += 32 * WARPS) {
         const int r = e / CHUNKS, c = e % CHUNKS;
-        const float scale = p0 + r <= last ? C::template scale<W>(cache, p0 + r, h) : 0.0f;
         const uint4 q = *reinterpret_cast<const uint4*>(codes + r * HD + 16 * c);
         const unsigned words[4] = {q.x, q.y, q.z, q.w};
         unsigned out[8];
 #pragma unroll
         for (int w = 0; w < 4; w++) {
-            float v[4];
-            e4m3x4_to_f32(words[w], v);
-            out[2 * w] = pack_bf16x2(v[0] * scale, v[1] * scale);
-            out[2 * w + 1] = pack_bf16x2(v[2] * scale, v[3] * scale);
+            out[2 * w] = e4m3x2_as_bf16x2(words[w]);
+            out[2 * w + 1] = e4m3x2_as_bf16x2(words[w] >> 16);
         }
         *reinterpret_cast<uint4*>(tile + flash_offset<HD>(r, 2 * c)) = make_uint4(out[0], out[1], out[2], out[3]);
         *reinterpret_cast<uint4*>(tile + flash_offset<HD>(r, 2 * c + 1)) = make_uint4(out[4], out[5], out[6], out[7]);
@@ -72,6 +69,7 @@ __device__ __forceinline__ void flash_prefill(const float* q, const typename C::
     const int first = pos_p[t0], last = pos_p[t0 + tokens - 1];
 
     // This lane's query rows warp * 16 + lane / 4 + 8 i (i = 0, 1): A words of each k-step, scaled.
+    if constexpr (C::FP8) scale *= E4M3_SHIFT;
     int qpos[2], qtok[2], qhead[2];
     unsigned qa[KSTEPS][4];
 #pragma unroll
@@ -116,20 +114,45 @@ __device__ __forceinline__ void flash_prefill(const float* q, const typename C::
         }
     };
 
+    // fp8: the K and V scales (times E4M3_SHIFT; 0 past `last`) of tile i's rows, thread r
+    // holding row r's from when the tile is copied (its loads in flight meanwhile) until it is made
+    // bf16, when they go to row_scale for the scores and P
+    __shared__ float row_scale[C::FP8 ? 2 : 1][FLASH_BN];
+    float2 scales = {}, next_scales = {};
+    auto load_scales = [&](int i) {
+        float2 sc = {0.0f, 0.0f};
+        if constexpr (C::FP8) {
+            const int p = begin + i * FLASH_BN + threadIdx.x;
+            if (threadIdx.x < FLASH_BN && p <= last)
+                sc = make_float2(C::template scale<W>(kc, p, blockIdx.x) * E4M3_SHIFT,
+                                 C::template scale<W>(vc, p, blockIdx.x) * E4M3_SHIFT);
+        }
+        return sc;
+    };
+
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};   // per row: running max, this lane's part of the sum
     float acc[DT][4] = {};                                   // rows r, r + 8 x dims 8 d + 2 quad + {0, 1}
     copy_tile(0);
     cp_async_commit();
+    if constexpr (C::FP8) scales = load_scales(0);
     for (int i = 0; i < tiles; i++) {
-        if (i + 1 < tiles) copy_tile(i + 1);
+        if (i + 1 < tiles) {
+            copy_tile(i + 1);
+            if constexpr (C::FP8) next_scales = load_scales(i + 1);
+        }
         cp_async_commit();
         cp_async_wait_group<1>();   // tile i has landed (this thread's part) ...
         __syncthreads();            // ... and everyone's
         const int p0 = begin + i * FLASH_BN;
         if constexpr (C::FP8) {     // its codes into the one bf16 tile pair (free since the loop's end)
             const unsigned char* k_codes = smem + 2 * TILE + (i % 2) * 2 * CODES;
-            fp8_tile_to_bf16<HD, W, WARPS, C>(k_codes, smem, kc, p0, last, blockIdx.x);
-            fp8_tile_to_bf16<HD, W, WARPS, C>(k_codes + CODES, smem + TILE, vc, p0, last, blockIdx.x);
+            fp8_tile_as_bf16<HD, WARPS>(k_codes, smem);
+            fp8_tile_as_bf16<HD, WARPS>(k_codes + CODES, smem + TILE);
+            if (threadIdx.x < FLASH_BN) {
+                row_scale[0][threadIdx.x] = scales.x;
+                row_scale[C::FP8 ? 1 : 0][threadIdx.x] = scales.y;
+            }
+            scales = next_scales;
             __syncthreads();
         }
         const unsigned char* k_tile = C::FP8 ? smem : smem + (i % 2) * 2 * TILE;
@@ -145,6 +168,11 @@ __device__ __forceinline__ void flash_prefill(const float* q, const typename C::
                 mma_16816(s[j], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b[0], b[1]);
                 mma_16816(s[j], qa[ks + 1][0], qa[ks + 1][1], qa[ks + 1][2], qa[ks + 1][3], b[2], b[3]);
             }
+        if constexpr (C::FP8)       // each position's K scale
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[j][e] *= row_scale[0][8 * j + 2 * quad + e % 2];
         float mx[2] = {m[0], m[1]};
 #pragma unroll
         for (int j = 0; j < NT; j++)
@@ -174,6 +202,7 @@ __device__ __forceinline__ void flash_prefill(const float* q, const typename C::
             for (int e = 0; e < 4; e++) {
                 s[j][e] = __expf(s[j][e] - ref[e / 2]);
                 l[e / 2] += s[j][e];
+                if constexpr (C::FP8) s[j][e] *= row_scale[C::FP8 ? 1 : 0][8 * j + 2 * quad + e % 2];   // V's
             }
 #pragma unroll
         for (int kk = 0; kk < FLASH_BN / 16; kk++) {   // positions 16 kk ..: P's A words from score tiles 2 kk, 2 kk + 1
@@ -197,7 +226,7 @@ __device__ __forceinline__ void flash_prefill(const float* q, const typename C::
         if (qtok[r] >= tokens) continue;
         const int head = blockIdx.x * G + qhead[r];
         float* out = o + (size_t)(t0 + qtok[r]) * H * HD + head * HD + 2 * quad;
-        const float den = l[r] + sinks(head, m[r]);
+        const float den = (l[r] + sinks(head, m[r])) * (C::FP8 ? E4M3_IN_BF16 * E4M3_SHIFT : 1.0f);   // fp8: P V carries 2^-60
 #pragma unroll
         for (int d = 0; d < DT; d++)
             *reinterpret_cast<float2*>(out + 8 * d) = make_float2(acc[d][2 * r] / den, acc[d][2 * r + 1] / den);
