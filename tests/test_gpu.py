@@ -209,12 +209,14 @@ PREFILL_ARCHS = {"LlamaForCausalLM": {}, **ARCH_TINY,
                  "MistralForCausalLM": dict(sliding_window=8, head_dim=64, num_attention_heads=4, num_key_value_heads=1)}
 
 
-@pytest.mark.parametrize("sizes", [(64, 32), (256, 32), (512, 32)], ids=["64+32", "256+32", "512+32"])
+@pytest.mark.parametrize("sizes", [(64, 32), (256, 32), (512, 32), (112, 48)],
+                         ids=["64+32", "256+32", "512+32", "mma-columns-112+48"])
 @pytest.mark.parametrize("split_k", ["default", "every-tile"])
 @pytest.mark.parametrize("arch", sorted(PREFILL_ARCHS))
 def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k, sizes):
     """A 280-token prompt (530 with steps of 512) through the batched prefill (a step of every
-    size it has of `sizes`: 512 or 256, then 32 on Hopper's wgmma gemms, or 64s + 32; the last
+    size it has of `sizes`: 512 or 256, then 32 on Hopper's wgmma gemms, or 64s + 32, or steps of
+    112 and 48, off wgmma's multiples of 32, whose mma.sync gemms take column tiles of 56; the last
     one padded, in its form with the logits of its tokens, which give the prompt's last token's;
     its arena and runtime buffers poisoned with NaN first) leaves the caches that one-token
     decode steps leave (bf16 vectors in the wgmma gemms, as a bf16 transformers run has them),

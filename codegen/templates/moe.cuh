@@ -21,7 +21,10 @@ __device__ __forceinline__ void warp_route(const float* logits, int (&expert)[K]
     const int lane = threadIdx.x & 31;
     float v[PER];
 #pragma unroll
-    for (int j = 0; j < PER; j++) v[j] = j * 32 + lane < E ? logits[j * 32 + lane] : NEG_INF;
+    for (int j = 0; j < PER; j++) {   // NaN as -inf: the lanes' picks agree, so no expert comes twice
+        const float x = j * 32 + lane < E ? logits[j * 32 + lane] : NEG_INF;
+        v[j] = isnan(x) ? NEG_INF : x;
+    }
     unsigned taken = 0u;                           // bit j: logit j * 32 + lane chosen
 #pragma unroll
     for (int k = 0; k < K; k++) {
@@ -117,10 +120,10 @@ __device__ __forceinline__ int entries_routed_to(const int* expert, int e, int (
             if (w < warp) offset += warp_count[w];
             count += warp_count[w];
         }
-        if (chosen) entry_of[offset] = i;
+        if (chosen && offset < TT) entry_of[offset] = i;   // at most TT: a token picks an expert once
         __syncthreads();                           // warp_count is rewritten next round
     }
-    return count;
+    return min(count, TT);
 }
 
 // gpt-oss's expert product of gate a and up b: g sigmoid(alpha g) (u + 1), with g = min(a, limit)
