@@ -52,10 +52,12 @@ def unsupported(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, tuning: Tun
     n, _, I, D = _shapes(G, launch)
     up_format, down_format = (f is not None for f in _formats(G, n))
     width = pass_tokens(tokens, up_format or down_format)
+    threads = tuning.gemm_warps * 32
+    scan = 4 * -(-tokens * G.nodes[n]["attrs"]["top_k"] // threads) * tuning.gemm_warps   # entries_routed_to's counts
     for what, K, members, grouped in (("gate/up", D, 2, up_format), ("down", I, 1, down_format)):
         if K % 32:
             return f"its {what} rows of {K} weights are not a multiple of 32"
-        need = gemm.smem_bytes(K, members, width, tuning, grouped) + 8 * tokens   # + the entries, tokens
+        need = gemm.smem_bytes(K, members, width, tuning, grouped) + 8 * tokens + scan   # + the entries, tokens
         if need > SMEM_STATIC:
             return (f"its {what} GEMMs at {tokens} tokens per step ({width} at a time) need {need} bytes of "
                     f"shared memory; at most {SMEM_STATIC}")

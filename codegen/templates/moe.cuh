@@ -101,28 +101,40 @@ __device__ __forceinline__ void route_step(const float* logits, int* expert, flo
 
 // The entries t K + k of route_step's `expert` [TT K] that chose expert e, in entry (so token)
 // order, into entry_of[0 : count]; returns count (every thread). A token chooses an expert at
-// most once, so count <= TT. THREADS: the block's threads, whole warps.
+// most once, so count <= TT. THREADS: the block's threads, whole warps. Every thread loads all its
+// entries before looking at any (one round trip, not one a round), the warps' counts of each
+// round meet in shared memory once, and each thread then places its chosen entries after those
+// of the rounds and warps before it.
 template <int TT, int K, int THREADS>
 __device__ __forceinline__ int entries_routed_to(const int* expert, int e, int (&entry_of)[TT]) {
-    constexpr int WARPS = THREADS / 32;
-    __shared__ int warp_count[WARPS];
+    constexpr int WARPS = THREADS / 32, ROUNDS = (TT * K + THREADS - 1) / THREADS;
+    __shared__ int warp_count[ROUNDS][WARPS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int count = 0;                                 // entries found in the rounds before
-    for (int base = 0; base < TT * K; base += THREADS) {
-        const int i = base + threadIdx.x;
-        const bool chosen = i < TT * K && expert[i] == e;
-        const unsigned ballot = __ballot_sync(0xffffffffu, chosen);
-        if (lane == 0) warp_count[warp] = __popc(ballot);
-        __syncthreads();
-        int offset = count + __popc(ballot & ((1u << lane) - 1u));   // the chosen lanes before mine
+    int mine[ROUNDS];
+#pragma unroll
+    for (int r = 0; r < ROUNDS; r++) {
+        const int i = r * THREADS + threadIdx.x;
+        mine[r] = i < TT * K ? expert[i] : -1;
+    }
+    unsigned ballot[ROUNDS];
+#pragma unroll
+    for (int r = 0; r < ROUNDS; r++) {
+        ballot[r] = __ballot_sync(0xffffffffu, mine[r] == e);
+        if (lane == 0) warp_count[r][warp] = __popc(ballot[r]);
+    }
+    __syncthreads();
+    int count = 0;                                 // entries of the rounds before
+#pragma unroll
+    for (int r = 0; r < ROUNDS; r++) {
+        int offset = count + __popc(ballot[r] & ((1u << lane) - 1u));   // the chosen lanes before mine
 #pragma unroll
         for (int w = 0; w < WARPS; w++) {
-            if (w < warp) offset += warp_count[w];
-            count += warp_count[w];
+            if (w < warp) offset += warp_count[r][w];
+            count += warp_count[r][w];
         }
-        if (chosen && offset < TT) entry_of[offset] = i;   // at most TT: a token picks an expert once
-        __syncthreads();                           // warp_count is rewritten next round
+        if (mine[r] == e && offset < TT) entry_of[offset] = r * THREADS + threadIdx.x;   // at most TT
     }
+    __syncthreads();                               // entry_of is complete
     return min(count, TT);
 }
 
