@@ -74,16 +74,21 @@ def smem_bytes(K: int, members: int, tokens: int, tuning: Tuning, grouped: bool 
     return max(staged, members * slots(tuning) * columns * 4) + 4 * tokens
 
 
+def _column_widths(tokens: int) -> list[int]:
+    """The tokens a mma.sync block may take of a step: all, then halves while they stay whole
+    token tiles of 8."""
+    widths = [tokens]
+    while widths[-1] % 16 == 0:
+        widths.append(widths[-1] // 2)
+    return widths
+
+
 def mma_columns(K: int, members: int, tokens: int, tuning: Tuning, grouped: bool = False) -> int | None:
     """The tokens a mma.sync block takes of a step of `tokens`: all of them where its tile and
-    staged chunk fit the static shared memory, else the widest half, quarter, ... (at least 8)
-    that fits; None where none does."""
-    columns = tokens
-    while smem_bytes(K, members, tokens, tuning, grouped, columns) > SMEM_STATIC:
-        if columns % 16:
-            return None
-        columns //= 2
-    return columns
+    staged chunk fit the static shared memory, else the widest half, quarter, ... (whole tiles
+    of 8) that fits; None where none does."""
+    return next((c for c in _column_widths(tokens) if smem_bytes(K, members, tokens, tuning, grouped, c) <= SMEM_STATIC),
+                None)
 
 
 def splits(K: int, tiles: int, tuning: Tuning) -> int:
@@ -222,9 +227,10 @@ def unsupported(G: nx.DiGraph, launch: ScheduledKernel, tokens: int, tuning: Tun
                     f"{'/'.join(weight_format(G, w).name for w in weights)}: a tile reads one format")
     members = max(len(z.linears) for z in sets)
     if mma_columns(K, members, tokens, tuning, grouped(G, launch)) is None:
-        need = smem_bytes(K, members, tokens, tuning, grouped(G, launch), 8)
+        narrowest = _column_widths(tokens)[-1]
+        need = smem_bytes(K, members, tokens, tuning, grouped(G, launch), narrowest)
         return (f"{members} GEMVs meeting in one epilogue at {tokens} tokens per step need "
-                f"{need} bytes of shared memory even 8 tokens a block; at most {SMEM_STATIC}")
+                f"{need} bytes of shared memory even {narrowest} tokens a block; at most {SMEM_STATIC}")
     return None
 
 

@@ -290,6 +290,19 @@ def test_prefill_steps_leave_out_the_step_sizes_a_model_cannot_take():
     assert isinstance(why, str) and "gate/up GEMMs at 64 tokens per step" in why, why
 
 
+def test_mma_gemm_blocks_take_column_tiles_where_every_token_does_not_fit():
+    """gemm.mma_columns: a mma.sync block takes every token of the step where its tile and staged
+    chunk fit the static shared memory, else the widest half, quarter, ... in whole tiles of 8
+    tokens; none fitting, the kernel is refused with the narrowest width tried."""
+    from fuselm.codegen import Tuning, gemm
+    t = Tuning()
+    assert gemm.mma_columns(2048, 1, 64, t) == 64            # a MoE router's step of 64: whole
+    assert gemm.mma_columns(2048, 1, 256, t) == 64           # of 256: four column tiles
+    assert gemm.mma_columns(4096, 2, 112, t) == 56           # gate/up off wgmma's multiples of 32
+    assert gemm.mma_columns(4096, 8, 24, t) is None          # 24 does not halve into tiles of 8
+    assert gemm.smem_bytes(4096, 8, 24, t) > gemm.SMEM_STATIC >= gemm.smem_bytes(4096, 2, 256, t, columns=64)
+
+
 def test_gemm_split_k_takes_the_fewest_slices_that_fill_the_gpu():
     """gemm.splits: tiles x slices reach gemm_blocks with the fewest slices that cut K into equal
     runs of at least gemm_min_chunks chunks; kernels with tiles enough, or rows too short, do not split."""
