@@ -118,9 +118,11 @@ ARCH_TINY = {   # every architecture's distinctive features on, at sizes a test 
                               attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                               hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
     "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2),
-    # many experts, few tokens each in a prefill step; top-k weights not renormalised
-    "Qwen3MoeForCausalLM": dict(head_dim=64, num_attention_heads=4, num_key_value_heads=2, num_experts=32,
-                                num_experts_per_tok=4, moe_intermediate_size=128, norm_topk_prob=False),
+    # top-k weights not renormalised, narrow experts. More experts would leave the batched-prefill
+    # test nothing to compare: with 32 and top 4 the 4th logit led the 5th by less than
+    # ROUTING_MARGIN of the largest in 8 or 9 of its 9 rows (H100 run, both prefill sizes)
+    "Qwen3MoeForCausalLM": dict(head_dim=64, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                                num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=False),
     # sinks, biases, alternating windows, YaRN, routed experts with biases and the clamped SwiGLU
     "GptOssForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8, attention_bias=True,
                               layer_types=["sliding_attention", "full_attention"], swiglu_limit=7.0,
@@ -214,7 +216,7 @@ PREFILL_ARCHS = {"LlamaForCausalLM": {}, **ARCH_TINY,
 @pytest.mark.parametrize("split_k", ["default", "every-tile"])
 @pytest.mark.parametrize("arch", sorted(PREFILL_ARCHS))
 def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k, sizes):
-    """A 280-token prompt (530 with steps of 512) through the batched prefill (a step of every
+    """A 280-token prompt (530 with steps of 512, 264 with 112) through the batched prefill (a step of every
     size it has of `sizes`: 512 or 256, then 32 on Hopper's wgmma gemms, or 64s + 32, or steps of
     112 and 48, off wgmma's multiples of 32, whose mma.sync gemms take column tiles of 56; the last
     one padded, in its form with the logits of its tokens, which give the prompt's last token's;
@@ -240,7 +242,7 @@ def test_batched_prefill_matches_the_reference_and_one_token_steps(arch, split_k
     for name in weights:   # routers' logits spread out, so that bf16 vectors rarely flip an expert
         if name.endswith(ROUTERS):
             weights[name] = weights[name] * 8
-    n = 530 if max(sizes) == 512 else 280
+    n = {512: 530, 112: 264}.get(max(sizes), 280)   # a step of each size, the last one padded
     prompt = rng.integers(0, cfg.vocab_size, n).tolist()
     batched = engine_for(graph, weights, ctx=1024, tuning=tuning)
     stepped = engine_for(graph, weights, ctx=1024, batched_prefill=False)
