@@ -150,7 +150,7 @@ __device__ __forceinline__ void flash_prefill(const float* q, const typename C::
             fp8_tile_as_bf16<HD, WARPS>(k_codes + CODES, smem + TILE);
             if (threadIdx.x < FLASH_BN) {
                 row_scale[0][threadIdx.x] = scales.x;
-                row_scale[C::FP8 ? 1 : 0][threadIdx.x] = scales.y;
+                row_scale[1][threadIdx.x] = scales.y;
             }
             scales = next_scales;
             __syncthreads();
@@ -202,7 +202,7 @@ __device__ __forceinline__ void flash_prefill(const float* q, const typename C::
             for (int e = 0; e < 4; e++) {
                 s[j][e] = __expf(s[j][e] - ref[e / 2]);
                 l[e / 2] += s[j][e];
-                if constexpr (C::FP8) s[j][e] *= row_scale[C::FP8 ? 1 : 0][8 * j + 2 * quad + e % 2];   // V's
+                if constexpr (C::FP8) s[j][e] *= row_scale[1][8 * j + 2 * quad + e % 2];   // V's
             }
 #pragma unroll
         for (int kk = 0; kk < FLASH_BN / 16; kk++) {   // positions 16 kk ..: P's A words from score tiles 2 kk, 2 kk + 1
